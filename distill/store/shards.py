@@ -1,0 +1,288 @@
+"""Sharded Parquet store: schema, atomic shard writes, manifest, resume by id.
+
+Layout of a dataset folder::
+
+    manifest.json          shards (rows, bytes, sha256, token counts), totals, config
+    shard-00000.parquet    rows of the schema below, zstd; file metadata key b"distill"
+    rejects.jsonl          every rejected row with its stage and reason
+
+A shard is written to a hidden temporary file, fsynced and renamed into place;
+the manifest is then rewritten the same way. A shard file that is not in the
+manifest (a crash between the two renames) is adopted on the next open if it
+reads back whole, and moved aside as ``*.corrupt`` otherwise. Resume is by ``id``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from distill.errors import StoreError
+
+FORMAT = "distill-shards/v1"
+META_KEY = b"distill"
+MANIFEST = "manifest.json"
+REJECTS = "rejects.jsonl"
+SHARD_RE = re.compile(r"^shard-(\d{5,})\.parquet$")
+
+MESSAGE_TYPE = pa.struct([("role", pa.string()), ("content", pa.string())])
+TURN_TYPE = pa.struct(
+    [
+        ("role", pa.string()),
+        ("start", pa.int32()),  # first token of the turn's span in input_ids (template tokens included)
+        ("end", pa.int32()),  # one past its last token
+        ("n_tokens", pa.int32()),  # tokens the teacher generated in this turn (0 for user turns)
+        ("finish_reason", pa.string()),  # "stop" | "length" for assistant turns, null otherwise
+    ]
+)
+
+
+def shard_schema(id_dtype: str) -> pa.Schema:
+    id_type = pa.uint16() if id_dtype == "uint16" else pa.uint32()
+    return pa.schema(
+        [
+            ("id", pa.string()),
+            ("source", pa.string()),
+            ("messages", pa.list_(MESSAGE_TYPE)),
+            ("input_ids", pa.list_(pa.int32())),
+            ("loss_mask", pa.list_(pa.bool_())),
+            ("teacher_ids", pa.list_(id_type)),
+            ("teacher_lp", pa.list_(pa.uint16())),
+            ("turns", pa.list_(TURN_TYPE)),
+            ("stop_reason", pa.string()),
+            ("n_prompt_tokens", pa.int32()),
+            ("n_generated_tokens", pa.int32()),
+        ]
+    )
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temp file in the same folder + fsync + os.replace."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def sha256_path(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
+
+
+def read_shard_meta(path: Path) -> dict:
+    md = pq.read_schema(path).metadata or {}
+    if META_KEY not in md:
+        raise StoreError(f"{path} has no distill metadata: not a distill shard")
+    return json.loads(md[META_KEY])
+
+
+@dataclass
+class ShardInfo:
+    file: str
+    rows: int
+    bytes: int
+    sha256: str
+    prompt_tokens: int
+    generated_tokens: int
+    ids_first: str = ""
+    rejects: list[dict] = field(default_factory=list)  # rows rejected while generating this shard's chunk
+
+    @classmethod
+    def of_file(cls, path: Path, rejects: list[dict] | None = None) -> "ShardInfo":
+        table = pq.read_table(path, columns=["id", "n_prompt_tokens", "n_generated_tokens"])
+        return cls(
+            file=path.name,
+            rows=table.num_rows,
+            bytes=path.stat().st_size,
+            sha256=sha256_path(path),
+            prompt_tokens=int(pc.sum(table["n_prompt_tokens"]).as_py() or 0),
+            generated_tokens=int(pc.sum(table["n_generated_tokens"]).as_py() or 0),
+            ids_first=table["id"][0].as_py() if table.num_rows else "",
+            rejects=list(rejects or []),
+        )
+
+
+class ShardStore:
+    """A dataset folder being written by one run (one config).
+
+    ``meta`` is the file-level metadata written into every shard and the manifest;
+    ``config_key`` the part of it that must match to resume.
+    """
+
+    def __init__(self, root: Path, meta: dict, config_key: dict, id_dtype: str):
+        self.root = Path(root)
+        self.meta = meta
+        self.config_key = config_key
+        self.schema = shard_schema(id_dtype).with_metadata({META_KEY: json.dumps(meta, sort_keys=True).encode()})
+        self.shards: list[ShardInfo] = []
+        self.totals: dict[str, Any] = {}
+        self.seed_rejects: list[dict] = []
+
+    # -- opening / resuming -------------------------------------------------------------
+    def open(self) -> "ShardStore":
+        self.root.mkdir(parents=True, exist_ok=True)
+        for stray in self.root.glob(".*.tmp"):
+            stray.unlink()
+        manifest_path = self.root / MANIFEST
+        if manifest_path.exists():
+            try:
+                manifest = json.loads(manifest_path.read_text())
+            except ValueError as exc:
+                raise StoreError(f"{manifest_path} is not valid JSON ({exc}); move the folder aside or fix it") from None
+            if manifest.get("format") != FORMAT:
+                raise StoreError(f"{self.root} holds a '{manifest.get('format')}' dataset, not {FORMAT}")
+            old_key = manifest.get("config_key", {})
+            if old_key != self.config_key:
+                diff = sorted(k for k in set(old_key) | set(self.config_key) if old_key.get(k) != self.config_key.get(k))
+                raise StoreError(
+                    f"{self.root} was generated with a different config (differs in: {', '.join(diff)}); "
+                    "use another --out, or the same options to resume"
+                )
+            self.shards = [ShardInfo(**s) for s in manifest.get("shards", [])]
+            self.totals = manifest.get("totals", {})
+        elif any(self.root.glob("shard-*.parquet")):
+            pass  # crash before the first manifest: shards are adopted below
+        self._check_listed()
+        self._adopt_unlisted()
+        return self
+
+    def _check_listed(self) -> None:
+        for s in self.shards:
+            if not s.file:
+                continue  # a chunk whose conversations were all rejected
+            p = self.root / s.file
+            if not p.is_file():
+                raise StoreError(f"manifest lists {s.file} but it is missing from {self.root}")
+            if p.stat().st_size != s.bytes:
+                raise StoreError(f"{s.file} has {p.stat().st_size} bytes, manifest says {s.bytes}: the shard is damaged")
+
+    def _adopt_unlisted(self) -> None:
+        listed = {s.file for s in self.shards if s.file}
+        changed = False
+        for p in sorted(self.root.glob("shard-*.parquet")):
+            if p.name in listed or not SHARD_RE.match(p.name):
+                continue
+            try:
+                meta = read_shard_meta(p)
+                if {k: meta.get("config_key", {}).get(k) for k in self.config_key} != self.config_key:
+                    raise StoreError("config differs")
+                pq.read_table(p)  # reads back whole, or raises
+                self.shards.append(ShardInfo.of_file(p, rejects=meta.get("chunk_rejects", [])))
+            except Exception:  # noqa: BLE001 - any unreadable leftover is set aside, never counted
+                os.replace(p, p.with_name(p.name + ".corrupt"))
+            changed = True
+        if changed:
+            self.shards.sort(key=lambda s: s.file)
+            self.commit()
+
+    # -- what is done -------------------------------------------------------------------
+    def done_ids(self) -> set[str]:
+        """Ids already written (in shards) or rejected while generating."""
+        ids: set[str] = set()
+        for s in self.shards:
+            if s.file:
+                ids.update(pq.read_table(self.root / s.file, columns=["id"])["id"].to_pylist())
+            ids.update(r["id"] for r in s.rejects)
+        return ids
+
+    def _next_index(self) -> int:
+        used = [int(m.group(1)) for p in self.root.iterdir() if (m := SHARD_RE.match(p.name.removesuffix(".corrupt")))]
+        return max(used, default=-1) + 1
+
+    # -- writing ------------------------------------------------------------------------
+    def write_shard(self, rows: list[dict], chunk_rejects: Iterable[dict] = ()) -> ShardInfo | None:
+        """Write one shard (atomically) and commit it to the manifest.
+
+        A chunk whose conversations were all rejected writes no file; its rejects
+        still go into the manifest (as an empty entry) so resume skips them.
+        """
+        chunk_rejects = list(chunk_rejects)
+        if not rows and not chunk_rejects:
+            return None
+        path = self.root / f"shard-{self._next_index():05d}.parquet"
+        if rows:
+            meta = dict(self.meta, chunk_rejects=chunk_rejects)
+            schema = self.schema.with_metadata({META_KEY: json.dumps(meta, sort_keys=True).encode()})
+            table = pa.Table.from_pylist(rows, schema=schema)
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=self.root)
+            os.close(fd)
+            try:
+                pq.write_table(table, tmp, compression="zstd", compression_level=9, row_group_size=256)
+                with open(tmp, "rb") as f:
+                    os.fsync(f.fileno())
+                os.replace(tmp, path)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+            info = ShardInfo.of_file(path, rejects=chunk_rejects)
+        else:
+            info = ShardInfo(file="", rows=0, bytes=0, sha256="", prompt_tokens=0, generated_tokens=0, rejects=chunk_rejects)
+        self.shards.append(info)
+        self.commit()
+        return info
+
+    @property
+    def generation_rejects(self) -> list[dict]:
+        return [r for s in self.shards for r in s.rejects]
+
+    def commit(self, **totals: Any) -> None:
+        """Rewrite manifest.json and rejects.jsonl atomically from the in-memory state."""
+        self.totals.update(totals)
+        files = [s for s in self.shards if s.file]
+        self.totals.update(
+            rows=sum(s.rows for s in files),
+            shards=len(files),
+            prompt_tokens=sum(s.prompt_tokens for s in files),
+            generated_tokens=sum(s.generated_tokens for s in files),
+            bytes=sum(s.bytes for s in files),
+        )
+        manifest = {
+            "format": FORMAT,
+            "config_key": self.config_key,
+            "meta": self.meta,
+            "shards": [s.__dict__ for s in self.shards],
+            "totals": self.totals,
+        }
+        rejects = self.seed_rejects + self.generation_rejects
+        atomic_write_bytes(self.root / REJECTS, "".join(json.dumps(r) + "\n" for r in rejects).encode())
+        atomic_write_bytes(self.root / MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
+
+
+def load_manifest(root: Path) -> dict:
+    path = Path(root) / MANIFEST
+    if not path.is_file():
+        raise StoreError(f"{root} has no {MANIFEST}: not a distill dataset folder")
+    return json.loads(path.read_text())
+
+
+def shard_files(root: Path) -> list[Path]:
+    """The shard files a manifest lists, in order."""
+    return [Path(root) / s["file"] for s in load_manifest(root)["shards"] if s["file"]]
+
+
+def iter_rows(root: Path, columns: list[str] | None = None, batch_size: int = 64) -> Iterator[dict]:
+    """Stream rows from every listed shard, one record batch at a time (memory bounded)."""
+    for path in shard_files(root):
+        pf = pq.ParquetFile(path)
+        for batch in pf.iter_batches(batch_size=batch_size, columns=columns):
+            yield from batch.to_pylist()

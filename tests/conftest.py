@@ -1,0 +1,107 @@
+"""Shared fixtures: one converted model, one in-process vLLM engine, one HF backend per session."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+# The session's engine runs in this process (no engine-core subprocess to spawn from pytest).
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO = Path(__file__).resolve().parents[1]
+DISTILL = str(Path(sys.executable).with_name("distill"))
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    from distill.models import resolve_model
+
+    return resolve_model(None).path
+
+
+@pytest.fixture(scope="session")
+def vllm_backend(model_dir):
+    from distill.generate.backends import BackendOptions, VLLMBackend, vllm_available
+
+    if not vllm_available():
+        pytest.fail("vLLM is not installed: run scripts/setup.sh (the test command does)")
+    backend = VLLMBackend(model_dir, BackendOptions(dtype="float32", max_model_len=2048, seed=0))
+    yield backend
+    backend.close()
+
+
+@pytest.fixture(scope="session")
+def hf_backend(model_dir):
+    from distill.generate.backends import BackendOptions, HFBackend
+
+    return HFBackend(model_dir, BackendOptions(dtype="float32", max_model_len=2048, batch_size=8))
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_dir):
+    """The model in float32 for re-scoring stored token streams."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture()
+def cli_env(tmp_path):
+    """Environment for running the real `distill` console script in a subprocess."""
+    env = dict(os.environ)
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    env["HF_DATASETS_CACHE"] = str(tmp_path / "hf-datasets-cache")
+    return env
+
+
+# -- checks shared by the generation tests ---------------------------------------------------
+LOGPROB_TOL = 0.02  # nats: engine-vs-transformers float32 noise (~1e-4) + storage quantization (4.9e-4), with margin
+ARGMAX_TOL = 1e-3  # nats: a greedy token may tie the argmax within float noise
+
+
+def assert_teacher_matches_model(root: Path, model, greedy: bool) -> int:
+    """Re-score every stored token stream with transformers (float32) and compare the teacher columns.
+
+    At every generated position t the stored candidates must carry the model's
+    log-softmax at t-1 within LOGPROB_TOL, no token clearly above the k-th stored
+    logprob may be missing, and (greedy) the generated token must be the argmax.
+    Returns the number of positions checked.
+    """
+    import numpy as np
+    import torch
+
+    from distill.store import TeacherEncoding, decode_row_dense, iter_rows, load_manifest
+
+    enc = TeacherEncoding.from_dict({k: v for k, v in load_manifest(root)["meta"]["teacher"].items() if k != "logprob_mode"})
+    checked = 0
+    for row in iter_rows(root):
+        ids = torch.tensor(row["input_ids"])[None]  # (1, T)
+        with torch.inference_mode():
+            ref = torch.log_softmax(model(ids).logits[0].float(), -1).numpy()  # (T, V)
+        t_ids, t_lp = decode_row_dense(row["input_ids"], row["loss_mask"], row["teacher_ids"], row["teacher_lp"], enc)
+        pos = np.flatnonzero(row["loss_mask"])
+        assert pos.size and pos.min() > 0
+        dist = ref[pos - 1]  # (N, V): the distribution each generated token was drawn from
+        cand = t_ids[pos]  # (N, K)
+        stored = t_lp[pos]  # (N, K)
+        rescored = np.take_along_axis(dist, cand, axis=1)
+        worst = np.abs(rescored - stored).max()
+        assert worst <= LOGPROB_TOL, f"{row['id']}: stored logprob off by {worst:.4f} nats"
+        kth = stored[:, -1:]  # (N, 1)
+        above = dist > kth + LOGPROB_TOL  # (N, V) tokens that clearly belong in the top-k
+        in_top = np.zeros_like(above)
+        np.put_along_axis(in_top, cand, True, axis=1)
+        assert not (above & ~in_top).any(), f"{row['id']}: a top-k candidate is missing"
+        if greedy:
+            tokens = np.asarray(row["input_ids"])[pos]
+            gap = dist.max(1) - dist[np.arange(pos.size), tokens]
+            assert gap.max() <= ARGMAX_TOL, f"{row['id']}: a greedy token is {gap.max():.4f} nats below the argmax"
+        checked += pos.size
+    return checked
