@@ -178,6 +178,18 @@ def seeds_list() -> None:
         typer.echo(f"{name:12s} {desc}")
 
 
+# == data commands: distill data ..., distill push (issue 3) ==
+
+
+# == training commands: distill train-heads, calibrate, export (issue 4) ==
+
+
+# == serving commands: distill serve, bench (issue 5) ==
+
+
+# == pipeline command: distill run (issue 6) ==
+
+
 def main() -> None:
     try:
         app()

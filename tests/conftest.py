@@ -52,6 +52,24 @@ def hf_model(model_dir):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
+@pytest.fixture(scope="session")
+def real_shards(tmp_path_factory, vllm_backend) -> Path:
+    """A small self-distilled dataset made by the real generator and engine, shared read-only.
+
+    16 ShareGPT conversations (multi-turn replay, temperature 0.7, up to 64 new
+    tokens a turn, teacher k=20) in shards of 6 rows: 3 shards. Tests that modify
+    a dataset copy it first (``shutil.copytree``).
+    """
+    from distill.generate import GenerateConfig, Generator
+
+    out = tmp_path_factory.mktemp("real-shards") / "sharegpt"
+    cfg = GenerateConfig(seed="sharegpt", out=str(out), limit=16, shard_size=6, max_new_tokens=64, temperature=0.7,
+                         dtype="float32", sampling_seed=0)
+    summary = Generator(cfg, backend=vllm_backend).run()
+    assert summary.generated == 16 and summary.balanced
+    return out
+
+
 @pytest.fixture()
 def cli_env(tmp_path):
     """Environment for running the real `distill` console script in a subprocess."""
