@@ -179,15 +179,376 @@ def seeds_list() -> None:
 
 
 # == data commands: distill data ..., distill push (issue 3) ==
+data_app = typer.Typer(help="Look at, check, reshape and convert shard folders.", no_args_is_help=True)
+app.add_typer(data_app, name="data")
+
+DataDirArg = Annotated[Path, typer.Argument(help="A dataset folder (manifest.json + shard-*.parquet).")]
+NewOutOpt = Annotated[Path, typer.Option("--out", "-o", help="A new folder to write (never an existing one).")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON (for machines) instead of a table.")]
+ShardRowsOpt = Annotated[int, typer.Option("--shard-size", help="Conversations per written shard.")]
+
+
+def _echo_json(obj) -> None:
+    typer.echo(json.dumps(obj, indent=2, ensure_ascii=False, default=str))
+
+
+@data_app.command("inspect")
+def data_inspect(
+    root: DataDirArg,
+    id: Annotated[Optional[str], typer.Option("--id", help="The row id to show.")] = None,
+    index: Annotated[Optional[int], typer.Option("--index", "-n", help="The row index to show (manifest order; default 0).")] = None,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Tokenizer to decode tokens (default: the model in the manifest).")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Show one conversation: roles, and every generated token coloured by the teacher's top-1 probability."""
+    from distill.data.inspect import conversation_view, render_conversation
+
+    view = conversation_view(root, row_id=id, index=0 if id is None and index is None else index, model=model)
+    if as_json:
+        _echo_json(view.to_dict())
+    else:
+        Console().print(render_conversation(view))
+
+
+@data_app.command("stats")
+def data_stats(
+    root: DataDirArg,
+    plot: Annotated[Optional[Path], typer.Option("--plot", help="Folder for PNG charts (lengths, entropy, coverage) and stats.json.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Counts, token statistics, finish/reject reasons and the teacher's top-1 mass, entropy and top-k coverage."""
+    from distill.data.report import plot_stats, stats_table
+    from distill.data.stats import compute_stats
+
+    st = compute_stats(root)
+    if plot is not None:
+        written = plot_stats(st, plot)
+        (plot / "stats.json").write_text(json.dumps(st.to_dict(), indent=2) + "\n")
+        console.print("wrote " + ", ".join(str(p) for p in [*written, plot / "stats.json"]))
+    if as_json:
+        _echo_json(st.to_dict())
+    else:
+        Console().print(stats_table(st))
+
+
+@data_app.command("validate")
+def data_validate(
+    root: DataDirArg,
+    checksums: Annotated[bool, typer.Option("--checksums/--no-checksums", help="Verify each shard's SHA-256 against the manifest.")] = True,
+    as_json: JsonOpt = False,
+) -> None:
+    """Check schema, checksums, counts, ids and every row's invariants; exit 1 and name each problem if any."""
+    from distill.data.validate import validate_dataset
+
+    report = validate_dataset(root, checksums=checksums)
+    if as_json:
+        _echo_json(report.to_dict())
+    else:
+        for p in report.problems:
+            typer.echo(str(p))
+        for key, n in report.unlisted.items():
+            typer.echo(f"{key}: {n} more problem(s) of this kind")
+        verdict = "OK" if report.ok else f"INVALID: {report.count} problem(s)"
+        typer.echo(f"{root}: {report.shards} shards, {report.rows:,} rows, {report.tokens:,} tokens: {verdict}")
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+@data_app.command("convert")
+def data_convert(
+    source: Annotated[str, typer.Argument(help="A dataset folder; with --to shards, any seed (NAME | PATH | hf:DATASET[:split]).")],
+    to: Annotated[str, typer.Option("--to", help="sharegpt (JSON) | openai (JSONL) | hf (save_to_disk folder) | shards (seed -> teacher-less shards).")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="The new file (sharegpt, openai) or folder (hf, shards).")],
+    model: ModelOpt = None,
+    seed_format: Annotated[Optional[str], typer.Option(help="--to shards: force the seed format instead of detecting it.")] = None,
+    limit: Annotated[Optional[int], typer.Option(help="--to shards: only the first N seed rows.")] = None,
+    shard_size: ShardRowsOpt = 1000,
+) -> None:
+    """Export shards to ShareGPT / OpenAI messages / a datasets folder, or turn seed data into shards (no teacher)."""
+    from distill.data.convert import export, seed_to_shards
+
+    if to == "shards":
+        if limit is not None and limit < 0:
+            raise ConfigError(f"--limit must be >= 0; got {limit}")
+        summary = seed_to_shards(source, out, model=model, seed_format=seed_format, limit=limit, shard_rows=shard_size)
+    else:
+        if model or seed_format or limit is not None:
+            raise ConfigError("--model, --seed-format and --limit apply to --to shards only")
+        summary = export(Path(source), to, out)
+    _echo_json(summary.to_dict())
+
+
+@data_app.command("merge")
+def data_merge(
+    inputs: Annotated[list[Path], typer.Argument(help="Two or more dataset folders of the same model and teacher encoding.")],
+    out: NewOutOpt,
+    skip_duplicate_ids: Annotated[bool, typer.Option(help="Keep the first row of a repeated id instead of failing.")] = False,
+    shard_size: ShardRowsOpt = 1000,
+) -> None:
+    """Concatenate datasets into a new folder."""
+    from distill.data.transform import merge
+
+    _echo_json(merge(inputs, out, skip_duplicate_ids=skip_duplicate_ids, shard_rows=shard_size).to_dict())
+
+
+@data_app.command("dedupe")
+def data_dedupe(
+    root: DataDirArg,
+    out: NewOutOpt,
+    mode: Annotated[str, typer.Option(help="normalized (case and whitespace folded) | exact: how user turns are compared.")] = "normalized",
+    shard_size: ShardRowsOpt = 1000,
+) -> None:
+    """Drop conversations whose user turns repeat an earlier one (keeps the first; counts by kind)."""
+    from distill.data.transform import dedupe
+
+    _echo_json(dedupe(root, out, mode=mode, shard_rows=shard_size).to_dict())
+
+
+@data_app.command("split")
+def data_split(
+    root: DataDirArg,
+    out: NewOutOpt,
+    eval_fraction: Annotated[float, typer.Option(help="Fraction of rows (by id hash) that go to eval.")] = 0.05,
+    shard_size: ShardRowsOpt = 1000,
+) -> None:
+    """Deterministic train/eval split by id hash into OUT/train and OUT/eval."""
+    from distill.data.transform import split
+
+    _echo_json(split(root, out, eval_fraction=eval_fraction, shard_rows=shard_size).to_dict())
+
+
+@app.command("push")
+def push_cmd(
+    root: Annotated[Path, typer.Argument(help="A dataset folder, or a split folder (train/, eval/) from `distill data split`.")],
+    repo: Annotated[str, typer.Option("--repo", help="Hub dataset repo OWNER/NAME (created if missing).")],
+    private: Annotated[bool, typer.Option("--private", help="Create the repo private.")] = False,
+    dry_run: Annotated[Optional[Path], typer.Option("--dry-run", help="Write exactly what would be uploaded into this new folder; upload nothing.")] = None,
+    license: Annotated[str, typer.Option("--license", help="License id for the card (follow the model's and the seed's terms).")] = "other",
+    language: Annotated[Optional[list[str]], typer.Option("--language", help="Language code(s) of the data (repeatable).")] = None,
+    pretty_name: Annotated[Optional[str], typer.Option(help="Title of the dataset card.")] = None,
+) -> None:
+    """Validate and upload a dataset to the Hugging Face Hub with a generated dataset card."""
+    from distill.hub import CardOptions, push
+
+    opts = CardOptions(repo_id=repo, license=license, language=language or ["en"], pretty_name=pretty_name)
+    summary = push(root, opts, private=private, dry_run=dry_run)
+    _echo_json(summary.to_dict())
 
 
 # == training commands: distill train-heads, calibrate, export (issue 4) ==
+DataOpt = Annotated[Optional[Path], typer.Option("--data", "-d", help="Dataset folder made by `distill generate` (manifest.json + shards).")]
+HeadsDirOpt = Annotated[Path, typer.Option("--heads", help="Heads folder made by `distill train-heads`.")]
+
+
+@app.command("train-heads")
+def train_heads(
+    config: ConfigOpt = None,
+    data: DataOpt = None,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Heads folder (vLLM Medusa format) + checkpoints/ + metrics.jsonl.")] = None,
+    model: ModelOpt = None,
+    mode: Annotated[Optional[str], typer.Option(help="medusa1 (frozen backbone) | medusa2 (LoRA backbone + heads).")] = None,
+    targets: Annotated[Optional[str], typer.Option(help="hard (sampled token) | soft (stored teacher top-k + tail bucket).")] = None,
+    heads: Annotated[Optional[int], typer.Option(help="Number of Medusa heads K.")] = None,
+    layers: Annotated[Optional[int], typer.Option(help="Residual blocks per head.")] = None,
+    share_lm_head: Annotated[Optional[bool], typer.Option("--share-lm-head/--no-share-lm-head", help="Read every head through the base LM head (vLLM original_lm_head); only the blocks train.")] = None,
+    max_len: Annotated[Optional[int], typer.Option(help="Tokens per training window.")] = None,
+    context: Annotated[Optional[int], typer.Option(help="Tokens of history re-read (without targets) at the start of each following window.")] = None,
+    batch_size: Annotated[Optional[int], typer.Option(help="Windows per micro-batch (per process).")] = None,
+    grad_accum: Annotated[Optional[int], typer.Option(help="Micro-batches per optimizer step.")] = None,
+    steps: Annotated[Optional[int], typer.Option(help="Optimizer steps of the run (0: --epochs passes over the data).")] = None,
+    epochs: Annotated[Optional[int], typer.Option(help="Passes over the data when --steps is 0.")] = None,
+    lr: Annotated[Optional[float], typer.Option(help="Heads' learning rate (the LoRA backbone gets lr / --heads-lr-ratio).")] = None,
+    heads_lr_ratio: Annotated[Optional[float], typer.Option(help="Medusa-2: heads' lr / backbone's lr.")] = None,
+    warmup_steps: Annotated[Optional[int], typer.Option(help="Linear lr warm-up steps before the cosine decay.")] = None,
+    weight_decay: Annotated[Optional[float], typer.Option(help="AdamW weight decay.")] = None,
+    loss_chunk: Annotated[Optional[int], typer.Option(help="Positions per loss chunk (peak memory grows with it, not with T).")] = None,
+    lambda0: Annotated[Optional[float], typer.Option(help="Medusa-2 weight of the heads' loss (0.01 recommended for self-distilled data).")] = None,
+    lambda0_schedule: Annotated[Optional[str], typer.Option(help="sine | two-stage | constant.")] = None,
+    lambda0_warmup: Annotated[Optional[int], typer.Option(help="Steps of the λ0 ramp (sine) or of stage 1 (two-stage).")] = None,
+    lora_r: Annotated[Optional[int], typer.Option(help="LoRA rank.")] = None,
+    lora_alpha: Annotated[Optional[int], typer.Option(help="LoRA alpha.")] = None,
+    lora_dropout: Annotated[Optional[float], typer.Option(help="LoRA dropout.")] = None,
+    lora_targets: Annotated[Optional[str], typer.Option(help="peft target modules: all-linear or comma-separated names.")] = None,
+    merge_adapter: Annotated[Optional[bool], typer.Option("--merge-adapter/--no-merge-adapter", help="Medusa-2: also write the merged backbone to OUT/merged.")] = None,
+    precision: Annotated[Optional[str], typer.Option(help="auto (bf16 on GPU) | fp32 | bf16.")] = None,
+    optimizer: Annotated[Optional[str], typer.Option(help="auto (8-bit AdamW with bitsandbytes on GPU) | adamw | adamw8bit.")] = None,
+    shuffle_buffer: Annotated[Optional[int], typer.Option(help="Seeded shuffle buffer in windows (0: shard order).")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="Random seed.")] = None,
+    save_every: Annotated[Optional[int], typer.Option(help="Checkpoint every N steps (always at the end).")] = None,
+    log_every: Annotated[Optional[int], typer.Option(help="Write metrics every N steps.")] = None,
+    stop_after: Annotated[Optional[int], typer.Option(help="Stop this invocation after N steps (checkpointed; continue with --resume).")] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue the run in OUT from its latest checkpoint.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
+) -> None:
+    """Train Medusa heads (Medusa-1 or Medusa-2) on self-distilled shards; write a vLLM heads folder."""
+    from distill.train import TrainConfig, train
+
+    given = {k: v for k, v in locals().items() if k not in ("config", "quiet", "resume", "TrainConfig", "train") and v is not None}
+    options = {**load_pipeline(config, "train"), **{k: str(v) if isinstance(v, Path) else v for k, v in given.items()}}
+    options["resume"] = resume
+    cfg = TrainConfig.from_dict(options)
+    s = train(cfg, progress=not quiet and (sys.stderr.isatty() or bool(os.environ.get("DISTILL_PROGRESS"))))
+    final = s.final
+    heads_top1 = " ".join(f"{final.get(f'head{k}_top1', 0):.3f}" for k in range(1, cfg.heads + 1))
+    typer.echo(f"{s.out}: {s.steps} steps, {s.tokens:,} tokens in {s.seconds:.1f}s ({s.tokens_per_s:.1f} tok/s), "
+               f"peak memory {s.peak_memory_mb:.0f} MiB")
+    typer.echo(f"  last step: loss {final.get('loss', float('nan')):.4f}, head top-1 {heads_top1}")
+    typer.echo(f"  stopped after {s.steps} steps: continue with --resume" if s.stopped_early
+               else f"  heads: {s.out} (config.json + model.safetensors), metrics: {s.out}/metrics.jsonl")
+
+
+@app.command()
+def calibrate(
+    heads: HeadsDirOpt,
+    config: ConfigOpt = None,
+    data: DataOpt = None,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Where tree.json, calibration.json and plots go (default: the heads folder).")] = None,
+    model: ModelOpt = None,
+    nodes: Annotated[Optional[int], typer.Option(help="Node budget of the sparse tree.")] = None,
+    ranks: Annotated[Optional[int], typer.Option(help="Top-i accuracies measured per head (i <= 10).")] = None,
+    max_len: Annotated[Optional[int], typer.Option(help="Tokens per evaluation window.")] = None,
+    batch_size: Annotated[Optional[int], typer.Option(help="Windows per forward pass.")] = None,
+    max_tokens: Annotated[Optional[int], typer.Option(help="Stop after this many held-out tokens (0: all).")] = None,
+    plots: Annotated[Optional[bool], typer.Option("--plots/--no-plots", help="Write tree.png and acceptance.png.")] = None,
+) -> None:
+    """Measure per-head top-i accuracy on held-out data and write the best sparse tree (tree.json)."""
+    from distill.train.calibrate import CalibrateConfig
+    from distill.train.calibrate import calibrate as run_calibrate
+
+    given = {k: v for k, v in locals().items() if k not in ("config", "CalibrateConfig", "run_calibrate") and v is not None}
+    options = {**load_pipeline(config, "calibrate"), **{k: str(v) if isinstance(v, Path) else v for k, v in given.items()}}
+    if not options.get("data"):
+        raise ConfigError("--data is required: a held-out dataset folder (see `distill data split`)")
+    r = run_calibrate(CalibrateConfig(**{k.replace("-", "_"): v for k, v in options.items()}))
+    typer.echo(f"{r.out}/tree.json: {r.nodes} nodes, expected acceptance length {r.expected_acceptance_length:.3f}"
+               + (f" (best Cartesian {r.cartesian['spec']}: {r.cartesian['expected_acceptance_length']:.3f})" if r.cartesian else ""))
+    typer.echo("  top-1 per head: " + " ".join(f"{a:.3f}" for a in r.top1) + f" over {min(r.positions):,}+ positions")
+
+
+@app.command()
+def export(
+    heads: HeadsDirOpt,
+    out: Annotated[Path, typer.Option("--out", "-o", help="New folder to write.")],
+    format: Annotated[str, typer.Option("--format", "-f", help="medusa-repo (FasterDecoding/Medusa layout) | vllm.")] = "medusa-repo",
+    base_model: Annotated[Optional[str], typer.Option(help="Base model id for medusa-repo's config (default: the one recorded).")] = None,
+) -> None:
+    """Write a heads folder in another layout."""
+    from distill.heads.export import export_heads
+
+    typer.echo(str(export_heads(heads, out, format, base_model)))
 
 
 # == serving commands: distill serve, bench (issue 5) ==
+HeadsOpt = Annotated[Optional[Path], typer.Option("--heads", help="Medusa heads folder (from `distill train-heads`).")]
+TreeOpt = Annotated[Optional[str], typer.Option("--tree", help="Verification tree: tree.json path, chain[-K], sparse-N, or Cartesian 3,2,2,1 (default: the heads' tree.json, else sparse-24).")]
+DtypeOpt = Annotated[str, typer.Option("--dtype", help="float32 | bfloat16 | float16.")]
+DeviceOpt = Annotated[str, typer.Option("--device", help="torch device: cpu, cuda, cuda:1, ...")]
+
+
+@app.command()
+def serve(
+    config: ConfigOpt = None,
+    model: ModelOpt = None,
+    heads: HeadsOpt = None,
+    engine: Annotated[Optional[str], typer.Option(
+        "--engine", help="distill: our engine (tree attention; plain decoding without --heads). "
+        "vllm: start vLLM's OpenAI server with the heads as its Medusa speculative config; vLLM verifies a single "
+        "chain of each head's top-1 guess, no tree, so --tree does not apply.")] = None,
+    host: Annotated[Optional[str], typer.Option(help="Address to bind (default 127.0.0.1: this machine only; 0.0.0.0 for all).")] = None,
+    port: Annotated[Optional[int], typer.Option(help="Port (default 8000; 0 = any free port).")] = None,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="DISTILL_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1/* (env DISTILL_API_KEY).")] = None,
+    served_model_name: Annotated[Optional[str], typer.Option(help="Model id clients send (default: the model's name).")] = None,
+    queue_size: Annotated[Optional[int], typer.Option(help="Requests that may wait for the engine; more get HTTP 503 (default 64).")] = None,
+    max_batch: Annotated[Optional[int], typer.Option(help="Waiting requests decoded together as one batch (default 8).")] = None,
+    max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", help="max_tokens of requests that give none (default 256).")] = None,
+    max_model_len: Annotated[Optional[int], typer.Option(help="Context limit for prompt + max_tokens (default: the model's).")] = None,
+    tree: TreeOpt = None,
+    acceptance: Annotated[Optional[str], typer.Option(help="Acceptance for sampled requests: typical | rejection | greedy (temperature 0 is always greedy, lossless).")] = None,
+    typical_epsilon: Annotated[Optional[float], typer.Option(help="Typical acceptance epsilon.")] = None,
+    typical_delta: Annotated[Optional[float], typer.Option(help="Typical acceptance delta.")] = None,
+    step_cost_ratio: Annotated[Optional[float], typer.Option(help="Engine cost model r per extra tree token (`distill bench --sweep-tree` measures it).")] = None,
+    num_speculative_tokens: Annotated[Optional[int], typer.Option(help="--engine vllm: heads used (default: all).")] = None,
+    dtype: Annotated[Optional[str], typer.Option(help="float32 | bfloat16 | float16 (default float32).")] = None,
+    device: Annotated[Optional[str], typer.Option(help="torch device (default cpu).")] = None,
+    shutdown_timeout: Annotated[Optional[float], typer.Option(help="Seconds in-flight requests get after SIGTERM (default 10).")] = None,
+    log_level: Annotated[str, typer.Option(help="uvicorn log level: warning | info | debug.")] = "info",
+) -> None:
+    """Serve the model (with Medusa heads) over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions)."""
+    from distill.serve import ServeConfig, serve as run_server
+
+    given = {k: v for k, v in locals().items() if k not in ("config", "log_level", "ServeConfig", "run_server") and v is not None}
+    options = {**load_pipeline(config, "serve"), **{k: str(v) if isinstance(v, Path) else v for k, v in given.items()}}
+    if "max_tokens" in options:
+        options["default_max_tokens"] = options.pop("max_tokens")
+    try:
+        cfg = ServeConfig(**options)
+    except TypeError as exc:
+        raise ConfigError(f"bad serve option: {exc}") from None
+    run_server(cfg, log_level=log_level)
+
+
+@app.command()
+def bench(
+    heads: Annotated[Path, typer.Option("--heads", help="Medusa heads folder (from `distill train-heads`).")],
+    model: ModelOpt = None,
+    prompts: Annotated[str, typer.Option(help="Seed of prompts (first user turn of each): mt-bench, a file, ...")] = "mt-bench",
+    limit: Annotated[Optional[int], typer.Option(help="At most N prompts, round-robin over categories.")] = None,
+    max_tokens: Annotated[int, typer.Option(help="Tokens generated per prompt.")] = 128,
+    modes: Annotated[str, typer.Option(help="Acceptance modes to measure: greedy,typical.")] = "greedy,typical",
+    temperature: Annotated[float, typer.Option(help="Sampling temperature of the typical mode.")] = 0.7,
+    tree: TreeOpt = None,
+    sweep_tree: Annotated[bool, typer.Option("--sweep-tree", help="Also time step latency against tree size here and pick the node budget with the best predicted speedup (writes tree.json).")] = False,
+    sweep_nodes: Annotated[str, typer.Option(help="Tree sizes of the sweep.")] = "1,2,4,8,16,32,64",
+    sweep_context: Annotated[int, typer.Option(help="Context length the sweep's steps are timed at.")] = 256,
+    sweep_repeats: Annotated[int, typer.Option(help="Timed repeats per tree size (median kept).")] = 10,
+    dtype: DtypeOpt = "float32",
+    device: DeviceOpt = "cpu",
+    seed: Annotated[int, typer.Option(help="Sampling seed of the first prompt (prompt i uses seed + i).")] = 0,
+    out: Annotated[Path, typer.Option("--out", "-o", help="Folder for bench.json, bench.md, bench.png (and sweep.png, tree.json).")] = Path("out/bench"),
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress lines.")] = False,
+) -> None:
+    """Plain vs Medusa decoding on the same prompts: tokens/step, step overhead, tokens/s and speedup per category."""
+    from distill.benchmark import BenchConfig, run_bench
+    from distill.benchmark.report import markdown
+
+    try:
+        nodes = tuple(int(x) for x in sweep_nodes.split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"--sweep-nodes is comma-separated integers like 1,4,16; got '{sweep_nodes}'") from None
+    cfg = BenchConfig(
+        heads=str(heads), model=model, prompts=prompts, limit=limit, max_tokens=max_tokens,
+        modes=tuple(m.strip() for m in modes.split(",") if m.strip()), temperature=temperature, tree=tree, dtype=dtype,
+        device=device, seed=seed, out=str(out), sweep_tree=sweep_tree, sweep_nodes=nodes, sweep_context=sweep_context,
+        sweep_repeats=sweep_repeats,
+    )
+    result, paths = run_bench(cfg, progress=None if quiet else (lambda msg: console.print(f"[dim]bench[/dim] {msg}")))
+    typer.echo(markdown(result))
+    typer.echo("wrote " + ", ".join(str(p) for p in paths.values()))
+
 
 
 # == pipeline command: distill run (issue 6) ==
+@app.command("run")
+def run_pipeline(
+    pipeline: Annotated[Path, typer.Argument(help="Pipeline YAML with run: and one section per stage (pipelines/quickstart.yaml).")],
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Folder of every stage's output (overrides run: out).")] = None,
+    model: ModelOpt = None,
+    stages: Annotated[Optional[str], typer.Option(help="Only these stages, comma-separated (default: all, in order).")] = None,
+) -> None:
+    """The whole loop: generate -> validate -> split -> train heads -> calibrate -> bench; resumable, skips what is up to date."""
+    from distill.pipeline import STAGES, Pipeline, PipelineConfig
+
+    cfg = PipelineConfig.from_yaml(pipeline, {"out": str(out) if out else None, "model": model})
+    chosen = tuple(s.strip() for s in stages.split(",") if s.strip()) if stages else STAGES
+    report = Pipeline(cfg, progress=lambda msg: console.print(f"[bold]run[/bold] {msg}")).run(chosen)
+    typer.echo("| stage | status | seconds | output |\n| --- | --- | ---: | --- |")
+    for r in report.stages:
+        typer.echo(f"| {r.stage} | {r.status} | {r.seconds:.0f} | {r.output} |")
+    for mode, g in report.result.get("overall", {}).items():
+        typer.echo(f"{mode}: {g['tokens_per_step']:.2f} tokens/step, step overhead {g['step_overhead']:.2f}x, "
+                   f"speedup {g['speedup']:.2f}x ({g['plain_tokens_per_s']:.1f} -> {g['medusa_tokens_per_s']:.1f} tok/s)")
+    typer.echo(f"heads: {cfg.out}/heads  tree: {cfg.out}/calibrate/tree.json  bench: {cfg.out}/bench/bench.md")
+
 
 
 def main() -> None:

@@ -38,3 +38,7 @@ class StoreError(DistillError, OSError):
 
 class TemplateError(DistillError, ValueError):
     """A chat template whose renderings cannot be joined at the token level."""
+
+
+class PushError(DistillError, RuntimeError):
+    """A dataset that cannot be pushed to the Hub (invalid data, no token, a refused upload)."""

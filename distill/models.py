@@ -171,3 +171,20 @@ def _from_hub(repo_id: str) -> ResolvedModel:
         ) from exc
     revision = Path(path).name
     return ResolvedModel(repo_id, Path(path), repo_id, revision)
+
+
+def stop_token_ids(tokenizer, model_path: Path) -> frozenset[int]:
+    """The ids that end an assistant turn: the generation config's EOS ids plus the tokenizer's."""
+    from transformers import GenerationConfig
+
+    ids: set[int] = set()
+    try:
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    except OSError:
+        pass
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    if not ids:
+        raise ModelError(f"{model_path} defines no EOS token: cannot tell where an answer ends")
+    return frozenset(ids)

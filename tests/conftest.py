@@ -71,6 +71,17 @@ def real_shards(tmp_path_factory, vllm_backend) -> Path:
 
 
 @pytest.fixture()
+def one_torch_thread():
+    """Tiny tensors: one torch thread is fastest and avoids thread contention (restored after)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture()
 def cli_env(tmp_path):
     """Environment for running the real `distill` console script in a subprocess."""
     env = dict(os.environ)
@@ -108,6 +119,7 @@ def assert_teacher_matches_model(root: Path, model, greedy: bool) -> int:
         assert pos.size and pos.min() > 0
         dist = ref[pos - 1]  # (N, V): the distribution each generated token was drawn from
         cand = t_ids[pos]  # (N, K)
+        assert all(len(set(c)) == len(c) for c in cand.tolist()), f"{row['id']}: a position repeats a candidate id"
         stored = t_lp[pos]  # (N, K)
         rescored = np.take_along_axis(dist, cand, axis=1)
         worst = np.abs(rescored - stored).max()
@@ -123,3 +135,19 @@ def assert_teacher_matches_model(root: Path, model, greedy: bool) -> int:
             assert gap.max() <= ARGMAX_TOL, f"{row['id']}: a greedy token is {gap.max():.4f} nats below the argmax"
         checked += pos.size
     return checked
+
+
+# -- issue 4: trained heads shared by the training, heads and calibration tests ---------------
+TRAINED_HEADS_OPTIONS = dict(heads=2, share_lm_head=True, max_len=64, batch_size=4, steps=12, lr=3e-3, warmup_steps=2,
+                             seed=0, progress=False)
+
+
+@pytest.fixture(scope="session")
+def trained_heads(tmp_path_factory, real_shards) -> Path:
+    """Medusa-1 heads (K=2, shared LM head) trained for 12 steps on ``real_shards``; read-only."""
+    from distill.train import TrainConfig, train
+
+    out = tmp_path_factory.mktemp("trained-heads") / "heads"
+    summary = train(TrainConfig(data=str(real_shards), out=str(out), **TRAINED_HEADS_OPTIONS))
+    assert summary.steps == TRAINED_HEADS_OPTIONS["steps"] and not summary.stopped_early
+    return out

@@ -11,6 +11,7 @@ which are the logits before any logits processor).
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Protocol
 import numpy as np
 
 from distill.errors import BackendError
+from distill.models import stop_token_ids
 
 
 @dataclass(frozen=True)
@@ -84,20 +86,10 @@ def make_backend(name: str, model_path: Path, opts: BackendOptions) -> Backend:
     return VLLMBackend(model_path, opts) if name == "vllm" else HFBackend(model_path, opts)
 
 
-def _stop_ids(tokenizer, model_path: Path) -> frozenset[int]:
-    from transformers import GenerationConfig
-
-    ids = set()
-    try:
-        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
-        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    except OSError:
-        pass
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    if not ids:
-        raise BackendError(f"{model_path} defines no EOS token: cannot tell where a turn ends")
-    return frozenset(ids)
+def _config_max_len(model_path: Path) -> int:
+    """The context length a model folder's config.json declares (what vLLM defaults to)."""
+    cfg = json.loads((Path(model_path) / "config.json").read_text())
+    return int(cfg.get("max_position_embeddings") or cfg.get("n_positions") or 8192)
 
 
 def _vocab_size(model_path: Path) -> int:
@@ -144,6 +136,13 @@ class VLLMBackend:
             kwargs["max_model_len"] = opts.max_model_len
         if not self.on_cpu:
             kwargs["gpu_memory_utilization"] = opts.gpu_memory_utilization
+        else:
+            # vLLM 0.32's CPU runner crashes ("CPU Generator does not use offset") when it
+            # discards a chunked prefill's sample for a request with its own seed, and every
+            # request here has one: prefill whole prompts instead (the batch budget must then
+            # hold the longest sequence).
+            kwargs["enable_chunked_prefill"] = False
+            kwargs["max_num_batched_tokens"] = max(opts.max_model_len or _config_max_len(model_path), 8192)
         try:
             self.llm = LLM(**kwargs)
         except Exception as exc:  # noqa: BLE001
@@ -151,7 +150,7 @@ class VLLMBackend:
         self.tokenizer = self.llm.get_tokenizer()
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
         self.vocab_size = _vocab_size(model_path)
-        self.stop_ids = _stop_ids(self.tokenizer, model_path)
+        self.stop_ids = stop_token_ids(self.tokenizer, model_path)
 
     def generate(self, requests: list[Request]) -> list[Completion]:
         from vllm import SamplingParams
@@ -192,9 +191,10 @@ class VLLMBackend:
             s, e = flat.start_indices[i], flat.end_indices[i]
             if e - s == k:  # the usual case: sampled token is among the top-k, entries already in rank order
                 seg_ids, seg_lps = all_ids[s:e], all_lps[s:e]
-            else:  # sampled token appended outside the top-k (or a tie): keep the k best
-                order = np.argsort(-all_lps[s:e], kind="stable")[:k]
-                seg_ids, seg_lps = all_ids[s:e][order], all_lps[s:e][order]
+            else:  # the sampled token comes first, repeated when it is also in the top-k: keep the k best distinct
+                seg_ids, first = np.unique(all_ids[s:e], return_index=True)
+                order = np.argsort(-all_lps[s:e][first], kind="stable")[:k]
+                seg_ids, seg_lps = seg_ids[order], all_lps[s:e][first][order]
             order = np.argsort(-seg_lps, kind="stable")
             ids[i], lps[i] = seg_ids[order], seg_lps[order]
         return Completion(token_ids, finish, ids, lps)
@@ -231,7 +231,7 @@ class HFBackend:
             raise BackendError(f"transformers could not load {model_path}: {type(exc).__name__}: {exc}") from exc
         self.vocab_size = _vocab_size(model_path)
         self.max_model_len = int(opts.max_model_len or _max_positions(model_path))
-        self.stop_ids = _stop_ids(self.tokenizer, model_path)
+        self.stop_ids = stop_token_ids(self.tokenizer, model_path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.stop_ids)
 
     def generate(self, requests: list[Request]) -> list[Completion]:

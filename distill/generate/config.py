@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from distill.configs import config_from_options
 from distill.errors import ConfigError
 
 MODES = ("multi-turn", "self-talk", "single-turn")
@@ -76,9 +77,4 @@ class GenerateConfig:
 
     @classmethod
     def from_dict(cls, data: dict) -> "GenerateConfig":
-        known = {f.name for f in fields(cls)}
-        data = {k.replace("-", "_"): v for k, v in data.items()}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(f"unknown generate option(s): {', '.join(unknown)}")
-        return cls(**data)
+        return config_from_options(cls, data, "generate")

@@ -11,9 +11,9 @@ from distill.store.shards import (
     shard_files,
     shard_schema,
 )
-from distill.store.teacher import TeacherEncoding, decode_row_dense, decode_topk, encode_topk
+from distill.store.teacher import TeacherEncoding, decode_row_dense, decode_topk, encode_topk, manifest_encoding
 
 __all__ = [
     "MANIFEST", "REJECTS", "ShardInfo", "ShardStore", "TeacherEncoding", "decode_row_dense", "decode_topk",
-    "encode_topk", "iter_rows", "load_manifest", "read_shard_meta", "shard_files", "shard_schema",
+    "encode_topk", "iter_rows", "manifest_encoding", "load_manifest", "read_shard_meta", "shard_files", "shard_schema",
 ]

@@ -123,3 +123,20 @@ def decode_row_dense(input_ids, loss_mask, teacher_ids, teacher_lp, enc: Teacher
     dense_ids[mask] = ids
     dense_lp[mask] = lps
     return dense_ids, dense_lp
+
+
+def manifest_encoding(meta: dict) -> TeacherEncoding | None:
+    """The teacher encoding a dataset's ``meta`` records; ``None`` for a dataset without a teacher.
+
+    Datasets made by ``distill data convert --to shards`` from seed text have
+    ``meta.teacher = null`` and empty teacher columns: they train with hard targets only.
+    """
+    teacher = meta.get("teacher")
+    if not teacher or not teacher.get("k"):
+        return None
+    try:
+        return TeacherEncoding.from_dict({k: v for k, v in teacher.items() if k != "logprob_mode"})
+    except (TypeError, ValueError) as exc:
+        from distill.errors import StoreError
+
+        raise StoreError(f"manifest meta.teacher cannot be read ({exc}); this dataset was written by another tool") from None

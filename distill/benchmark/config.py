@@ -1,0 +1,67 @@
+"""The benchmark stage's one config (``distill bench``)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from distill.errors import ConfigError
+
+MODES = ("greedy", "typical")
+DEFAULT_SWEEP_NODES = (1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclass
+class BenchConfig:
+    """Plain vs Medusa decoding on the same prompts, and optionally the tree-size sweep.
+
+    modes
+        ``greedy`` (temperature 0: Medusa's output must equal plain decoding's) and/or
+        ``typical`` (``temperature`` > 0, typical acceptance, a fixed seed per prompt).
+    limit
+        at most this many prompts, taken round-robin over the categories so a small
+        limit still covers every category (None: all).
+    sweep_nodes / sweep_context / sweep_repeats
+        the ``--sweep-tree`` grid: tree sizes, the context length a verification
+        forward is timed at, and timed repeats per size (the median is kept).
+    """
+
+    heads: str
+    model: str | None = None
+    prompts: str = "mt-bench"
+    limit: int | None = None
+    max_tokens: int = 128
+    modes: tuple[str, ...] = MODES
+    temperature: float = 0.7  # for the typical mode
+    tree: str | None = None
+    typical_epsilon: float = 0.09
+    typical_delta: float = 0.3
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0
+    out: str = "out/bench"
+    sweep_tree: bool = False
+    sweep_nodes: tuple[int, ...] = DEFAULT_SWEEP_NODES
+    sweep_context: int = 256
+    sweep_repeats: int = 10
+    warmup: int = 1  # untimed generate calls before measuring
+    extra: dict = field(default_factory=dict)  # free-form notes stored with the results
+
+    def __post_init__(self) -> None:
+        self.modes = tuple(self.modes)
+        bad = [m for m in self.modes if m not in MODES]
+        if bad or not self.modes:
+            raise ConfigError(f"--modes must be a comma-separated subset of {', '.join(MODES)}; got {', '.join(self.modes) or 'nothing'}")
+        if self.limit is not None and self.limit < 1:
+            raise ConfigError(f"--limit must be at least 1; got {self.limit}")
+        if self.max_tokens < 1:
+            raise ConfigError(f"--max-tokens must be at least 1; got {self.max_tokens}")
+        if "typical" in self.modes and not 0 < self.temperature <= 2:
+            raise ConfigError(f"the typical mode samples: --temperature must be in (0, 2]; got {self.temperature}")
+        self.sweep_nodes = tuple(sorted({int(n) for n in self.sweep_nodes}))
+        if any(n < 1 for n in self.sweep_nodes) or not self.sweep_nodes:
+            raise ConfigError(f"--sweep-nodes must be positive integers; got {list(self.sweep_nodes)}")
+        if self.sweep_context < 1 or self.sweep_repeats < 1 or self.warmup < 0:
+            raise ConfigError("--sweep-context and --sweep-repeats must be >= 1, --warmup >= 0")
+
+    def to_dict(self) -> dict:
+        return asdict(self)

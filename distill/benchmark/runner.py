@@ -1,0 +1,186 @@
+"""Plain vs Medusa decoding on the same prompts, in one run, with one engine.
+
+Each prompt (the first user turn of each MT-Bench question, in the model's chat
+template) is decoded at batch 1 by plain decoding and by Medusa decoding, one right
+after the other (the order alternates from prompt to prompt so slow drifts of the
+machine hit both alike), under each acceptance mode: ``greedy`` (temperature 0; Medusa
+must reproduce plain decoding token for token) and ``typical`` (sampling at
+``temperature`` with the same seed for both). See :mod:`distill.benchmark.stats`
+for the measured quantities.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import os
+import platform
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from distill.benchmark.config import BenchConfig
+from distill.benchmark.stats import BenchResult, Group, Run
+from distill.errors import ConfigError
+
+log = logging.getLogger("distill.benchmark")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    category: str
+    messages: tuple[dict, ...]
+
+
+def load_prompts(spec: str, limit: int | None = None) -> list[Prompt]:
+    """The first user turn (with any system message) of each seed conversation; ``limit`` round-robin over categories."""
+    from distill.conversation import Conversation
+    from distill.seeds import load_seed
+
+    by_cat: dict[str, list[Prompt]] = defaultdict(list)
+    for item in load_seed(spec):
+        if not isinstance(item, Conversation):
+            continue
+        msgs = []
+        for m in item.messages:
+            msgs.append({"role": m.role, "content": m.content})
+            if m.role == "user":
+                break
+        category = str((item.meta or {}).get("category") or item.source)
+        by_cat[category].append(Prompt(item.id, category, tuple(msgs)))
+    if not by_cat:
+        raise ConfigError(f"prompts '{spec}' hold no usable conversation")
+    prompts: list[Prompt] = []
+    queues = [list(v) for v in by_cat.values()]
+    while any(queues) and (limit is None or len(prompts) < limit):
+        for q in queues:
+            if q and (limit is None or len(prompts) < limit):
+                prompts.append(q.pop(0))
+    return prompts
+
+
+def chat_ids(tokenizer, messages) -> list[int]:
+    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def machine() -> str:
+    cores = os.cpu_count()
+    try:
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+        mem_s = f", {mem:.0f} GiB"
+    except (ValueError, OSError, AttributeError):
+        mem_s = ""
+    return f"{cores}-core {platform.machine()} CPU{mem_s}"
+
+
+class BenchRunner:
+    """Loads the engine once; :meth:`run` measures every prompt in every mode, :meth:`sweep` the tree sizes."""
+
+    def __init__(self, config: BenchConfig, engine=None, progress: Callable[[str], None] | None = None):
+        from distill.engine import Engine, EngineConfig
+
+        self.config = config
+        self.progress = progress or (lambda msg: None)
+        if engine is None:
+            ecfg = EngineConfig(acceptance="typical", typical_epsilon=config.typical_epsilon, typical_delta=config.typical_delta,
+                                tree=config.tree, max_batch=1, dtype=config.dtype, device=config.device)
+            engine = Engine.from_pretrained(config.model, config.heads, ecfg)
+        if engine.heads is None:
+            raise ConfigError("the benchmark compares plain and Medusa decoding: pass --heads DIR")
+        self.engine = engine
+
+    def _one(self, prompt: Prompt, ids: list[int], acceptance: str, speculative: bool, seed: int) -> Run:
+        from distill.engine import SamplingParams
+
+        cfg = self.config
+        temp = 0.0 if acceptance == "greedy" else cfg.temperature
+        params = SamplingParams(max_tokens=cfg.max_tokens, temperature=temp, seed=seed)
+        t0 = time.perf_counter()
+        (res,), stats = self.engine.generate([ids], [params], speculative=speculative)
+        wall = time.perf_counter() - t0
+        return Run(
+            prompt_id=prompt.id, category=prompt.category, mode="medusa" if speculative else "plain", acceptance=acceptance,
+            prompt_tokens=len(ids), tokens=len(res.token_ids), step_tokens=sum(res.accepted), steps=len(res.accepted),
+            step_seconds=sum(stats.step_seconds), prefill_seconds=stats.prefill_seconds, wall_seconds=wall,
+            finish_reason=res.finish_reason, token_ids=list(res.token_ids),
+        )
+
+    def run(self) -> BenchResult:
+        cfg = self.config
+        prompts = load_prompts(cfg.prompts, cfg.limit)
+        tok = self.engine.tokenizer
+        encoded = [chat_ids(tok, p.messages) for p in prompts]
+        for _ in range(cfg.warmup):  # untimed: first calls pay for allocations and lazy init
+            for spec in (False, True):
+                self._one(prompts[0], encoded[0], "greedy", spec, cfg.seed)
+        runs: list[Run] = []
+        for acceptance in cfg.modes:
+            for i, (p, ids) in enumerate(zip(prompts, encoded)):
+                order = (False, True) if i % 2 == 0 else (True, False)
+                for spec in order:
+                    runs.append(self._one(p, ids, acceptance, spec, cfg.seed + i))
+                self.progress(f"{acceptance} {i + 1}/{len(prompts)} {p.id}")
+        groups = summarize(runs)
+        tree = self.engine.tree
+        return BenchResult(
+            config=cfg.to_dict(), machine=machine(), date=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            model=self.engine.model_name, heads=str(cfg.heads),
+            tree={"nodes": len(tree.paths) if tree else 0, "source": tree.source if tree else None,
+                  "nodes_used_at_batch_1": self.engine.tree_size_for(1) if hasattr(self.engine, "tree_size_for") else None},
+            groups=groups, runs=runs,
+        )
+
+    def sweep(self):
+        """The tree-size sweep (:mod:`distill.benchmark.sweep`) on this engine's model and heads."""
+        from distill.benchmark.sweep import sweep_tree_sizes
+
+        cfg = self.config
+        acc, source = accuracy_table(Path(cfg.heads), self.engine.heads.config.num_heads)
+        return sweep_tree_sizes(self.engine.model, self.engine.heads, acc, cfg.sweep_nodes, cfg.sweep_context,
+                                cfg.sweep_repeats, source)
+
+
+def accuracy_table(heads: Path, num_heads: int) -> tuple[list[list[float]], str]:
+    """The calibrated accuracy table of a heads folder (its tree.json), else the engine's default table."""
+    from distill.engine.tree import default_accuracy
+    from distill.heads.tree import load_tree
+
+    tree_file = Path(heads) / "tree.json"
+    if tree_file.is_file():
+        doc = load_tree(tree_file)
+        if doc.get("accuracy"):
+            return [list(map(float, r)) for r in doc["accuracy"]], f"calibrated ({tree_file})"
+    return default_accuracy(num_heads), "default (uncalibrated: distill.engine.tree.default_accuracy; run `distill calibrate`)"
+
+
+def summarize(runs: list[Run]) -> list[Group]:
+    """Per acceptance mode: one group per category and one over all prompts (``category == "all"``)."""
+    groups = []
+    for acceptance in dict.fromkeys(r.acceptance for r in runs):
+        mine = [r for r in runs if r.acceptance == acceptance]
+        cats = list(dict.fromkeys(r.category for r in mine))
+        for cat in cats + ["all"]:
+            sel = [r for r in mine if cat == "all" or r.category == cat]
+            groups.append(Group.of(acceptance, cat, [r for r in sel if r.mode == "plain"], [r for r in sel if r.mode == "medusa"]))
+    return groups
+
+
+def run_bench(config: BenchConfig, progress: Callable[[str], None] | None = None, engine=None) -> tuple[BenchResult, dict[str, Path]]:
+    """Plain vs Medusa (and the tree-size sweep when asked); writes the artifacts into ``config.out``."""
+    from distill.benchmark.report import write_all, write_tree
+
+    runner = BenchRunner(config, engine=engine, progress=progress)
+    result = runner.run()
+    if config.sweep_tree:
+        if progress:
+            progress("tree-size sweep")
+        result.sweep = runner.sweep()
+    paths = write_all(result, Path(config.out))
+    if result.sweep is not None and result.sweep.best_nodes > 0:
+        paths["tree"] = Path(config.out) / "tree.json"
+        write_tree(result.sweep, paths["tree"], runner.engine.heads.config.num_heads)
+    return result, paths

@@ -1,0 +1,209 @@
+"""``distill data convert``: shards to other formats, and seed data to (teacher-less) shards.
+
+Exports (``to``)
+----------------
+``sharegpt``
+    one JSON array of ``{"id", "conversations": [{"from": "system|human|gpt", "value"}]}``.
+``openai``
+    JSON lines of ``{"id", "messages": [{"role", "content"}]}`` (OpenAI chat format; the
+    extra ``id`` keeps the resume key and is read back by ``distill generate --seed``).
+``hf``
+    a ``datasets`` dataset saved with ``save_to_disk`` (every column, teacher included).
+
+Import (``to="shards"``)
+------------------------
+Any seed the seed readers accept (registered name, file, ``hf:`` dataset) is
+tokenized with the model's chat template at the token level (same joining as
+``distill generate``) into shard rows whose ``loss_mask`` marks the assistant
+tokens (their content and the end-of-turn token) and whose teacher columns are
+empty (``meta.teacher`` null): the data trains with hard targets. The seed's own
+assistant replies are kept; a trailing user turn with no reply is dropped (counted
+as ``trailing_user_turns``), and a conversation with no assistant reply is rejected
+(``no_assistant_turn``) into ``rejects.jsonl`` with the seed rejects.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import distill
+from distill.conversation import Rejection
+from distill.data.dataset import Dataset
+from distill.data.write import DEFAULT_SHARD_ROWS, ShardWriter, check_new_output, public_mode
+from distill.errors import ConfigError
+
+EXPORTS = ("sharegpt", "openai", "hf")
+SHAREGPT_ROLE = {"system": "system", "user": "human", "assistant": "gpt"}
+
+
+@dataclass
+class ConvertSummary:
+    to: str
+    out: str
+    rows: int = 0
+    rejected: dict[str, int] = field(default_factory=dict)
+    trailing_user_turns: int = 0
+
+    def to_dict(self) -> dict:
+        return self.__dict__.copy()
+
+
+def _atomic_text_writer(out: Path):
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    return os.fdopen(fd, "w", encoding="utf-8"), tmp
+
+
+def export(inp: Path | str, to: str, out: Path | str) -> ConvertSummary:
+    """Write the dataset ``inp`` as ``to`` (see the module's exports) at ``out``, streaming row batches."""
+    if to not in EXPORTS:
+        raise ConfigError(f"--to must be one of {', '.join(EXPORTS + ('shards',))}; got {to!r}")
+    d = Dataset.open(inp)
+    out = Path(out)
+    check_new_output(out, [d.root])
+    summary = ConvertSummary(to, str(out))
+    if to == "hf":
+        return _export_hf(d, out, summary)
+    f, tmp = _atomic_text_writer(out)
+    try:
+        with f:
+            if to == "sharegpt":
+                f.write("[\n")
+            for row in d.iter_rows(["id", "messages"]):
+                if to == "sharegpt":
+                    conv = [{"from": SHAREGPT_ROLE[m["role"]], "value": m["content"]} for m in row["messages"]]
+                    f.write((",\n" if summary.rows else "") + json.dumps({"id": row["id"], "conversations": conv}, ensure_ascii=False))
+                else:
+                    f.write(json.dumps({"id": row["id"], "messages": row["messages"]}, ensure_ascii=False) + "\n")
+                summary.rows += 1
+            if to == "sharegpt":
+                f.write("\n]\n")
+            f.flush()
+            os.fsync(f.fileno())
+        public_mode(Path(tmp))
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return summary
+
+
+def _export_hf(d: Dataset, out: Path, summary: ConvertSummary) -> ConvertSummary:
+    import datasets
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{out.name}.hf-cache-", dir=out.parent) as cache:
+        ds = datasets.Dataset.from_parquet([str(p) for p in d.files], cache_dir=cache)
+        stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+        try:
+            ds.save_to_disk(str(stage))
+            for p in [stage, *stage.iterdir()]:
+                public_mode(p)
+            if out.exists():
+                out.rmdir()
+            os.replace(stage, out)
+        finally:
+            if stage.exists():
+                shutil.rmtree(stage, ignore_errors=True)
+        summary.rows = ds.num_rows
+    return summary
+
+
+def seed_to_shards(seed: str, out: Path | str, model: str | None = None, seed_format: str | None = None,
+                   limit: int | None = None, shard_rows: int = DEFAULT_SHARD_ROWS) -> ConvertSummary:
+    """Tokenize a seed's conversations (their own assistant replies) into teacher-less shards."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from distill.generate.templating import ChatFormat
+    from distill.models import resolve_model, stop_token_ids
+    from distill.seeds import load_seed
+
+    out = Path(out)
+    check_new_output(out)
+    resolved = resolve_model(model)
+    source = load_seed(seed, seed_format)
+    tokenizer = AutoTokenizer.from_pretrained(resolved.path)
+    cfg = AutoConfig.from_pretrained(resolved.path)
+    vocab = int(getattr(cfg, "vocab_size", 0) or cfg.get_text_config().vocab_size)
+    fmt = ChatFormat(tokenizer, stop_token_ids(tokenizer, resolved.path))
+    template = getattr(tokenizer, "chat_template", None) or ""
+    meta = {
+        "format": "distill-shards/v1",
+        "tool": f"distill {distill.__version__}",
+        "model": {"name": resolved.name, "id": resolved.model_id, "revision": resolved.revision, "vocab_size": vocab,
+                  "tokenizer_sha256": _file_hash(resolved.path / "tokenizer.json"),
+                  "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest()[:16]},
+        "sampling": None,
+        "teacher": None,
+        "backend": None,
+        "seed": {"spec": seed, "format": source.format, "location": source.location},
+        "generation": {"mode": "seed-replies", "limit": limit,
+                       "note": "assistant turns are the seed's own text, not generated"},
+        "derived": {"op": "convert", "tool": f"distill {distill.__version__}", "from": None},
+    }
+    summary = ConvertSummary("shards", str(out))
+    with ShardWriter(out, meta, "uint16", shard_rows) as w:
+        for index, item in enumerate(source):
+            if limit is not None and index >= limit:
+                break
+            if isinstance(item, Rejection):
+                w.rejects.append(item.to_dict())
+                summary.rejected[item.reason] = summary.rejected.get(item.reason, 0) + 1
+                continue
+            row, dropped = conversation_row(item, fmt)
+            if row is None:
+                w.rejects.append({"id": item.id, "source": item.source, "stage": "convert", "reason": "no_assistant_turn",
+                                  "detail": "the seed conversation has no assistant reply to train on"})
+                summary.rejected["no_assistant_turn"] = summary.rejected.get("no_assistant_turn", 0) + 1
+                continue
+            summary.trailing_user_turns += dropped
+            w.add(row)
+        w.close()
+        summary.rows = w.count
+    return summary
+
+
+def _file_hash(path: Path) -> str | None:
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16] if path.is_file() else None
+
+
+def conversation_row(conv, fmt) -> tuple[dict | None, int]:
+    """One seed conversation as a teacher-less shard row, and the number of trailing user turns dropped."""
+    msgs = [m.to_dict() for m in conv.messages]
+    last_asst = max((i for i, m in enumerate(msgs) if m["role"] == "assistant"), default=None)
+    if last_asst is None:
+        return None, 0
+    dropped = len(msgs) - 1 - last_asst
+    msgs = msgs[: last_asst + 1]
+    ids: list[int] = []
+    mask: list[bool] = []
+    turns: list[dict] = []
+    history: list[dict] = [msgs[0]] if msgs[0]["role"] == "system" else []
+    for m in msgs[len(history):]:
+        start = len(ids)
+        if m["role"] == "user":
+            delta = fmt.first_prompt(history + [m]) if not ids else fmt.next_user(history, m["content"])
+            ids += delta
+            mask += [False] * len(delta)
+            turns.append({"role": "user", "start": start, "end": len(ids), "n_tokens": 0, "finish_reason": None})
+        else:
+            reply = fmt.encode(m["content"])
+            closing = fmt.encode(fmt.assistant_suffix)
+            # The end-of-turn token (the stop token that opens the suffix) is a target: the model must learn to stop.
+            n_stop = 1 if closing and closing[0] in fmt.stop_ids else 0
+            ids += reply + closing
+            mask += [True] * (len(reply) + n_stop) + [False] * (len(closing) - n_stop)
+            turns.append({"role": "assistant", "start": start, "end": len(ids), "n_tokens": len(reply) + n_stop,
+                          "finish_reason": "stop"})
+        history.append(m)
+    n_gen = sum(mask)
+    row = {"id": conv.id, "source": conv.source, "messages": msgs, "input_ids": ids, "loss_mask": mask,
+           "teacher_ids": [], "teacher_lp": [], "turns": turns, "stop_reason": "completed",
+           "n_prompt_tokens": len(ids) - n_gen, "n_generated_tokens": n_gen}
+    return row, dropped

@@ -1,0 +1,165 @@
+"""``distill data merge | dedupe | split``: new shard folders from existing ones (inputs untouched).
+
+Terms
+-----
+user text key
+    what dedupe compares: the user turns of a conversation, in order. ``exact``
+    compares them as stored; ``normalized`` first lowercases them (Unicode
+    casefold) and collapses every run of whitespace to one space, trimming the ends.
+split by id hash
+    a row goes to ``eval`` when ``sha256(id)`` read as a fraction in [0, 1) is below
+    ``eval_fraction``: deterministic, independent of row order and shard layout,
+    and stable when rows are added (a row never changes side).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from distill.data.dataset import Dataset
+from distill.data.write import DEFAULT_SHARD_ROWS, ShardWriter, check_new_output, derived_meta
+from distill.errors import ConfigError
+
+DEDUPE_MODES = ("exact", "normalized")
+
+
+@dataclass
+class TransformSummary:
+    """What a merge / dedupe / split wrote."""
+
+    op: str
+    out: dict[str, str]  # split name (or "out") -> folder
+    rows_in: int = 0
+    rows_out: dict[str, int] = field(default_factory=dict)
+    dropped: dict[str, int] = field(default_factory=dict)  # reason -> rows not written
+
+    def to_dict(self) -> dict:
+        return self.__dict__.copy()
+
+
+def _input_record(ds: Dataset) -> dict:
+    m = ds.meta
+    return {"path": str(ds.root), "rows": ds.rows, "model": (m.get("model") or {}).get("id"),
+            "seed": (m.get("seed") or {}).get("spec"), "sampling": m.get("sampling"), "derived": m.get("derived")}
+
+
+def merge(inputs: list[Path | str], out: Path | str, skip_duplicate_ids: bool = False,
+          shard_rows: int = DEFAULT_SHARD_ROWS) -> TransformSummary:
+    """Concatenate datasets made by the same model with the same teacher encoding.
+
+    A row id seen in an earlier input is an error unless ``skip_duplicate_ids``
+    (then the first is kept and the others counted as ``duplicate_id``).
+    """
+    if len(inputs) < 2:
+        raise ConfigError("merge needs at least two input folders")
+    sets = [Dataset.open(p) for p in inputs]
+    check_new_output(Path(out), [d.root for d in sets])
+    first = sets[0]
+    key = lambda d: ((d.meta.get("model") or {}).get("id"), (d.meta.get("model") or {}).get("revision"))  # noqa: E731
+    for d in sets[1:]:
+        if d.encoding != first.encoding:
+            raise ConfigError(f"{d.root} stores the teacher as {d.encoding}, {first.root} as {first.encoding}: they cannot be merged")
+        if key(d) != key(first):
+            raise ConfigError(f"{d.root} was made by model {key(d)}, {first.root} by {key(first)}: merge datasets of one model")
+    meta = derived_meta(first.meta, "merge", inputs=[_input_record(d) for d in sets])
+    summary = TransformSummary("merge", {"out": str(out)})
+    seen: set[str] = set()
+    with ShardWriter(Path(out), meta, first.id_dtype, shard_rows) as w:
+        for d in sets:
+            w.rejects.extend(d.rejects())
+            for row in d.iter_rows():
+                summary.rows_in += 1
+                if row["id"] in seen:
+                    if not skip_duplicate_ids:
+                        raise ConfigError(f"id {row['id']!r} of {d.root} is already in an earlier input; "
+                                          "pass --skip-duplicate-ids to keep the first")
+                    summary.dropped["duplicate_id"] = summary.dropped.get("duplicate_id", 0) + 1
+                    continue
+                seen.add(row["id"])
+                w.add(row)
+        w.close(derived_rows_in=summary.rows_in)
+        summary.rows_out["out"] = w.count
+    return summary
+
+
+def user_text_key(messages: list[dict], mode: str) -> bytes:
+    """Digest of a conversation's user turns (see the module's terms)."""
+    users = [m["content"] for m in messages if m["role"] == "user"]
+    if mode == "normalized":
+        users = [" ".join(u.split()).casefold() for u in users]
+    return hashlib.blake2b("\x1e".join(users).encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+
+def dedupe(inp: Path | str, out: Path | str, mode: str = "normalized", shard_rows: int = DEFAULT_SHARD_ROWS) -> TransformSummary:
+    """Keep the first conversation of each user text key; dropped rows go to the new rejects.jsonl.
+
+    In ``normalized`` mode the drops are counted apart: ``duplicate_exact`` (the same
+    text as stored as an earlier row) and ``duplicate_normalized`` (the same only after
+    normalization), so ``duplicate_exact`` equals what ``exact`` mode would drop.
+    """
+    if mode not in DEDUPE_MODES:
+        raise ConfigError(f"--mode must be one of {', '.join(DEDUPE_MODES)}; got {mode!r}")
+    d = Dataset.open(inp)
+    check_new_output(Path(out), [d.root])
+    summary = TransformSummary("dedupe", {"out": str(out)})
+    first_of: dict[bytes, str] = {}
+    exact_seen: set[bytes] = set()
+    meta = derived_meta(d.meta, "dedupe", mode=mode, inputs=[_input_record(d)])
+    with ShardWriter(Path(out), meta, d.id_dtype, shard_rows) as w:
+        w.rejects.extend(d.rejects())
+        for row in d.iter_rows():
+            summary.rows_in += 1
+            exact = user_text_key(row["messages"], "exact")
+            k = exact if mode == "exact" else user_text_key(row["messages"], "normalized")
+            is_exact = exact in exact_seen
+            exact_seen.add(exact)
+            if k in first_of:
+                reason = "duplicate_exact" if mode == "exact" or is_exact else "duplicate_normalized"
+                summary.dropped[reason] = summary.dropped.get(reason, 0) + 1
+                w.rejects.append({"id": row["id"], "source": row["source"], "stage": "dedupe", "reason": reason,
+                                  "detail": f"same user turns ({mode}) as {first_of[k]}"})
+                continue
+            first_of[k] = row["id"]
+            w.add(row)
+        w.close(derived_rows_in=summary.rows_in, dedupe_dropped=summary.dropped)
+        summary.rows_out["out"] = w.count
+    return summary
+
+
+def eval_side(row_id: str, eval_fraction: float) -> bool:
+    """True when ``row_id`` belongs to the eval split (see the module's terms)."""
+    h = int.from_bytes(hashlib.sha256(row_id.encode("utf-8", "surrogatepass")).digest()[:8], "big")
+    return h / 2**64 < eval_fraction
+
+
+def split(inp: Path | str, out: Path | str, eval_fraction: float = 0.05, shard_rows: int = DEFAULT_SHARD_ROWS) -> TransformSummary:
+    """Write ``out/train`` and ``out/eval`` (both dataset folders) by id hash."""
+    if not 0 < eval_fraction < 1:
+        raise ConfigError(f"--eval-fraction must be in (0, 1); got {eval_fraction}")
+    d = Dataset.open(inp)
+    out = Path(out)
+    check_new_output(out, [d.root])
+    out.mkdir(parents=True, exist_ok=True)
+    summary = TransformSummary("split", {"train": str(out / "train"), "eval": str(out / "eval")})
+    writers = {
+        name: ShardWriter(out / name, derived_meta(d.meta, "split", split=name, eval_fraction=eval_fraction,
+                                                   inputs=[_input_record(d)]), d.id_dtype, shard_rows)
+        for name in ("train", "eval")
+    }
+    try:
+        writers["train"].rejects.extend(d.rejects())
+        for row in d.iter_rows():
+            summary.rows_in += 1
+            writers["eval" if eval_side(row["id"], eval_fraction) else "train"].add(row)
+        for name, w in writers.items():
+            w.close(derived_rows_in=summary.rows_in)
+            summary.rows_out[name] = w.count
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        if not any(out.iterdir()):
+            out.rmdir()
+        raise
+    return summary

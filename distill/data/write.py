@@ -1,0 +1,98 @@
+"""Writing a new dataset folder from rows (merge, dedupe, split, convert): never touching the inputs.
+
+Rows go through :class:`distill.store.ShardStore` (atomic shards + manifest) into a
+hidden staging folder beside ``out``; when every shard is written the staging
+folder is renamed to ``out`` in one step, so ``out`` either does not exist or is a
+complete dataset.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import distill
+from distill.errors import ConfigError
+from distill.store.shards import ShardStore
+
+DEFAULT_SHARD_ROWS = 1000
+
+
+def public_mode(path: Path, mode: int = 0o644) -> None:
+    """Give a temp-created file (``mkstemp``: 0600) or folder (``mkdtemp``: 0700) the usual umask permissions."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, (0o755 if Path(path).is_dir() else mode) & ~umask)
+
+
+def check_new_output(out: Path, inputs: list[Path] = ()) -> None:
+    """Refuse an existing non-empty ``out`` (or one inside/equal to an input): outputs are always new folders."""
+    out = Path(out)
+    for inp in inputs:
+        if out.resolve() == Path(inp).resolve() or Path(inp).resolve() in out.resolve().parents:
+            raise ConfigError(f"--out {out} is inside the input {inp}; write to a new folder")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"{out} already exists; choose a new --out (inputs are never modified, outputs never overwritten)")
+
+
+def derived_meta(meta: dict | None, op: str, **details: Any) -> dict:
+    """A copy of an input's file-level metadata with a ``derived`` record of the operation that made it."""
+    out = dict(meta or {})
+    out["derived"] = {"op": op, "tool": f"distill {distill.__version__}", **details, "from": (meta or {}).get("derived")}
+    return out
+
+
+class ShardWriter:
+    """Collects rows into shards of ``shard_rows`` and publishes the folder atomically on :meth:`close`."""
+
+    def __init__(self, out: Path, meta: dict, id_dtype: str, shard_rows: int = DEFAULT_SHARD_ROWS):
+        if shard_rows < 1:
+            raise ConfigError(f"--shard-size must be >= 1; got {shard_rows}")
+        self.out = Path(out)
+        check_new_output(self.out)
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.stage = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.", suffix=".partial", dir=self.out.parent))
+        self.store = ShardStore(self.stage, meta, {"derived": meta.get("derived", {}).get("op")}, id_dtype).open()
+        self.shard_rows = shard_rows
+        self.rows: list[dict] = []
+        self.rejects: list[dict] = []
+        self.count = 0
+
+    def add(self, row: dict) -> None:
+        self.rows.append(row)
+        self.count += 1
+        if len(self.rows) >= self.shard_rows:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.rows:
+            self.store.write_shard(self.rows)
+            self.rows = []
+
+    def close(self, **totals: Any) -> Path:
+        """Write the last shard, the manifest (with ``totals``) and rejects; move the folder into place."""
+        self.flush()
+        self.store.seed_rejects = self.rejects
+        by_reason: dict[str, int] = {}
+        for r in self.rejects:
+            by_reason[r.get("reason", "unknown")] = by_reason.get(r.get("reason", "unknown"), 0) + 1
+        self.store.commit(complete=True, pending=0, rejected=len(self.rejects), rejects_by_reason=by_reason, **totals)
+        for p in [self.stage, *self.stage.iterdir()]:
+            public_mode(p)
+        if self.out.exists():
+            self.out.rmdir()  # checked empty in __init__
+        os.replace(self.stage, self.out)
+        return self.out
+
+    def abort(self) -> None:
+        shutil.rmtree(self.stage, ignore_errors=True)
+
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, exc_type, *_) -> None:
+        if exc_type is not None:
+            self.abort()

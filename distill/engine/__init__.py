@@ -1,0 +1,11 @@
+"""Inference engine: plain and Medusa (tree) decoding with greedy, typical and rejection acceptance.
+
+``Engine.from_pretrained(model, heads, EngineConfig(...)).generate(prompts, params)``; see
+:mod:`distill.engine.engine` for the decoding step, :mod:`distill.engine.tree` for tree buffers
+and named trees, :mod:`distill.engine.acceptance` for the acceptance rules and
+:mod:`distill.engine.policy` for when to speculate.
+"""
+
+from distill.engine.engine import Engine, EngineConfig, GenerationResult, SamplingParams, StepStats
+
+__all__ = ["Engine", "EngineConfig", "GenerationResult", "SamplingParams", "StepStats"]

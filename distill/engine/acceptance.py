@@ -1,0 +1,227 @@
+"""Acceptance: which tree tokens the base model agrees with, as pure tensor functions.
+
+Terms
+-----
+tree tokens ``tokens`` (B, T)
+    the verification input: position 0 is the root (the next token, already decided
+    by the model), positions 1..N the heads' candidates laid out by
+    :class:`~distill.engine.tree.TreeBuffers`.
+target distribution ``p_i`` (B, T, V)
+    the model's next-token distribution after tree position i, read from the
+    verification logits and warped by the request's temperature and top-p
+    (:func:`warp`); at temperature 0 it is the one-hot argmax.
+accepted path
+    root plus the nodes ``a_1, ..., a_L`` (depths 1..L) the rule accepts, each the
+    child of the previous; ``L`` = accepted length (0..D).
+next token
+    the token after the last accepted node ``a_L``, drawn by the rule from ``p_{a_L}``
+    (greedy: its argmax; rejection: the residual after rejected siblings). It is
+    always emitted ("the first token is always accepted") and becomes the next root.
+    A step therefore emits ``L + 1`` tokens: the accepted candidates and the next token.
+
+Rules
+-----
+greedy
+    node x (child of n) is correct when ``x == argmax p_n``; the longest all-correct
+    path wins (first in retrieval order on ties). The output is token-for-token that
+    of plain greedy decoding.
+typical (Medusa's typical acceptance, Cai et al. 2024, Sec. 3.3.1)
+    node x is plausible when ``p_n(x) > min(ε, δ·exp(−H(p_n)))``, H the entropy in
+    nats; the longest all-plausible path wins; the next token is sampled from
+    ``p_{a_L}``. Defaults ε = 0.09, δ = 0.3 (:data:`TYPICAL_EPSILON`, :data:`TYPICAL_DELTA`,
+    ε² ≈ δ·exp(−H) at the entropies seen in chat). Not lossless, but at temperature 0
+    (one-hot p) it accepts exactly what greedy accepts.
+rejection (multi-candidate "recursive" rejection sampling, as in SpecInfer / Medusa)
+    candidates are the heads' top-i tokens, i.e. drawn from a point-mass proposal
+    ``q = δ_x``. Walking down from the root with residual ``r = p_n``: try the children
+    of n in rank order; accept child x with probability ``min(1, r(x)/q(x)) = r(x)``
+    (r normalised); on rejection set ``r ← norm(max(r − q, 0))``, i.e. zero x and
+    renormalise, and try the next sibling. If a child is accepted descend into it
+    (fresh ``r = p_child``); if all children are rejected (or n is a leaf) sample the
+    next token from r. Each emitted token is then distributed exactly as ``p_n``
+    (the residual trick makes "accept x or fall through to the residual" an exact
+    draw from p), so the output is distributed as plain sampling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from distill.engine.tree import TreeBuffers
+
+TYPICAL_EPSILON = 0.09
+TYPICAL_DELTA = 0.3
+
+
+@dataclass
+class Acceptance:
+    """The outcome of one verification for a batch."""
+
+    length: torch.Tensor  # (B,) long: accepted nodes L (0..D)
+    path: torch.Tensor  # (B, D + 1) long: tree positions root, a_1..a_L, then don't-care (valid positions)
+    next_token: torch.Tensor  # (B,) long
+    last: torch.Tensor  # (B,) long: tree position of a_L (0 when L = 0)
+
+
+def warp(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Logits (B, T, V) -> target distributions (B, T, V) in float32.
+
+    ``temperature`` (B,): 0 gives the one-hot argmax; ``top_p`` (B,): keep the smallest set
+    of most likely tokens whose mass reaches top_p (1 keeps everything), renormalised.
+    """
+    logits = logits.float()
+    greedy = temperature <= 0  # (B,)
+    t = torch.where(greedy, torch.ones_like(temperature), temperature).float()
+    probs = torch.softmax(logits / t[:, None, None], dim=-1)  # (B, T, V)
+    if bool((top_p < 1).any()):
+        sorted_p, order = probs.sort(dim=-1, descending=True)  # (B, T, V)
+        before = sorted_p.cumsum(-1) - sorted_p  # mass strictly above each token
+        drop = before >= top_p.float()[:, None, None]
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    if bool(greedy.any()):
+        onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        probs = torch.where(greedy[:, None, None], onehot, probs)
+    return probs
+
+
+def sample(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """One draw per row of ``probs`` (B, V), row b with ``generators[b]`` (None: torch's default): (B,) long."""
+    if all(g is None for g in generators):
+        return torch.multinomial(probs, 1).squeeze(1)
+    out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
+    for b in range(probs.shape[0]):
+        out[b] = torch.multinomial(probs[b], 1, generator=generators[b])[0]
+    return out
+
+
+def uniform(rows: int, cols: int, generators: Sequence[torch.Generator | None], device) -> torch.Tensor:
+    """Uniform [0, 1) draws (rows, cols), row b from ``generators[b]`` (None: torch's default)."""
+    if all(g is None for g in generators):
+        return torch.rand(rows, cols, device=device)
+    return torch.stack([torch.rand(cols, generator=g, device=device) for g in generators])
+
+
+def _parent_probs(probs: torch.Tensor, tokens: torch.Tensor, buffers: TreeBuffers) -> torch.Tensor:
+    """p_{parent(i)}(token_i) for every tree position (B, T); 0 at the root."""
+    par = buffers.parent.clamp(min=0)  # (T,)
+    pp = probs[:, par, :].gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # (B, T)
+    pp[:, 0] = 0.0
+    return pp
+
+
+def longest_path(node_ok: torch.Tensor, buffers: TreeBuffers) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """node_ok (B, T) bool (node acceptable given its parent) -> (length (B,), path (B, D+1), last (B,)).
+
+    The longest path of consecutive acceptable nodes from the root; ties go to the first
+    leaf path in retrieval order.
+    """
+    ret = buffers.retrieve  # (P, D+1)
+    B = node_ok.shape[0]
+    if ret.shape[1] == 1:  # root only: plain decoding
+        zeros = torch.zeros(B, dtype=torch.long, device=node_ok.device)
+        return zeros, zeros[:, None].clone(), zeros
+    nodes = ret[:, 1:]  # (P, D)
+    ok = node_ok[:, nodes.clamp(min=0)] & (nodes >= 0)  # (B, P, D)
+    lengths = ok.long().cumprod(-1).sum(-1)  # (B, P)
+    best = lengths.argmax(-1)  # (B,) first maximum
+    length = lengths.gather(1, best[:, None]).squeeze(1)  # (B,)
+    path = ret[best].clamp(min=0)  # (B, D+1)
+    last = path.gather(1, length[:, None]).squeeze(1)  # (B,)
+    return length, path, last
+
+
+def greedy_accept(tokens: torch.Tensor, logits: torch.Tensor, buffers: TreeBuffers) -> Acceptance:
+    """Greedy verification: tokens (B, T), logits (B, T, V) -> Acceptance."""
+    target = logits.argmax(-1)  # (B, T)
+    node_ok = tokens == target[:, buffers.parent.clamp(min=0)]  # (B, T)
+    node_ok[:, 0] = False
+    length, path, last = longest_path(node_ok, buffers)
+    next_token = target.gather(1, last[:, None]).squeeze(1)
+    return Acceptance(length, path, next_token, last)
+
+
+def typical_threshold(probs: torch.Tensor, epsilon: float, delta: float) -> torch.Tensor:
+    """min(ε, δ·exp(−H(p))) for distributions (..., V) -> (...)."""
+    entropy = -(probs * torch.log(probs.clamp_min(1e-30))).sum(-1)
+    return torch.minimum(torch.full_like(entropy, epsilon), delta * torch.exp(-entropy))
+
+
+def typical_accept(
+    tokens: torch.Tensor,
+    probs: torch.Tensor,
+    buffers: TreeBuffers,
+    generators: Sequence[torch.Generator | None],
+    epsilon: float = TYPICAL_EPSILON,
+    delta: float = TYPICAL_DELTA,
+) -> Acceptance:
+    """Typical acceptance: tokens (B, T), target distributions probs (B, T, V) -> Acceptance."""
+    thr = typical_threshold(probs, epsilon, delta)  # (B, T)
+    node_ok = _parent_probs(probs, tokens, buffers) > thr[:, buffers.parent.clamp(min=0)]  # (B, T)
+    node_ok[:, 0] = False
+    length, path, last = longest_path(node_ok, buffers)
+    last_p = probs[torch.arange(probs.shape[0], device=probs.device), last]  # (B, V)
+    return Acceptance(length, path, sample(last_p, generators), last)
+
+
+def rejection_accept(
+    tokens: torch.Tensor, probs: torch.Tensor, buffers: TreeBuffers, generators: Sequence[torch.Generator | None]
+) -> Acceptance:
+    """Tree rejection sampling with point-mass proposals (see the module docstring): lossless."""
+    B, T, V = probs.shape
+    dev = probs.device
+    rows = torch.arange(B, device=dev)
+    D = buffers.retrieve.shape[1] - 1
+    cur = torch.zeros(B, dtype=torch.long, device=dev)  # current node per sequence
+    alive = torch.ones(B, dtype=torch.bool, device=dev)  # still descending
+    length = torch.zeros(B, dtype=torch.long, device=dev)
+    path = torch.zeros(B, D + 1, dtype=torch.long, device=dev)
+    C = buffers.children.shape[1]
+    for d in range(1, D + 1):
+        kids = buffers.children[cur]  # (B, C) tree positions, -1 padded
+        has = kids >= 0
+        alive = alive & has[:, 0]
+        if not bool(alive.any()):
+            break
+        p = probs[rows, cur]  # (B, V)
+        kid_tok = tokens.gather(1, kids.clamp(min=0))  # (B, C)
+        pk = p.gather(1, kid_tok) * has  # (B, C): p(x_i)
+        before = pk.cumsum(-1) - pk  # mass of the siblings tried before x_i
+        ratio = pk / (1.0 - before).clamp_min(1e-12)  # r(x_i) after zeroing earlier siblings
+        u = uniform(B, C, generators, dev)  # (B, C)
+        hit = (u < ratio) & has  # (B, C)
+        first = hit.float().argmax(-1)  # (B,) first accepted sibling (valid where any hit)
+        accepted = alive & hit.any(-1)
+        nxt = kids.gather(1, first[:, None]).squeeze(1)
+        cur = torch.where(accepted, nxt, cur)
+        path[:, d] = torch.where(accepted, nxt, path[:, d])
+        length = length + accepted.long()
+        alive = accepted
+    # Residual at the last accepted node: its children (all tried and rejected, if any) zeroed.
+    p = probs[rows, cur]  # (B, V)
+    kids = buffers.children[cur]  # (B, C)
+    kid_tok = tokens.gather(1, kids.clamp(min=0))  # (B, C)
+    tried = torch.zeros_like(p).scatter_reduce(1, kid_tok, (kids >= 0).float(), reduce="amax")  # (B, V)
+    residual = p * (1.0 - tried)
+    mass = residual.sum(-1, keepdim=True)
+    residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p)
+    # path entries beyond the accepted length stay 0 (the root): valid indices, ignored by the caller
+    return Acceptance(length, path, sample(residual, generators), cur)
+
+
+__all__ = [
+    "Acceptance",
+    "TYPICAL_DELTA",
+    "TYPICAL_EPSILON",
+    "greedy_accept",
+    "longest_path",
+    "rejection_accept",
+    "sample",
+    "typical_accept",
+    "typical_threshold",
+    "warp",
+]

@@ -1,0 +1,78 @@
+"""``distill export``: write trained heads in other layouts.
+
+Formats
+-------
+``vllm``
+    a clean copy of the vLLM Medusa folder (``config.json`` + ``model.safetensors``)
+    plus our side files (``distill-heads.json``, ``tree.json``, ``calibration.json``).
+``medusa-repo``
+    the layout of the FasterDecoding/Medusa repository: ``config.json`` with
+    ``medusa_num_heads``, ``medusa_num_layers`` and ``base_model_name_or_path``, and
+    ``medusa_lm_head.safetensors`` whose head h is a ``Sequential`` of L residual
+    blocks and an output layer: keys ``{h}.{l}.linear.weight|bias`` and
+    ``{h}.{L}.weight``. A shared LM head is written out once per head (that layout
+    has no sharing).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from distill.errors import ConfigError
+from distill.heads.model import DISTILL_HEADS_FILE, MedusaHeads, read_distill_meta
+
+FORMATS = ("vllm", "medusa-repo")
+SIDE_FILES = (DISTILL_HEADS_FILE, "tree.json", "calibration.json", "tree.png", "acceptance.png", "metrics.jsonl")
+
+
+def medusa_repo_state_dict(heads: MedusaHeads) -> dict:
+    sd = {}
+    L = heads.config.num_layers
+    for h, block in enumerate(heads.blocks):
+        for l, layer in enumerate(block.layers):
+            sd[f"{h}.{l}.linear.weight"] = layer.weight
+            if layer.bias is not None:
+                sd[f"{h}.{l}.linear.bias"] = layer.bias
+        sd[f"{h}.{L}.weight"] = heads.lm_head(h).weight
+    return {k: v.detach().contiguous().clone() for k, v in sd.items()}
+
+
+def export_heads(heads_dir: Path, out: Path, fmt: str = "medusa-repo", base_model: str | None = None) -> Path:
+    """Write ``heads_dir`` to ``out`` in ``fmt`` (atomically: a temp folder renamed into place)."""
+    from safetensors.torch import save_file
+
+    if fmt not in FORMATS:
+        raise ConfigError(f"--format must be one of {', '.join(FORMATS)}; got '{fmt}'")
+    heads_dir, out = Path(heads_dir), Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"{out} exists and is not empty: choose a new --out")
+    heads = MedusaHeads.load(heads_dir)
+    meta = read_distill_meta(heads_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        if fmt == "vllm":
+            heads.save(tmp)
+        else:
+            base = base_model or meta.get("base_model", {}).get("id")
+            if not base:
+                raise ConfigError(f"{heads_dir} does not record its base model: pass --base-model")
+            save_file(medusa_repo_state_dict(heads), str(tmp / "medusa_lm_head.safetensors"))
+            conf = {"medusa_num_heads": heads.config.num_heads, "medusa_num_layers": heads.config.num_layers,
+                    "base_model_name_or_path": base, "hidden_size": heads.config.hidden_size,
+                    "vocab_size": heads.config.vocab_size}
+            (tmp / "config.json").write_text(json.dumps(conf, indent=2) + "\n")
+        for name in SIDE_FILES:
+            if (heads_dir / name).is_file():
+                shutil.copy2(heads_dir / name, tmp / name)
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out

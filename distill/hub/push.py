@@ -1,0 +1,139 @@
+"""``distill push``: a dataset (or a train/eval split folder) to a Hub dataset repo, with its card.
+
+Repo layout (also what ``--dry-run OUT`` writes)::
+
+    README.md                        the dataset card (YAML header + body, see distill.hub.card)
+    data/train/shard-*.parquet       the shards of each split, as they are locally
+    data/train/manifest.json         their manifest (checksums, counts, config) and
+    data/train/rejects.jsonl         rejected seed rows; data/eval/... the same for an eval split
+
+Every split is validated first; an invalid dataset is never uploaded. The upload
+goes through ``HfApi.upload_folder``, which (with ``hf_xet``, a dependency of
+``huggingface_hub``) streams files in batches of commits and resumes an interrupted
+upload when run again: files already on the Hub with the same content are skipped.
+The token comes from ``HF_TOKEN`` or the user's ``hf auth login``; it is passed to
+``huggingface_hub`` only, never printed, logged, or written to the card.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from distill.data.dataset import Dataset, split_folders
+from distill.data.stats import compute_stats
+from distill.data.validate import validate_dataset
+from distill.errors import ConfigError, PushError
+from distill.hub.card import CardOptions, SplitCard, render_card
+from distill.store.shards import MANIFEST, REJECTS
+
+HUB_SPLIT = {"train": "train", "eval": "eval"}
+
+
+@dataclass
+class PushSummary:
+    repo_id: str
+    files: list[str]  # paths in the repo
+    rows: dict[str, int]
+    bytes: int
+    dry_run: str | None = None  # the folder written instead of uploading
+    commit_url: str | None = None
+    commit_oid: str | None = None
+    private: bool = False
+    skipped_splits: list[str] = field(default_factory=list)  # empty splits (no rows) left out
+
+    def to_dict(self) -> dict:
+        return self.__dict__.copy()
+
+
+def _place(src: Path, dst: Path, link: bool) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    if link:
+        try:
+            os.link(src, dst)
+            return
+        except OSError:
+            pass
+    shutil.copyfile(src, dst)
+
+
+def stage(root: Path | str, out: Path, opts: CardOptions, link: bool = False) -> PushSummary:
+    """Validate ``root`` and write the repo layout into the empty folder ``out``."""
+    folders = split_folders(root)
+    splits: list[SplitCard] = []
+    summary = PushSummary(opts.repo_id, [], {}, 0)
+    meta = totals = None
+    for name, folder in folders.items():
+        report = validate_dataset(folder)
+        if not report.ok:
+            first = report.problems[0]
+            raise PushError(f"{folder} is not valid ({report.count} problem(s), first: {first}); "
+                            f"run `distill data validate {folder}` and fix it before pushing")
+        ds = Dataset.open(folder)
+        if not ds.rows:
+            summary.skipped_splits.append(name)
+            continue
+        if meta is None:
+            meta, totals = ds.meta, ds.manifest.get("totals")
+        split = HUB_SPLIT[name]
+        for f in ds.files:
+            _place(f, out / "data" / split / f.name, link)
+        for extra in (MANIFEST, REJECTS):
+            if (folder / extra).is_file():
+                _place(folder / extra, out / "data" / split / extra, link)
+        splits.append(SplitCard(split, compute_stats(folder), sum(f.stat().st_size for f in ds.files),
+                                f"data/{split}/*.parquet"))
+        summary.rows[split] = ds.rows
+    if not splits:
+        raise PushError(f"{root} holds no rows to push")
+    (out / "README.md").write_text(render_card(opts, meta, splits, totals), encoding="utf-8")
+    summary.files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+    summary.bytes = sum((out / f).stat().st_size for f in summary.files)
+    return summary
+
+
+def push(root: Path | str, opts: CardOptions, private: bool = False, dry_run: Path | str | None = None) -> PushSummary:
+    """Push ``root`` to the dataset repo ``opts.repo_id`` (or, with ``dry_run``, write what would be uploaded)."""
+    if dry_run is not None:
+        out = Path(dry_run)
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise ConfigError(f"--dry-run folder {out} already exists and is not empty; choose a new one")
+        out.mkdir(parents=True, exist_ok=True)
+        try:
+            summary = stage(root, out, opts)
+        except BaseException:
+            shutil.rmtree(out, ignore_errors=True)  # it was empty or absent: leave nothing half-written
+            raise
+        summary.dry_run, summary.private = str(out), private
+        return summary
+
+    import httpx
+    from huggingface_hub import HfApi, get_token
+    from huggingface_hub.errors import HfHubHTTPError
+
+    if not get_token():
+        raise PushError("no Hugging Face token: set HF_TOKEN or run `hf auth login` (a token with write access)")
+    with tempfile.TemporaryDirectory(prefix="distill-push-") as tmp:
+        summary = stage(root, Path(tmp), opts, link=True)
+        summary.private = private
+        api = HfApi()
+        try:
+            api.create_repo(opts.repo_id, repo_type="dataset", private=private, exist_ok=True)
+            info = api.upload_folder(
+                repo_id=opts.repo_id, repo_type="dataset", folder_path=tmp,
+                commit_message=f"distill push: {sum(summary.rows.values()):,} conversations ({', '.join(summary.rows)})",
+            )
+        except HfHubHTTPError as exc:
+            status = getattr(getattr(exc, "response", None), "status_code", None)
+            raise PushError(f"the Hub refused the upload to {opts.repo_id} (HTTP {status}): "
+                            f"{str(exc).splitlines()[0]}; re-run the same command to resume") from None
+        except ValueError as exc:  # e.g. the Hub's metadata validation of README.md
+            raise PushError(f"the Hub rejected the upload to {opts.repo_id}: {exc}") from None
+        except (OSError, httpx.TransportError) as exc:
+            raise PushError(f"cannot reach the Hub ({os.environ.get('HF_ENDPOINT', 'https://huggingface.co')}): "
+                            f"{exc}; re-run the same command to resume") from None
+        summary.commit_url, summary.commit_oid = info.commit_url, info.oid
+    return summary

@@ -1,0 +1,268 @@
+"""``distill run PIPELINE.yaml``: the whole loop as resumable, skippable stages.
+
+Terms
+-----
+stage
+    one step of the loop, run through the same library call as its command, writing
+    into its own place under the pipeline's ``out`` folder:
+
+    ========== ======================= ==========================================
+    generate   ``out/data/``           ``distill generate`` (resumes by id)
+    validate   ``out/validate.json``   ``distill data validate`` (must pass)
+    split      ``out/split/{train,eval}`` ``distill data split``
+    train      ``out/heads/``          ``distill train-heads`` (resumes from its checkpoints)
+    calibrate  ``out/calibrate/``      ``distill calibrate`` on ``split/eval`` (tree.json)
+    bench      ``out/bench/``          ``distill bench`` with the calibrated tree
+    ========== ======================= ==========================================
+
+fingerprint
+    SHA-256 of a stage's resolved options, the model and the fingerprint of the
+    stage before it: a stage is *up to date* when ``out/pipeline.json`` records it
+    complete with the same fingerprint, and is then skipped. A changed option
+    changes its stage's fingerprint and every later one's; their old outputs are
+    moved aside to ``out/stale/`` (never deleted) and the stages run again.
+resume
+    a stage that was interrupted is run again: ``generate`` and ``train`` continue
+    from what they wrote (ids already generated, the latest checkpoint), so the
+    final artifacts are those of an uninterrupted run; the short stages
+    (validate, split, calibrate, bench) start over from a clean folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+from distill.errors import ConfigError, StoreError
+from distill.store.shards import atomic_write_bytes
+
+STAGES = ("generate", "validate", "split", "train", "calibrate", "bench")
+STATE_FILE = "pipeline.json"
+# Where each stage writes, relative to the pipeline's out folder.
+OUTPUTS = {"generate": "data", "validate": "validate.json", "split": "split", "train": "heads",
+           "calibrate": "calibrate", "bench": "bench"}
+# Options the pipeline decides itself (paths that chain the stages): a section may not set them.
+OWNED = {"generate": {"out"}, "split": {"out"}, "train": {"data", "out", "resume"},
+         "calibrate": {"heads", "data", "out"}, "bench": {"heads", "out"}}
+
+
+@dataclass
+class PipelineConfig:
+    """A pipeline file: ``run:`` (out, model) plus one section of options per stage."""
+
+    out: str = "out/quickstart"
+    model: str | None = None  # None: the bundled SmolLM2-135M-Instruct, for every stage
+    generate: dict = field(default_factory=dict)
+    split: dict = field(default_factory=lambda: {"eval_fraction": 0.1})
+    train: dict = field(default_factory=dict)
+    calibrate: dict = field(default_factory=dict)
+    bench: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for stage, owned in OWNED.items():
+            section = getattr(self, stage)
+            if not isinstance(section, dict):
+                raise ConfigError(f"pipeline section '{stage}' must be a mapping of options")
+            setattr(self, stage, {k.replace("-", "_"): v for k, v in section.items()})
+            clash = sorted(owned & set(getattr(self, stage)))
+            if clash:
+                raise ConfigError(f"pipeline section '{stage}' sets {', '.join(clash)}: the pipeline sets those itself under 'run: out'")
+
+    @classmethod
+    def from_yaml(cls, path: Path, overrides: dict | None = None) -> "PipelineConfig":
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"pipeline file {path} not found")
+        try:
+            doc = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+        if not isinstance(doc, dict):
+            raise ConfigError(f"{path} must hold a mapping with a 'run:' section and one section per stage")
+        unknown = sorted(set(doc) - {"run", *STAGES} - {"validate"})
+        if unknown:
+            raise ConfigError(f"{path}: unknown section(s) {', '.join(unknown)}; sections are run, {', '.join(STAGES)}")
+        run = dict(doc.get("run") or {})
+        run.update({k: v for k, v in (overrides or {}).items() if v is not None})
+        bad = sorted(set(run) - {"out", "model"})
+        if bad:
+            raise ConfigError(f"{path}: unknown run option(s) {', '.join(bad)}; 'run:' takes out and model")
+        return cls(**run, **{s: doc.get(s) or {} for s in ("generate", "split", "train", "calibrate", "bench")})
+
+
+@dataclass
+class StageReport:
+    stage: str
+    status: str  # "ran" | "skipped"
+    seconds: float
+    output: str
+    summary: dict = field(default_factory=dict)
+
+
+@dataclass
+class PipelineReport:
+    out: str
+    stages: list[StageReport]
+    result: dict  # the headline numbers: tokens/step, speedup, per acceptance mode
+
+
+class Pipeline:
+    """Runs the stages of a :class:`PipelineConfig` in order (see the module docstring)."""
+
+    def __init__(self, cfg: PipelineConfig, progress: Callable[[str], None] | None = None):
+        self.cfg = cfg
+        self.out = Path(cfg.out)
+        self.say = progress or (lambda msg: None)
+
+    # -- paths and state ------------------------------------------------------------------
+    def path(self, stage: str) -> Path:
+        return self.out / OUTPUTS[stage]
+
+    def options(self, stage: str) -> dict[str, Any]:
+        """The stage's resolved options: its section plus the paths that chain the stages."""
+        model = {"model": self.cfg.model}
+        if stage == "generate":
+            return {**self.cfg.generate, **model, "out": str(self.path("generate"))}
+        if stage == "validate":
+            return {"data": str(self.path("generate"))}
+        if stage == "split":
+            return {"eval_fraction": 0.1, **self.cfg.split, "data": str(self.path("generate")), "out": str(self.path("split"))}
+        if stage == "train":
+            return {**self.cfg.train, **model, "data": str(self.path("split") / "train"), "out": str(self.path("train"))}
+        if stage == "calibrate":
+            return {**self.cfg.calibrate, **model, "heads": str(self.path("train")), "data": str(self.path("split") / "eval"),
+                    "out": str(self.path("calibrate"))}
+        return {**self.cfg.bench, **model, "heads": str(self.path("train")), "tree": str(self.path("calibrate") / "tree.json"),
+                "out": str(self.path("bench"))}
+
+    def fingerprints(self) -> dict[str, str]:
+        prints, before = {}, ""
+        for stage in STAGES:
+            doc = json.dumps({"stage": stage, "options": self.options(stage), "before": before}, sort_keys=True, default=str)
+            before = prints[stage] = hashlib.sha256(doc.encode()).hexdigest()
+        return prints
+
+    def _state(self) -> dict:
+        p = self.out / STATE_FILE
+        if not p.is_file():
+            return {}
+        try:
+            return json.loads(p.read_text()).get("stages", {})
+        except ValueError:
+            raise StoreError(f"{p} is not valid JSON; move it aside to run every stage again") from None
+
+    def _save_state(self, state: dict) -> None:
+        doc = {"format": "distill-pipeline/v1", "config": asdict(self.cfg), "stages": state}
+        atomic_write_bytes(self.out / STATE_FILE, (json.dumps(doc, indent=2, default=str) + "\n").encode())
+
+    def _set_aside(self, stage: str, old_print: str) -> None:
+        p = self.path(stage)
+        if p.exists():
+            dest = self.out / "stale" / f"{p.name}-{old_print[:12]}"
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            if dest.exists():
+                shutil.rmtree(dest) if dest.is_dir() else dest.unlink()
+            p.rename(dest)
+            self.say(f"{stage}: its config changed; the old {p.name} is kept in {dest}")
+
+    def _clear(self, stage: str) -> None:
+        p = self.path(stage)
+        if p.is_dir():
+            shutil.rmtree(p)
+        elif p.exists():
+            p.unlink()
+
+    # -- running --------------------------------------------------------------------------
+    def run(self, stages: tuple[str, ...] = STAGES) -> PipelineReport:
+        unknown = sorted(set(stages) - set(STAGES))
+        if unknown:
+            raise ConfigError(f"unknown stage(s) {', '.join(unknown)}; stages are {', '.join(STAGES)}")
+        self.out.mkdir(parents=True, exist_ok=True)
+        prints, state = self.fingerprints(), self._state()
+        reports = []
+        for stage in STAGES:
+            if stage not in stages:
+                continue
+            rec = state.get(stage, {})
+            if rec.get("complete") and rec.get("fingerprint") == prints[stage]:
+                self.say(f"{stage}: up to date ({self.path(stage)})")
+                reports.append(StageReport(stage, "skipped", 0.0, str(self.path(stage)), rec.get("summary", {})))
+                continue
+            if rec.get("fingerprint") and rec["fingerprint"] != prints[stage]:
+                self._set_aside(stage, rec["fingerprint"])
+            state[stage] = {"fingerprint": prints[stage], "complete": False}
+            self._save_state(state)
+            self.say(f"{stage}: running -> {self.path(stage)}")
+            t0 = time.monotonic()
+            summary = getattr(self, f"_{stage}")(self.options(stage))
+            seconds = time.monotonic() - t0
+            state[stage] = {"fingerprint": prints[stage], "complete": True, "seconds": round(seconds, 1), "summary": summary}
+            self._save_state(state)
+            reports.append(StageReport(stage, "ran", seconds, str(self.path(stage)), summary))
+        return PipelineReport(str(self.out), reports, state.get("bench", {}).get("summary", {}))
+
+    # -- the stages (each one library call) ---------------------------------------------------
+    def _generate(self, o: dict) -> dict:
+        from distill.generate import GenerateConfig, Generator
+
+        s = Generator(GenerateConfig.from_dict(o)).run()
+        if not s.balanced:
+            raise StoreError(f"generate ended with {s.pending} conversations pending; run the pipeline again to continue")
+        return {"generated": s.generated, "rejected": s.rejected, "generated_tokens": s.generated_tokens}
+
+    def _validate(self, o: dict) -> dict:
+        from distill.data.validate import validate_dataset
+
+        report = validate_dataset(o["data"])
+        summary = {"ok": report.ok, "problems": [str(p) for p in report.problems[:50]]}
+        atomic_write_bytes(self.path("validate"), (json.dumps(summary, indent=2) + "\n").encode())
+        if not report.ok:
+            raise StoreError(f"{o['data']} failed validation ({len(report.problems)} problems, see {self.path('validate')})")
+        return {"ok": True}
+
+    def _split(self, o: dict) -> dict:
+        from distill.data.transform import split
+
+        self._clear("split")  # an interrupted split starts over (it is deterministic)
+        return split(o["data"], o["out"], eval_fraction=o["eval_fraction"]).to_dict()
+
+    def _train(self, o: dict) -> dict:
+        from distill.train import TrainConfig, train
+        from distill.train.checkpoint import latest_checkpoint
+
+        out = Path(o["out"])
+        if out.exists() and latest_checkpoint(out) is None:
+            shutil.rmtree(out)  # interrupted before its first checkpoint: nothing to continue from
+        s = train(TrainConfig.from_dict({"save_every": 10, **o, "resume": True}), progress=False)
+        if s.stopped_early:
+            raise StoreError(f"training stopped at step {s.steps}; run the pipeline again to continue")
+        return {"steps": s.steps, "tokens": s.tokens, "final": s.final}
+
+    def _calibrate(self, o: dict) -> dict:
+        from distill.train.calibrate import CalibrateConfig, calibrate
+
+        self._clear("calibrate")
+        r = calibrate(CalibrateConfig(**o))
+        return {"nodes": r.nodes, "expected_acceptance_length": r.expected_acceptance_length, "top1": r.top1}
+
+    def _bench(self, o: dict) -> dict:
+        from distill.benchmark import BenchConfig, run_bench
+
+        self._clear("bench")
+        if "modes" in o and isinstance(o["modes"], str):
+            o["modes"] = tuple(m.strip() for m in o["modes"].split(",") if m.strip())
+        result, _ = run_bench(BenchConfig(**o))
+        overall = {}
+        for g in result.groups:
+            if g.category == "all":
+                overall[g.acceptance] = {"tokens_per_step": g.acceleration_rate, "step_overhead": g.step_overhead,
+                                         "speedup": g.speedup, "plain_tokens_per_s": g.plain_tokens_per_s,
+                                         "medusa_tokens_per_s": g.medusa_tokens_per_s}
+        return {"tree_nodes": result.tree.get("nodes"), "overall": overall}

@@ -1,0 +1,300 @@
+"""The FastAPI app: OpenAI-compatible endpoints over a :class:`~distill.serve.scheduler.Scheduler`.
+
+Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both with
+``stream: true`` as server-sent events ending in ``data: [DONE]``), ``GET /v1/models``,
+``GET /health`` and ``GET /metrics`` (Prometheus text format). With an API key,
+``/v1/*`` needs ``Authorization: Bearer KEY`` (401 otherwise); ``/health`` and
+``/metrics`` stay open for probes and scrapers. Errors are answered in OpenAI's
+shape ``{"error": {"message", "type", "param", "code"}}``: 400 bad input,
+401 bad key, 404 unknown model, 503 queue full or shutting down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from distill.serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from distill.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, new_id, now, usage
+from distill.serve.scheduler import Delta, Done, Failed, Job, QueueFull, Scheduler, Sequence, ShuttingDown
+from distill.serve.text import StreamDecoder
+
+log = logging.getLogger("distill.serve")
+DISCONNECT_POLL_S = 0.5
+
+
+@dataclass
+class AppSettings:
+    """What the app needs besides the engine (derived from :class:`~distill.serve.config.ServeConfig`)."""
+
+    model_name: str
+    max_model_len: int
+    stop_token_ids: tuple[int, ...]
+    queue_size: int = 64
+    max_batch: int = 8
+    default_max_tokens: int = 256
+    api_key: str | None = None
+    speculative: bool = False
+
+
+def create_app(engine, settings: AppSettings) -> FastAPI:
+    """An app serving ``engine`` (a started worker thread is created in the app's lifespan)."""
+    from distill.engine import SamplingParams
+
+    metrics = ServerMetrics()
+    scheduler = Scheduler(engine, queue_size=settings.queue_size, max_batch=settings.max_batch,
+                          speculative=settings.speculative, metrics=metrics)
+    tokenizer = engine.tokenizer
+    vocab_size = len(tokenizer)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        scheduler.start()
+        yield
+        scheduler.stop()
+
+    app = FastAPI(title="distill serve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.scheduler = scheduler
+    app.state.metrics = metrics
+    app.state.settings = settings
+
+    # -- errors, auth, request counting ------------------------------------------------
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        msg = first.get("msg", "invalid request")
+        return JSONResponse(APIError(400, f"{loc}: {msg}" if loc else msg, param=loc or None).body(), status_code=400)
+
+    app.add_middleware(_AuthAndCount, api_key=settings.api_key, metrics=metrics)
+
+    # -- plain endpoints -------------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        if not scheduler.alive:
+            return JSONResponse({"status": "error", "detail": scheduler.error or "shutting down"}, status_code=503)
+        return {"status": "ok", "model": settings.model_name, "speculative": settings.speculative}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "created": _STARTED, "owned_by": "distill"}]}
+
+    # -- completions -----------------------------------------------------------------------
+    def check_common(req) -> None:
+        if req.model != settings.model_name:
+            raise APIError(404, f"model '{req.model}' is not served here; this server serves '{settings.model_name}'",
+                           param="model", code="model_not_found")
+        bad = req.unsupported()
+        if bad:
+            raise APIError(400, f"not supported by this server: {', '.join(bad)}", param=bad[0])
+
+    def make_params(req, prompt_len: int, index: int):
+        limit = req.token_limit()
+        room = settings.max_model_len - prompt_len
+        if room < 1:
+            raise APIError(400, f"the prompt has {prompt_len} tokens; this model's context is {settings.max_model_len} tokens",
+                           param="messages" if isinstance(req, ChatCompletionRequest) else "prompt", code="context_length_exceeded")
+        if limit is None:
+            limit = min(settings.default_max_tokens, room)
+        elif limit > room:
+            raise APIError(400, f"max_tokens={limit} plus the prompt's {prompt_len} tokens exceed this model's context of "
+                           f"{settings.max_model_len} tokens", param="max_tokens", code="context_length_exceeded")
+        seed = None if req.seed is None else req.seed + index
+        try:
+            return SamplingParams(max_tokens=limit, temperature=req.temperature, top_p=req.top_p, seed=seed,
+                                  stop_token_ids=settings.stop_token_ids)
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from None
+
+    def make_job(req, prompts: list[list[int]]) -> Job:
+        if len(prompts) * req.n > settings.queue_size:
+            raise APIError(400, f"{len(prompts) * req.n} choices exceed the server's queue of {settings.queue_size}", param="n")
+        seqs = []
+        for p, ids in enumerate(prompts):
+            for c in range(req.n):
+                index = p * req.n + c
+                seqs.append(Sequence(index, ids, make_params(req, len(ids), index), StreamDecoder(tokenizer, req.stop_strings())))
+        job = Job(seqs, asyncio.get_running_loop(), prompt_tokens=sum(len(ids) for ids in prompts))
+        try:
+            scheduler.submit(job)
+        except QueueFull as exc:
+            metrics.rejected.inc()
+            raise APIError(503, str(exc), type="server_overloaded", code="queue_full") from None
+        except ShuttingDown as exc:
+            raise APIError(503, str(exc), type="server_unavailable") from None
+        return job
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, request: Request):
+        check_common(req)
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # noqa: BLE001 - the template's own complaint (e.g. roles must alternate)
+            raise APIError(400, f"the model's chat template rejects these messages: {exc}", param="messages") from None
+        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        job = make_job(req, [ids])
+        return await respond(job, req, request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        check_common(req)
+        prompts = _prompt_ids(req.prompt, tokenizer, vocab_size)
+        job = make_job(req, prompts)
+        return await respond(job, req, request, chat=False)
+
+    async def respond(job: Job, req, request: Request, chat: bool):
+        rid = new_id("chatcmpl" if chat else "cmpl")
+        created = now()
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(_sse(job, rid, created, chat, include_usage), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        texts = {s.index: [] for s in job.sequences}
+        done: dict[int, Done] = {}
+        try:
+            while len(done) < len(job.sequences):
+                try:
+                    ev = await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        job.cancel()
+                        return Response(status_code=499)
+                    continue
+                if isinstance(ev, Delta):
+                    texts[ev.index].append(ev.text)
+                elif isinstance(ev, Done):
+                    done[ev.index] = ev
+                elif isinstance(ev, Failed):
+                    raise APIError(ev.status, ev.message, type="server_error" if ev.status >= 500 else "invalid_request_error")
+        finally:
+            if len(done) < len(job.sequences):
+                job.cancel()
+        _record(done.values(), job)
+        prompt_tokens = job.prompt_tokens
+        completion_tokens = sum(d.completion_tokens for d in done.values())
+        choices = []
+        for i in sorted(done):
+            text = "".join(texts[i])
+            if chat:
+                choices.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": done[i].finish_reason})
+            else:
+                choices.append({"index": i, "text": text, "logprobs": None, "finish_reason": done[i].finish_reason})
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+                "model": settings.model_name, "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+
+    async def _sse(job: Job, rid: str, created: int, chat: bool, include_usage: bool) -> AsyncIterator[str]:
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        n = len(job.sequences)
+        done: dict[int, Done] = {}
+
+        def chunk(choices: list[dict], **extra) -> str:
+            body = {"id": rid, "object": obj, "created": created, "model": settings.model_name, "choices": choices, **extra}
+            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+        try:
+            if chat:
+                yield chunk([{"index": s.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                             for s in job.sequences])
+            while len(done) < n:
+                ev = await job.events.get()
+                if isinstance(ev, Delta):
+                    if chat:
+                        yield chunk([{"index": ev.index, "delta": {"content": ev.text}, "logprobs": None, "finish_reason": None}])
+                    else:
+                        yield chunk([{"index": ev.index, "text": ev.text, "logprobs": None, "finish_reason": None}])
+                elif isinstance(ev, Done):
+                    done[ev.index] = ev
+                    if chat:
+                        yield chunk([{"index": ev.index, "delta": {}, "logprobs": None, "finish_reason": ev.finish_reason}])
+                    else:
+                        yield chunk([{"index": ev.index, "text": "", "logprobs": None, "finish_reason": ev.finish_reason}])
+                elif isinstance(ev, Failed):
+                    err = APIError(ev.status, ev.message, type="server_error")
+                    yield f"data: {json.dumps(err.body())}\n\n"
+                    return
+            _record(done.values(), job)
+            if include_usage:
+                yield chunk([], usage=usage(job.prompt_tokens, sum(d.completion_tokens for d in done.values())))
+            yield "data: [DONE]\n\n"
+        finally:  # client disconnect cancels the generator: cancel the job's sequences too
+            if len(done) < n:
+                job.cancel()
+
+    def _record(done, job: Job) -> None:
+        metrics.request_latency.observe(time.monotonic() - job.arrived)
+        metrics.prompt_tokens.inc(job.prompt_tokens)
+
+    return app
+
+
+class _AuthAndCount:
+    """Pure ASGI middleware (a ``BaseHTTPMiddleware`` would hide client disconnects from streaming responses):
+    checks the bearer key on ``/v1/*`` and counts requests by endpoint and status."""
+
+    def __init__(self, app, api_key: str | None, metrics: ServerMetrics):
+        self.app, self.api_key, self.metrics = app, api_key, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        endpoint = path if path in _ENDPOINTS else "other"
+        if self.api_key is not None and path.startswith("/v1/"):
+            header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            scheme, _, token = header.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+                self.metrics.requests.labels(endpoint, "401").inc()
+                err = APIError(401, "invalid or missing API key: send 'Authorization: Bearer KEY'",
+                               type="authentication_error", code="invalid_api_key")
+                return await JSONResponse(err.body(), status_code=401)(scope, receive, send)
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                self.metrics.requests.labels(endpoint, str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+_STARTED = now()
+_ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"}
+
+
+def _prompt_ids(prompt: Any, tokenizer, vocab_size: int) -> list[list[int]]:
+    """A completions ``prompt`` (str, list of str, token ids, list of token id lists) -> token id lists."""
+    if isinstance(prompt, str):
+        prompts: list = [prompt]
+    elif prompt and all(isinstance(x, int) for x in prompt):
+        prompts = [list(prompt)]
+    else:
+        prompts = list(prompt)
+    if not prompts:
+        raise APIError(400, "prompt is empty", param="prompt")
+    out = []
+    for p in prompts:
+        ids = list(tokenizer(p, add_special_tokens=False)["input_ids"]) if isinstance(p, str) else list(p)
+        if not ids:
+            raise APIError(400, "prompt is empty", param="prompt")
+        if any(not 0 <= t < vocab_size for t in ids):
+            raise APIError(400, f"prompt token ids must be in 0..{vocab_size - 1}", param="prompt")
+        out.append(ids)
+    return out

@@ -1,0 +1,80 @@
+"""The serving stage's one config (``distill serve``)."""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import asdict, dataclass
+
+from distill.errors import ConfigError
+
+ENGINES = ("distill", "vllm")
+ACCEPTANCE = ("greedy", "typical", "rejection")
+
+
+@dataclass
+class ServeConfig:
+    """Everything ``distill serve`` needs; validated here, printed at start-up.
+
+    ``queue_size`` bounds the requests waiting for the engine (not those it is
+    running); a request that does not fit gets HTTP 503. ``max_batch`` is how many
+    waiting requests the worker hands to the engine as one batch.
+    ``default_max_tokens`` applies when a request gives no ``max_tokens``.
+    """
+
+    model: str | None = None  # None = the bundled SmolLM2
+    heads: str | None = None  # None = plain decoding only
+    engine: str = "distill"  # distill | vllm
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None  # default: the engine's model name
+    queue_size: int = 64
+    max_batch: int = 8
+    default_max_tokens: int = 256
+    max_model_len: int | None = None  # default: the model's context length
+    tree: str | None = None  # tree.json, a named default, or a Cartesian spec "3,2,2,1"
+    acceptance: str = "typical"
+    typical_epsilon: float = 0.09
+    typical_delta: float = 0.3
+    dtype: str = "float32"
+    device: str = "cpu"
+    shutdown_timeout: float = 10.0  # seconds in-flight requests get after SIGTERM
+    num_speculative_tokens: int | None = None  # vllm engine: default = the heads' num_heads
+    step_cost_ratio: float | None = None  # engine cost model r (from `distill bench --sweep-tree`); None = the device default
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ConfigError(f"--engine must be one of {', '.join(ENGINES)}; got '{self.engine}'")
+        if self.acceptance not in ACCEPTANCE:
+            raise ConfigError(f"--acceptance must be one of {', '.join(ACCEPTANCE)}; got '{self.acceptance}'")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"--port must be in 0..65535; got {self.port}")
+        if self.host not in ("localhost",):
+            try:
+                ipaddress.ip_address(self.host)
+            except ValueError:
+                raise ConfigError(f"--host must be an IP address (e.g. 127.0.0.1 or 0.0.0.0) or localhost; got '{self.host}'") from None
+        for name in ("queue_size", "max_batch", "default_max_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1; got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"--max-model-len must be at least 2; got {self.max_model_len}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ConfigError("--api-key must not be empty")
+        if self.shutdown_timeout < 0:
+            raise ConfigError(f"--shutdown-timeout must be >= 0; got {self.shutdown_timeout}")
+        if self.engine == "vllm":
+            if self.heads is None:
+                raise ConfigError("--engine vllm serves the model with Medusa heads: pass --heads DIR")
+            if self.tree is not None:
+                raise ConfigError("--engine vllm verifies a single chain of head top-1 guesses; --tree applies to the distill engine only")
+        if self.step_cost_ratio is not None and self.step_cost_ratio < 0:
+            raise ConfigError(f"--step-cost-ratio must be >= 0; got {self.step_cost_ratio}")
+        if self.num_speculative_tokens is not None and self.num_speculative_tokens < 1:
+            raise ConfigError(f"--num-speculative-tokens must be at least 1; got {self.num_speculative_tokens}")
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        if d["api_key"] is not None:
+            d["api_key"] = "***"
+        return d

@@ -1,0 +1,254 @@
+"""The request queue and the one worker thread that runs the engine.
+
+Terms
+-----
+sequence
+    one completion choice: a prompt's token ids, its sampling parameters and a
+    :class:`~distill.serve.text.StreamDecoder`. An HTTP request holds one or more
+    (``n`` choices, or several prompts for ``/v1/completions``).
+job
+    the sequences of one HTTP request plus the asyncio queue its handler reads
+    events from. Events are pushed from the worker thread with
+    ``loop.call_soon_threadsafe``; the handler never touches the engine.
+waiting queue
+    sequences admitted but not yet handed to the engine, bounded by ``queue_size``:
+    a job whose sequences do not all fit is refused whole (:class:`QueueFull`, HTTP 503).
+batch
+    up to ``max_batch`` waiting sequences the worker takes at once and runs through
+    ``engine.generate`` (blocking, not re-entrant: only this thread calls it).
+    Sequences arriving meanwhile wait for the next batch.
+cancel
+    a client that disconnects sets its job's ``cancelled`` event; the engine
+    learns it from ``on_tokens`` returning False at its next step. A stop string
+    ends a sequence the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from distill.serve.text import StreamDecoder
+
+log = logging.getLogger("distill.serve")
+
+
+class QueueFull(Exception):
+    """The waiting queue cannot take the job's sequences (HTTP 503)."""
+
+
+class ShuttingDown(Exception):
+    """The server is stopping and takes no new work (HTTP 503)."""
+
+
+# -- events sent to a job's handler ----------------------------------------------------
+@dataclass
+class Delta:
+    index: int
+    text: str
+
+
+@dataclass
+class Done:
+    index: int
+    finish_reason: str  # stop | length | abort
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass
+class Failed:
+    message: str
+    status: int = 500
+
+
+@dataclass
+class Sequence:
+    index: int  # the choice index within its job
+    prompt_ids: list[int]
+    params: Any  # distill.engine.SamplingParams
+    decoder: StreamDecoder
+    job: "Job" = field(repr=False, default=None)
+    finished: bool = False
+    finish_reason: str | None = None
+
+    def emit(self, event) -> None:
+        self.job.push(event)
+
+    def finish(self, reason: str) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        self.finish_reason = reason
+        tail = self.decoder.finish()
+        if tail:
+            self.emit(Delta(self.index, tail))
+        self.emit(Done(self.index, reason, len(self.prompt_ids), len(self.decoder.ids)))
+
+
+class Job:
+    """One HTTP request's sequences and the event queue its handler awaits."""
+
+    def __init__(self, sequences: list[Sequence], loop: asyncio.AbstractEventLoop, prompt_tokens: int = 0):
+        self.sequences = sequences
+        self.prompt_tokens = prompt_tokens  # of the job's distinct prompts (usage)
+        self.loop = loop
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.cancelled = threading.Event()
+        self.arrived = time.monotonic()
+        for s in sequences:
+            s.job = self
+
+    def push(self, event) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            self.cancelled.set()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+class Scheduler:
+    """A bounded waiting queue and one worker thread that batches sequences through the engine."""
+
+    def __init__(self, engine, *, queue_size: int, max_batch: int, speculative: bool, metrics=None):
+        self.engine = engine
+        self.queue_size = queue_size
+        self.max_batch = max_batch
+        self.speculative = speculative
+        self.metrics = metrics
+        self._waiting: deque[Sequence] = deque()
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._running: list[Sequence] = []
+        self._thread = threading.Thread(target=self._loop, name="distill-engine", daemon=True)
+        self.error: str | None = None  # set when the worker thread died
+
+    # -- called from the event loop ------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    def submit(self, job: Job) -> None:
+        """Admit all of the job's sequences or none (raises QueueFull / ShuttingDown)."""
+        with self._cond:
+            if self._stopping:
+                raise ShuttingDown("the server is shutting down")
+            if len(self._waiting) + len(job.sequences) > self.queue_size:
+                raise QueueFull(f"the request queue is full ({self.queue_size} waiting); retry later")
+            self._waiting.extend(job.sequences)
+            self._gauge()
+            self._cond.notify()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Refuse new work, fail waiting sequences, cancel running ones, and join the worker."""
+        with self._cond:
+            self._stopping = True
+            waiting, self._waiting = list(self._waiting), deque()
+            self._cond.notify_all()
+        for s in waiting:
+            s.emit(Failed("the server is shutting down", 503))
+        self._thread.join(timeout)
+
+    # -- the worker thread -----------------------------------------------------------------
+    def _gauge(self) -> None:
+        if self.metrics is not None:
+            self.metrics.queue_depth.set(len(self._waiting))
+
+    def _next_batch(self) -> list[Sequence] | None:
+        with self._cond:
+            while not self._waiting and not self._stopping:
+                self._cond.wait()
+            if self._stopping:
+                return None
+            batch: list[Sequence] = []
+            while self._waiting and len(batch) < self.max_batch:
+                s = self._waiting.popleft()
+                if s.job.cancelled.is_set():
+                    s.finished, s.finish_reason = True, "abort"  # nobody listens; drop it
+                    if self.metrics is not None:
+                        self.metrics.sequences.labels("abort").inc()
+                    continue
+                batch.append(s)
+            self._gauge()
+            return batch
+
+    def _loop(self) -> None:
+        try:
+            while (batch := self._next_batch()) is not None:
+                if batch:
+                    self._run(batch)
+        except BaseException as exc:  # noqa: BLE001 - a dead worker must be visible on /health
+            self.error = f"{type(exc).__name__}: {exc}"
+            log.exception("engine worker died")
+            with self._cond:
+                self._stopping = True
+                waiting, self._waiting = list(self._waiting), deque()
+            for s in waiting + self._running:
+                s.emit(Failed(f"engine failed: {self.error}"))
+            raise
+
+    def _run(self, batch: list[Sequence]) -> None:
+        self._running = batch
+        m = self.metrics
+        if m is not None:
+            m.batch_size.observe(len(batch))
+            m.running.set(len(batch))
+
+        def on_tokens(i: int, new_ids: list[int]) -> bool:
+            s = batch[i]
+            if s.finished or s.job.cancelled.is_set() or self._stopping:
+                return False
+            delta = s.decoder.add(new_ids)
+            if delta.text:
+                s.emit(Delta(s.index, delta.text))
+            if delta.stopped:
+                s.finish("stop")
+                return False
+            return True
+
+        try:
+            results, stats = self.engine.generate(
+                [s.prompt_ids for s in batch], [s.params for s in batch], speculative=self.speculative, on_tokens=on_tokens
+            )
+        except Exception as exc:  # noqa: BLE001 - one failed batch must not kill the server
+            log.exception("engine.generate failed")
+            for s in batch:
+                if not s.finished:
+                    s.finished = True
+                    s.emit(Failed(f"generation failed: {type(exc).__name__}: {exc}"))
+            self._running = []
+            return
+        for s, r in zip(batch, results):
+            if s.finished:
+                continue
+            seen = len(s.decoder.ids)
+            rest = list(r.token_ids[seen:]) if list(r.token_ids[:seen]) == s.decoder.ids else []
+            if rest:  # tokens the engine did not report through on_tokens
+                delta = s.decoder.add(rest)
+                if delta.text:
+                    s.emit(Delta(s.index, delta.text))
+                if delta.stopped:
+                    s.finish("stop")
+                    continue
+            s.finish({"stop": "stop", "length": "length"}.get(r.finish_reason, "abort"))
+        if m is not None:
+            for sec in stats.step_seconds:
+                m.step_latency.observe(sec)
+            m.prefill_latency.observe(stats.prefill_seconds)
+            for s, r in zip(batch, results):
+                for n in r.accepted:
+                    m.tokens_per_step.observe(n)
+                m.sequences.labels(s.finish_reason or "abort").inc()
+                m.generation_tokens.inc(len(s.decoder.ids))
+            m.running.set(0)
+        self._running = []

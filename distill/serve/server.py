@@ -1,0 +1,141 @@
+"""Start a server: the distill engine behind uvicorn, or vLLM's own OpenAI server with the heads.
+
+Shutdown: SIGTERM or Ctrl-C stops accepting connections, lets in-flight requests
+finish for up to ``shutdown_timeout`` seconds, cancels what is left, stops the
+engine worker, and returns (SIGTERM: exit code 0).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from distill.errors import ConfigError, ModelError
+from distill.serve.config import ServeConfig
+
+log = logging.getLogger("distill.serve")
+ENGINE_TREE_MARGIN = 64  # tokens distill.engine keeps free beyond prompt + max_tokens
+
+
+def context_length(model_path: Path) -> int:
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model_path)
+    n = getattr(cfg, "max_position_embeddings", None)
+    if not n:
+        raise ModelError(f"{model_path}: config.json has no max_position_embeddings; pass --max-model-len")
+    return int(n)
+
+
+def build_app(cfg: ServeConfig):
+    """Load the engine and make the app (no socket yet)."""
+    from distill.engine import Engine, EngineConfig
+    from distill.models import resolve_model, stop_token_ids
+    from distill.serve.app import AppSettings, create_app
+
+    resolved = resolve_model(cfg.model)
+    engine_cfg = EngineConfig(
+        acceptance=cfg.acceptance, typical_epsilon=cfg.typical_epsilon, typical_delta=cfg.typical_delta,
+        tree=cfg.tree, max_batch=cfg.max_batch, dtype=cfg.dtype, device=cfg.device, step_cost_ratio=cfg.step_cost_ratio,
+    )
+    engine = Engine.from_pretrained(cfg.model, cfg.heads, engine_cfg)
+    # The engine keeps room for one verification tree beyond prompt + max_tokens (engine.generate refuses otherwise).
+    max_len = min(cfg.max_model_len or 1 << 30, context_length(resolved.path) - ENGINE_TREE_MARGIN)
+    settings = AppSettings(
+        model_name=cfg.served_model_name or engine.model_name,
+        max_model_len=max_len,
+        stop_token_ids=tuple(sorted(stop_token_ids(engine.tokenizer, resolved.path))),
+        queue_size=cfg.queue_size,
+        max_batch=cfg.max_batch,
+        default_max_tokens=cfg.default_max_tokens,
+        api_key=cfg.api_key,
+        speculative=engine.heads is not None,
+    )
+    return create_app(engine, settings), settings
+
+
+def serve(cfg: ServeConfig, log_level: str = "info") -> None:
+    """Run until SIGTERM / Ctrl-C (``--engine vllm`` replaces this process with vLLM's server)."""
+    if cfg.engine == "vllm":
+        exec_vllm(cfg)
+        return
+    import uvicorn
+
+    app, settings = build_app(cfg)
+    mode = "Medusa speculative decoding" if settings.speculative else "plain decoding"
+    print(f"distill serve: {settings.model_name} ({mode}) on http://{cfg.host}:{cfg.port}/v1", file=sys.stderr, flush=True)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=cfg.host, port=cfg.port, log_level=log_level, timeout_graceful_shutdown=cfg.shutdown_timeout,
+        access_log=log_level == "debug",
+    ))
+    # uvicorn re-raises the signal it caught once it has shut down; SIGTERM is an
+    # ordinary stop for a server, so let that re-raise end in a normal return (exit 0).
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        server.run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+# -- --engine vllm -------------------------------------------------------------------------
+def vllm_command(cfg: ServeConfig, python: str | None = None) -> list[str]:
+    """The command that starts vLLM's OpenAI server with the heads as its Medusa speculator.
+
+    vLLM proposes one chain (each head's top-1 token) and verifies it; it has no
+    tree attention, so ``--tree`` does not apply.
+    """
+    from distill.heads.model import HeadsConfig
+    from distill.models import resolve_model, stop_token_ids
+
+    heads = Path(cfg.heads).expanduser().resolve()
+    if not (heads / "config.json").is_file():
+        raise ConfigError(f"--heads {cfg.heads} is not a heads folder (needs config.json and model.safetensors)")
+    try:
+        hcfg = HeadsConfig.from_vllm_config(json.loads((heads / "config.json").read_text()))
+    except (ValueError, KeyError) as exc:
+        raise ConfigError(f"{heads}/config.json is not a Medusa heads config: {exc}") from None
+    k = cfg.num_speculative_tokens or hcfg.num_heads
+    if k > hcfg.num_heads:
+        raise ConfigError(f"--num-speculative-tokens {k} exceeds the {hcfg.num_heads} heads in {heads}")
+    resolved = resolve_model(cfg.model)
+    spec = {"method": "medusa", "model": str(heads), "num_speculative_tokens": k}
+    cmd = [
+        python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(resolved.path),
+        "--served-model-name", cfg.served_model_name or resolved.name,
+        "--host", cfg.host, "--port", str(cfg.port),
+        "--speculative-config", json.dumps(spec),
+        "--max-num-seqs", str(cfg.max_batch),
+        "--dtype", cfg.dtype,
+    ]
+    if cfg.max_model_len is not None:
+        cmd += ["--max-model-len", str(cfg.max_model_len)]
+    return cmd
+
+
+def vllm_env(cfg: ServeConfig) -> dict[str, str]:
+    """The environment for vLLM: the API key goes in VLLM_API_KEY, not on the (world-readable) command line."""
+    env = dict(os.environ)
+    if cfg.api_key is not None:
+        env["VLLM_API_KEY"] = cfg.api_key
+    return env
+
+
+def exec_vllm(cfg: ServeConfig) -> None:
+    cmd = vllm_command(cfg)
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        raise ConfigError("--engine vllm needs vLLM: pip install 'distill[vllm]' (GPU) or 'distill[cpu]'") from None
+    print("distill serve --engine vllm: " + " ".join(_quote(c) for c in cmd), file=sys.stderr, flush=True)
+    os.execve(cmd[0], cmd, vllm_env(cfg))
+
+
+def _quote(arg: str) -> str:
+    import shlex
+
+    return shlex.quote(arg)

@@ -1,0 +1,6 @@
+"""Training Medusa heads on self-distilled shards (``distill train-heads``)."""
+
+from distill.train.config import TrainConfig
+from distill.train.trainer import TrainSummary, Trainer, read_metrics, train
+
+__all__ = ["TrainConfig", "TrainSummary", "Trainer", "read_metrics", "train"]

@@ -1,0 +1,259 @@
+"""Held-out head accuracy and the calibrated sparse tree (``distill calibrate``).
+
+Terms
+-----
+rank-i hit of head j
+    at a held-out position t (hidden state h_t) whose token t+j+2 the teacher
+    generated, head j+1's i-th most likely token (0-based rank) equals that token.
+accuracy table ``acc[j][i]``
+    rank-i hits of head j+1 / evaluated positions of head j+1 (shape K x ranks).
+    Tree terms (paths, expected acceptance length, sparse tree) are defined in
+    :mod:`distill.heads.tree`.
+
+Outputs (in ``out``, default the heads folder): ``tree.json`` (the ``distill-tree/v1``
+contract with ``accuracy``), ``calibration.json`` (table, counts, losses, expected
+acceptance length vs node count, the Cartesian comparison), ``tree.png`` and
+``acceptance.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from distill.errors import ConfigError
+from distill.heads.model import MedusaHeads, read_distill_meta
+from distill.heads.tree import cartesian_tree, expected_acceptance_length, save_tree, sparse_tree
+from distill.store.shards import atomic_write_bytes
+from distill.train.data import iter_batches
+from distill.train.losses import hard_ce, shifted_targets
+
+CALIBRATION_FILE = "calibration.json"
+
+
+@dataclass
+class HeadAccuracy:
+    """Counts over evaluated positions (stats only; plotting and files live elsewhere)."""
+
+    ranks: int
+    counts: list[int]  # per head: positions evaluated
+    hits: list[list[int]]  # per head, per rank: rank-i hits
+    loss_sum: list[float]  # per head: summed hard CE
+    tokens: int = 0
+
+    @property
+    def table(self) -> list[list[float]]:
+        return [[h / max(n, 1) for h in row] for row, n in zip(self.hits, self.counts)]
+
+    def topk(self, k: int) -> list[float]:
+        """Per head: fraction of positions whose true token is within the top-k."""
+        return [sum(row[:k]) / max(n, 1) for row, n in zip(self.hits, self.counts)]
+
+    @property
+    def loss(self) -> list[float]:
+        return [s / max(n, 1) for s, n in zip(self.loss_sum, self.counts)]
+
+
+@torch.no_grad()
+def head_accuracy(backbone, heads: MedusaHeads, data: Path, max_len: int = 512, batch_size: int = 4, ranks: int = 10,
+                  max_tokens: int = 0, chunk: int = 128) -> HeadAccuracy:
+    """Per-head rank hits and CE on ``data`` (up to ``max_tokens`` input tokens; 0: all)."""
+    K = heads.config.num_heads
+    device = next(heads.parameters()).device
+    acc = HeadAccuracy(ranks=ranks, counts=[0] * K, hits=[[0] * ranks for _ in range(K)], loss_sum=[0.0] * K)
+    decoder = backbone.get_decoder()
+    for batch in iter_batches(Path(data), max_len, batch_size, epoch=0):
+        ids = batch["input_ids"].to(device)
+        hidden = decoder(input_ids=ids, attention_mask=batch["attention_mask"].to(device), use_cache=False).last_hidden_state
+        hidden = hidden.to(heads.lm_heads[0].weight.dtype)  # (B, T, H)
+        acc.tokens += int(batch["attention_mask"].sum())
+        for k in range(K):
+            tgt, valid = shifted_targets(ids, batch["loss_mask"].to(device), k + 2)  # (B, T)
+            for s in range(0, ids.shape[1], chunk):
+                v = valid[:, s : s + chunk]
+                if not v.any():
+                    continue
+                logits = heads.head_logits(hidden[:, s : s + chunk][v], k)  # (N, V)
+                t = tgt[:, s : s + chunk][v]  # (N,)
+                top = logits.topk(ranks, -1).indices  # (N, ranks)
+                hit = (top == t[:, None]).sum(0)  # (ranks,)
+                for i in range(ranks):
+                    acc.hits[k][i] += int(hit[i])
+                acc.counts[k] += int(v.sum())
+                acc.loss_sum[k] += float(hard_ce(logits, t).sum())
+        if max_tokens and acc.tokens >= max_tokens:
+            break
+    return acc
+
+
+@dataclass
+class CalibrateConfig:
+    heads: str
+    data: str
+    out: str | None = None  # default: the heads folder
+    model: str | None = None  # default: the base model recorded with the heads (merged backbone for Medusa-2)
+    nodes: int = 63
+    ranks: int = 10
+    max_len: int = 512
+    batch_size: int = 4
+    max_tokens: int = 0
+    plots: bool = True
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1:
+            raise ConfigError(f"--nodes must be >= 1; got {self.nodes}")
+        if not 1 <= self.ranks <= 10:
+            raise ConfigError(f"--ranks must be between 1 and 10; got {self.ranks}")
+        if self.max_len < 3 or self.batch_size < 1 or self.max_tokens < 0:
+            raise ConfigError("--max-len must be >= 3, --batch-size >= 1, --max-tokens >= 0")
+
+
+@dataclass
+class CalibrationResult:
+    out: str
+    nodes: int
+    expected_acceptance_length: float
+    cartesian: dict  # {"spec": [...], "nodes": n, "expected_acceptance_length": x} of the same size when one exists
+    accuracy: list[list[float]]
+    top1: list[float]
+    positions: list[int]
+    curve: list[float] = field(default_factory=list)  # EAL of the greedy tree with n = 1..nodes nodes
+
+
+def best_cartesian_of_size(acc: list[list[float]], nodes: int) -> tuple[list[int], float] | None:
+    """The Cartesian tree (non-increasing top-k per head) with exactly ``nodes`` nodes and the best EAL."""
+    K, R = len(acc), len(acc[0])
+    best = None
+
+    def size(ks):
+        total, prod = 0, 1
+        for k in ks:
+            prod *= k
+            total += prod
+        return total
+
+    def rec(prefix):
+        nonlocal best
+        if prefix and size(prefix) == nodes:
+            e = expected_acceptance_length(cartesian_tree(prefix), acc)
+            if best is None or e > best[1]:
+                best = (list(prefix), e)
+        if len(prefix) == K or (prefix and size(prefix) >= nodes):
+            return
+        top = prefix[-1] if prefix else R
+        for k in range(1, top + 1):
+            if size(prefix + [k]) <= nodes:
+                rec(prefix + [k])
+
+    rec([])
+    return best
+
+
+def calibrate(cfg: CalibrateConfig) -> CalibrationResult:
+    from transformers import AutoModelForCausalLM
+
+    from distill.models import resolve_model
+
+    heads_dir = Path(cfg.heads)
+    heads = MedusaHeads.load(heads_dir)
+    meta = read_distill_meta(heads_dir)
+    model = cfg.model
+    if model is None:
+        base = meta.get("base_model", {})
+        if meta.get("merged_model"):
+            model = str(heads_dir / meta["merged_model"])
+        elif meta.get("adapter"):
+            raise ConfigError(f"{heads_dir} holds Medusa-2 heads with an unmerged adapter: train with --merge-adapter or pass --model")
+        else:
+            model = base.get("path") or base.get("id")
+    resolved = resolve_model(model)
+    backbone = AutoModelForCausalLM.from_pretrained(resolved.path, dtype=torch.float32).eval()
+    if backbone.get_output_embeddings().weight.shape[0] != heads.config.vocab_size:
+        raise ConfigError(f"the heads have a {heads.config.vocab_size}-token vocabulary but {resolved.name} has another: pass the right --model")
+    stats = head_accuracy(backbone, heads, Path(cfg.data), cfg.max_len, cfg.batch_size, cfg.ranks, cfg.max_tokens)
+    if min(stats.counts) == 0:
+        raise ConfigError(f"{cfg.data} has no generated token {heads.config.num_heads + 1} positions ahead: use more held-out data")
+    acc = stats.table
+    capacity = sum(cfg.ranks ** d for d in range(1, heads.config.num_heads + 1))
+    nodes = min(cfg.nodes, capacity)
+    if nodes != cfg.nodes:
+        raise ConfigError(f"--nodes {cfg.nodes} exceeds the {capacity} paths of {heads.config.num_heads} heads x top-{cfg.ranks}")
+    tree = sparse_tree(acc, nodes)
+    eal = expected_acceptance_length(tree, acc)
+    curve = [expected_acceptance_length(sparse_tree(acc, n), acc) for n in range(1, nodes + 1)]
+    cart = best_cartesian_of_size(acc, nodes)
+    cart_doc = {"spec": cart[0], "nodes": nodes, "expected_acceptance_length": cart[1]} if cart else {}
+    out = Path(cfg.out) if cfg.out else heads_dir
+    out.mkdir(parents=True, exist_ok=True)
+    save_tree(out / "tree.json", tree, heads.config.num_heads, accuracy=acc, expected_acceptance_length=eal, source="calibrate")
+    result = CalibrationResult(out=str(out), nodes=nodes, expected_acceptance_length=eal, cartesian=cart_doc, accuracy=acc,
+                               top1=stats.topk(1), positions=stats.counts, curve=curve)
+    doc = {"heads": str(heads_dir), "data": str(cfg.data), "model": resolved.model_id, "config": asdict(cfg),
+           "ranks": cfg.ranks, "accuracy": acc, "positions": stats.counts, "tokens": stats.tokens,
+           "top1": stats.topk(1), "top5": stats.topk(5), "loss": stats.loss, "nodes": nodes,
+           "expected_acceptance_length": eal, "cartesian": cart_doc, "curve": curve}
+    atomic_write_bytes(out / CALIBRATION_FILE, (json.dumps(doc, indent=1) + "\n").encode())
+    if cfg.plots:
+        plot_tree(tree, acc, out / "tree.png")
+        plot_curve(curve, out / "acceptance.png", cart_doc)
+    return result
+
+
+def plot_tree(tree, acc, path: Path) -> None:
+    """Nodes by depth (x) in tree order (y), edges parent -> child, labelled with the rank, shaded by path probability."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from distill.heads.tree import path_probability
+
+    by_depth: dict[int, list] = {}
+    for p in tree:
+        by_depth.setdefault(len(p), []).append(p)
+    pos = {(): (0, 0.0)}
+    for d in sorted(by_depth):
+        n = len(by_depth[d])
+        for i, p in enumerate(by_depth[d]):
+            pos[p] = (d, (i - (n - 1) / 2))
+    fig, ax = plt.subplots(figsize=(2 + 2 * max(by_depth), max(4, 0.22 * max(len(v) for v in by_depth.values()))))
+    for p in tree:
+        (x0, y0), (x1, y1) = pos[p[:-1]], pos[p]
+        ax.plot([x0, x1], [y0, y1], color="0.7", lw=0.8, zorder=1)
+    probs = [path_probability(p, acc) for p in tree]
+    sc = ax.scatter([pos[p][0] for p in tree], [pos[p][1] for p in tree], c=probs, cmap="viridis", s=40, zorder=2)
+    for p in tree:
+        ax.annotate(str(p[-1]), pos[p], fontsize=6, ha="center", va="center", color="white", zorder=3)
+    ax.scatter([0], [0], c="black", s=60, zorder=2)
+    ax.set_xticks(range(0, max(by_depth) + 1), ["root"] + [f"head {d}" for d in range(1, max(by_depth) + 1)])
+    ax.set_yticks([])
+    fig.colorbar(sc, ax=ax, label="path probability")
+    ax.set_title(f"sparse tree, {len(tree)} nodes (label: rank)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_curve(curve: list[float], path: Path, cart: dict | None = None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(range(1, len(curve) + 1), curve, label="greedy sparse tree")
+    if cart:
+        ax.scatter([cart["nodes"]], [cart["expected_acceptance_length"]], color="red", zorder=3,
+                   label=f"best Cartesian {cart['spec']}")
+    ax.set_xlabel("nodes")
+    ax.set_ylabel("expected acceptance length (tokens/step)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

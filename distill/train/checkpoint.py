@@ -1,0 +1,115 @@
+"""Checkpoints without pickles: safetensors for tensors, JSON for everything else.
+
+A checkpoint folder ``checkpoints/step-NNNNNN/`` holds
+
+``trainable.safetensors``  every trainable parameter (heads, LoRA) by name
+``optimizer.safetensors``  optimizer state tensors, keyed ``{param index}.{name}``
+``rng.safetensors``        torch CPU (and CUDA) RNG states
+``state.json``             step, data position, scheduler state, optimizer scalars and
+                           param groups, python/numpy RNG states, the run config
+
+It is written to a temporary folder and renamed into place, so a crash never
+leaves a half checkpoint that counts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from distill.errors import ConfigError
+
+CHECKPOINTS = "checkpoints"
+
+
+def _optimizer_to_files(sd: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    tensors, scalars = {}, {}
+    for idx, st in sd["state"].items():
+        for name, v in st.items():
+            if torch.is_tensor(v):
+                tensors[f"{idx}.{name}"] = v.detach().cpu().contiguous()
+            else:
+                scalars.setdefault(str(idx), {})[name] = v
+    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+
+
+def _optimizer_from_files(tensors: dict[str, torch.Tensor], doc: dict) -> dict:
+    state: dict[int, dict] = {}
+    for key, v in tensors.items():
+        idx, name = key.split(".", 1)
+        state.setdefault(int(idx), {})[name] = v
+    for idx, st in doc["scalars"].items():
+        state.setdefault(int(idx), {}).update(st)
+    return {"state": state, "param_groups": doc["param_groups"]}
+
+
+def rng_state() -> tuple[dict[str, torch.Tensor], dict]:
+    tensors = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"torch_cuda_{i}"] = s
+    py = random.getstate()
+    np_state = np.random.get_state()
+    doc = {"python": [py[0], list(py[1]), py[2]],
+           "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])]}
+    return tensors, doc
+
+
+def set_rng_state(tensors: dict[str, torch.Tensor], doc: dict) -> None:
+    torch.set_rng_state(tensors["torch_cpu"])
+    cuda = [tensors[k] for k in sorted(k for k in tensors if k.startswith("torch_cuda_"))]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
+    v, st, g = doc["python"]
+    random.setstate((v, tuple(st), g))
+    name, keys, pos, has_gauss, cached = doc["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+def save_checkpoint(out: Path, step: int, trainable: dict[str, torch.Tensor], optimizer_sd: dict, state: dict) -> Path:
+    root = Path(out) / CHECKPOINTS
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{step:06d}"
+    tmp = Path(tempfile.mkdtemp(prefix=f".step-{step:06d}-", dir=root))
+    try:
+        save_file({k: v.detach().cpu().contiguous() for k, v in trainable.items()}, str(tmp / "trainable.safetensors"))
+        opt_tensors, opt_doc = _optimizer_to_files(optimizer_sd)
+        save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
+        rng_tensors, rng_doc = rng_state()
+        save_file(rng_tensors, str(tmp / "rng.safetensors"))
+        doc = {**state, "step": step, "optimizer": opt_doc, "rng": rng_doc}
+        (tmp / "state.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    root = Path(out) / CHECKPOINTS
+    found = sorted(p for p in root.glob("step-*") if p.is_dir() and (p / "state.json").is_file()) if root.is_dir() else []
+    return found[-1] if found else None
+
+
+def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict, dict]:
+    """-> (trainable tensors, optimizer state dict, state document); restores nothing by itself."""
+    path = Path(path)
+    try:
+        doc = json.loads((path / "state.json").read_text())
+        trainable = load_file(str(path / "trainable.safetensors"))
+        opt = _optimizer_from_files(load_file(str(path / "optimizer.safetensors")), doc["optimizer"])
+        doc["rng_tensors"] = load_file(str(path / "rng.safetensors"))
+    except (OSError, ValueError, KeyError) as exc:
+        raise ConfigError(f"checkpoint {path} is unreadable ({exc}); delete it to resume from an earlier one") from None
+    return trainable, opt, doc

@@ -1,0 +1,228 @@
+"""Medusa training losses: pure tensor functions, computed in chunks over time.
+
+Terms
+-----
+offset
+    how far ahead a term predicts: the base LM head reads h_t and predicts token
+    t+1 (offset 1); Medusa head k (1-based) predicts token t+k+1 (offset k+1).
+    For hidden state h_t the term's target is ``input_ids[t + offset]``, valid where
+    ``loss_mask[t + offset]`` (the teacher generated that token) and t + offset < T.
+teacher row
+    the stored teacher top-k at position s is the distribution token s was drawn
+    from; the term's teacher target for h_t is teacher row t + offset.
+bucketed teacher distribution
+    the teacher's top-k probabilities plus one *tail bucket* holding the remaining
+    mass ``1 - Σ top-k`` (0 below ``TAIL_EPS``), renormalized to sum to one (quantization can push the sum
+    a hair above 1). The student is scored on the same K+1 buckets: its
+    probabilities of the K ids plus the total of every other id.
+hard CE
+    ``-log p_student(target)``.
+soft CE
+    ``-Σ_b q_b log s_b`` over the K+1 buckets (equals hard CE for a one-hot teacher).
+KL
+    ``Σ_b q_b (log q_b - log s_b)``, the Medusa-2 ``L_LM`` on self-distilled data
+    (equals the dense KL when K is the whole vocabulary: the tail bucket is empty).
+Medusa-1 loss
+    ``Σ_k decay^k · CE_k`` over heads k = 1..K (decay 0.8), each CE the mean over
+    that head's valid positions.
+
+Memory: no function here builds (B, T, K, V). :func:`chunked_term_losses` walks T
+in chunks of ``chunk`` positions; each chunk's logits are made inside
+``torch.utils.checkpoint`` so autograd keeps only the hidden chunk and recomputes
+the logits during backward. Peak memory grows with the chunk, not with T·K·V.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+LOSS_KINDS = ("hard", "soft", "kl")
+
+
+TAIL_EPS = 1e-6  # tail mass below this is float rounding of a top-k that covers the distribution
+
+
+def _up(x: torch.Tensor) -> torch.Tensor:
+    """Half-precision inputs are computed in float32; float32/64 stay as they are."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
+def head_weights(num_heads: int, decay: float = 0.8) -> torch.Tensor:
+    """Medusa-1 weights ``decay^k`` for heads k = 1..K: (K,)."""
+    return torch.tensor([decay ** k for k in range(1, num_heads + 1)], dtype=torch.float32)
+
+
+def shift_left(x: torch.Tensor, offset: int, fill) -> torch.Tensor:
+    """``out[:, t] = x[:, t + offset]``, ``fill`` where t + offset >= T. x: (B, T, ...)."""
+    out = torch.full_like(x, fill)
+    if offset < x.shape[1]:
+        out[:, : x.shape[1] - offset] = x[:, offset:]
+    return out
+
+
+def shifted_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hard targets and their validity for a term of ``offset``: (B, T) ids, (B, T) bool."""
+    return shift_left(input_ids, offset, 0), shift_left(loss_mask.bool(), offset, False)
+
+
+def teacher_buckets(teacher_lp: torch.Tensor) -> torch.Tensor:
+    """Teacher top-k logprobs (..., K) -> bucket probabilities (..., K+1), tail last, summing to 1.
+
+    Rows with no teacher (all -inf) come out as all zeros; callers mask them.
+    """
+    p = _up(teacher_lp).exp()  # (..., K); exp(-inf) = 0
+    tail = 1.0 - p.sum(-1, keepdim=True)  # (..., 1)
+    tail = torch.where(tail > TAIL_EPS, tail, torch.zeros_like(tail))  # rounding noise is no mass
+    q = torch.cat([p, tail], -1)  # (..., K+1)
+    total = q.sum(-1, keepdim=True)
+    return torch.where(total > 0, q / total.clamp_min(1e-30), torch.zeros_like(q))
+
+
+def student_bucket_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Student log-probabilities of the teacher's K ids and of the tail: logits (..., V), ids (..., K) -> (..., K+1).
+
+    ids < 0 (no teacher) are treated as index 0; callers mask those rows. The tail
+    is ``logsumexp`` of every id not among ``ids`` (-inf when the ids cover the vocabulary).
+    """
+    logits = _up(logits)
+    lse = torch.logsumexp(logits, -1, keepdim=True)  # (..., 1)
+    safe = ids.clamp_min(0)
+    top = logits.gather(-1, safe) - lse  # (..., K)
+    masked = logits.scatter(-1, safe, float("-inf"))  # (..., V): the tail ids only
+    tail = torch.logsumexp(masked, -1, keepdim=True) - lse  # (..., 1)
+    return torch.cat([top, tail], -1)
+
+
+def _xlogy(q: torch.Tensor, logs: torch.Tensor) -> torch.Tensor:
+    """q * logs with 0 * anything = 0 (the empty tail bucket has log 0 = -inf)."""
+    return torch.where(q > 0, q * logs, torch.zeros_like(q))
+
+
+def hard_ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per-position ``-log p(target)``: logits (..., V), targets (...) -> (...)."""
+    flat = _up(logits.reshape(-1, logits.shape[-1]))
+    return F.cross_entropy(flat, targets.reshape(-1), reduction="none").reshape(targets.shape)
+
+
+def soft_ce(logits: torch.Tensor, teacher_ids: torch.Tensor, teacher_lp: torch.Tensor) -> torch.Tensor:
+    """Per-position CE against the bucketed teacher: (..., V), (..., K), (..., K) -> (...)."""
+    q = teacher_buckets(teacher_lp)  # (..., K+1)
+    s = student_bucket_logprobs(logits, teacher_ids)  # (..., K+1)
+    return -_xlogy(q, s).sum(-1)
+
+
+def sparse_kl(logits: torch.Tensor, teacher_ids: torch.Tensor, teacher_lp: torch.Tensor) -> torch.Tensor:
+    """Per-position ``KL(teacher || student)`` over the K+1 buckets: (..., V), (..., K), (..., K) -> (...)."""
+    q = teacher_buckets(teacher_lp)  # (..., K+1)
+    s = student_bucket_logprobs(logits, teacher_ids)  # (..., K+1)
+    return (_xlogy(q, q.clamp_min(1e-30).log()) - _xlogy(q, s)).sum(-1)
+
+
+def topk_hits(logits: torch.Tensor, targets: torch.Tensor, ks: Sequence[int] = (1, 5)) -> list[torch.Tensor]:
+    """Per-position hit indicators (target within the top-k) for each k: (..., V), (...) -> [(...) bool]."""
+    top = logits.topk(max(ks), dim=-1).indices  # (..., max k)
+    eq = top == targets.unsqueeze(-1)
+    return [eq[..., :k].any(-1) for k in ks]
+
+
+@dataclass
+class Term:
+    """One loss term: a logits function on hidden states, how far ahead it predicts, and its loss kind."""
+
+    logits_fn: Callable[[torch.Tensor], torch.Tensor]  # (B, c, H) -> (B, c, V)
+    offset: int
+    kind: str = "hard"  # hard | soft | kl
+
+    def __post_init__(self) -> None:
+        if self.kind not in LOSS_KINDS:
+            raise ValueError(f"loss kind must be one of {LOSS_KINDS}; got {self.kind!r}")
+        if self.offset < 1:
+            raise ValueError(f"offset must be >= 1; got {self.offset}")
+
+
+@dataclass
+class TermStats:
+    """Sums over valid positions for one term (detached), to be averaged by the caller."""
+
+    loss_sum: float
+    top1: float
+    top5: float
+    count: float
+
+
+def _chunk_fn(term: Term, with_stats: bool):
+    def run(h, tgt, valid, t_ids, t_lp):
+        logits = term.logits_fn(h)  # (B, c, V)
+        if term.kind == "hard":
+            per = hard_ce(logits, tgt)
+        elif term.kind == "soft":
+            per = soft_ce(logits, t_ids, t_lp)
+        else:
+            per = sparse_kl(logits, t_ids, t_lp)
+        v = valid.to(per.dtype)
+        loss = (per * v).sum()
+        if not with_stats:
+            return loss, loss.new_zeros(()), loss.new_zeros(())
+        with torch.no_grad():
+            h1, h5 = topk_hits(logits.detach(), tgt)
+            return loss, (h1 & valid).sum().float(), (h5 & valid).sum().float()
+
+    return run
+
+
+def chunked_term_losses(
+    hidden: torch.Tensor,
+    terms: Sequence[Term],
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    teacher_ids: torch.Tensor | None = None,
+    teacher_lp: torch.Tensor | None = None,
+    chunk: int = 128,
+    recompute: bool = True,
+    with_stats: bool = True,
+) -> tuple[torch.Tensor, list[TermStats]]:
+    """Mean loss of every term over its valid positions, walking T in chunks.
+
+    hidden (B, T, H); input_ids, loss_mask (B, T); teacher_ids, teacher_lp (B, T, Kt)
+    aligned with input_ids (needed by soft and kl terms). Returns (n_terms,) mean
+    losses (0 for a term with no valid position) and per-term summed stats.
+    With ``recompute`` and grad enabled, each chunk's logits are rebuilt in backward.
+    """
+    B, T, _ = hidden.shape
+    needs_teacher = any(t.kind != "hard" for t in terms)
+    if needs_teacher and (teacher_ids is None or teacher_lp is None):
+        raise ValueError("soft and kl terms need the teacher top-k")
+    losses, stats = [], []
+    for term in terms:
+        tgt, valid = shifted_targets(input_ids, loss_mask, term.offset)  # (B, T), (B, T)
+        if needs_teacher:
+            t_ids = shift_left(teacher_ids, term.offset, -1)  # (B, T, Kt)
+            t_lp = shift_left(teacher_lp, term.offset, float("-inf"))  # (B, T, Kt)
+            valid = valid & (t_ids[..., 0] >= 0)
+        count = valid.sum()
+        fn = _chunk_fn(term, with_stats)
+        total = hidden.new_zeros((), dtype=torch.float64 if hidden.dtype == torch.float64 else torch.float32)
+        h1 = h5 = 0.0
+        for s in range(0, T, chunk):
+            e = min(T, s + chunk)
+            if not bool(valid[:, s:e].any()):
+                continue
+            args = (hidden[:, s:e], tgt[:, s:e], valid[:, s:e],
+                    t_ids[:, s:e] if needs_teacher else None, t_lp[:, s:e] if needs_teacher else None)
+            if recompute and torch.is_grad_enabled():
+                loss, c1, c5 = checkpoint(fn, *args, use_reentrant=False)
+            else:
+                loss, c1, c5 = fn(*args)
+            total = total + loss
+            h1 += float(c1)
+            h5 += float(c5)
+        n = float(count)
+        losses.append(total / max(n, 1.0))
+        stats.append(TermStats(loss_sum=float(total.detach()), top1=h1, top5=h5, count=n))
+    return torch.stack(losses), stats
+

@@ -1,0 +1,425 @@
+"""The ``distill train-heads`` trainer: Medusa-1 / Medusa-2 with accelerate.
+
+Terms
+-----
+Medusa-1
+    the backbone is frozen (its hidden states are computed without grad); only the
+    heads train, on ``L_medusa1 = Σ_k decay^k · CE_k`` (hard or soft targets).
+Medusa-2
+    LoRA adapters on the backbone train together with the heads on
+    ``L = L_LM + λ0 · L_medusa1``; ``L_LM = KL(p_teacher || p_student)`` of the base
+    LM head against the stored teacher top-k (tail bucket included). The heads'
+    learning rate is ``heads_lr_ratio`` (4) × the backbone's.
+λ0 schedule
+    ``sine``: λ0 · sin(π/2 · min(1, step / lambda0_warmup)); ``two-stage``: for the
+    first ``lambda0_warmup`` steps the backbone is frozen and only ``L_medusa1``
+    trains the heads, then the joint loss with λ0; ``constant``: λ0 throughout.
+step
+    one optimizer step = ``grad_accum`` micro-batches on every process.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import resource
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from distill.errors import ConfigError
+from distill.heads.model import HeadsConfig, MedusaHeads
+from distill.train import checkpoint as ckpt
+from distill.train.config import TrainConfig
+from distill.store import manifest_encoding
+from distill.train.data import count_tokens, dataset_meta, iter_batches, iter_examples
+from distill.train.losses import Term, TermStats, chunked_term_losses, head_weights
+
+METRICS_FILE = "metrics.jsonl"
+TRAIN_META_FILE = "distill-train.json"
+
+
+def joint_at(cfg: TrainConfig, step: int) -> bool:
+    """Whether step ``step`` trains the backbone (Medusa-2 outside stage 1 of the two-stage schedule)."""
+    return cfg.mode == "medusa2" and not (cfg.lambda0_schedule == "two-stage" and step < cfg.lambda0_warmup)
+
+
+def lambda0_at(cfg: TrainConfig, step: int) -> float:
+    """λ0 at optimizer step ``step`` (0-based); 0 means stage 1 of the two-stage schedule."""
+    w = cfg.lambda0_warmup
+    if cfg.lambda0_schedule == "constant" or w == 0:
+        return cfg.lambda0
+    if cfg.lambda0_schedule == "two-stage":
+        return 0.0 if step < w else cfg.lambda0
+    return cfg.lambda0 * math.sin(0.5 * math.pi * min(1.0, (step + 1) / w))
+
+
+def lr_factor(step: int, warmup: int, total: int) -> float:
+    """Linear warm-up then cosine decay to 0 over ``total`` steps."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+class HeadsTrainModule(nn.Module):
+    """Backbone + heads; ``forward(batch, lam)`` returns the loss and per-term stats."""
+
+    def __init__(self, backbone: nn.Module, heads: MedusaHeads, cfg: TrainConfig):
+        super().__init__()
+        self.backbone = backbone
+        self.heads = heads
+        self.cfg = cfg
+        self.register_buffer("weights", head_weights(heads.config.num_heads, cfg.decay), persistent=False)
+
+    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Last hidden state after the final norm (what the LM head reads): (B, T, H)."""
+        return self.backbone.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+
+    def terms(self, with_lm: bool) -> list[Term]:
+        kind = "soft" if self.cfg.targets == "soft" else "hard"
+        out = [Term(lambda h, k=k: self.heads.head_logits(h, k), offset=k + 2, kind=kind) for k in range(self.heads.config.num_heads)]
+        if with_lm:
+            lm = self.backbone.get_output_embeddings()
+            out.append(Term(lambda h: lm(h), offset=1, kind="kl"))
+        return out
+
+    def forward(self, batch: dict[str, torch.Tensor], lam: float, joint: bool) -> tuple[torch.Tensor, list[TermStats]]:
+        """joint: Medusa-2 (backbone trains, ``L_LM + lam * L_medusa1``); else ``L_medusa1`` on a frozen backbone."""
+        if joint:
+            hidden = self.hidden_states(batch["input_ids"], batch["attention_mask"])  # (B, T, H)
+        else:
+            with torch.no_grad():
+                hidden = self.hidden_states(batch["input_ids"], batch["attention_mask"]).detach()  # (B, T, H)
+        hidden = hidden.to(self.heads.lm_heads[0].weight.dtype)
+        losses, stats = chunked_term_losses(
+            hidden, self.terms(with_lm=joint), batch["input_ids"], batch["loss_mask"],
+            batch["teacher_ids"], batch["teacher_lp"], chunk=self.cfg.loss_chunk,
+        )  # (K,) or (K+1,) with the LM term last
+        K = self.heads.config.num_heads
+        medusa1 = (losses[:K] * self.weights).sum()
+        loss = losses[K] + lam * medusa1 if joint else medusa1
+        return loss, stats
+
+
+@dataclass
+class TrainSummary:
+    out: str
+    steps: int
+    tokens: int
+    seconds: float
+    tokens_per_s: float
+    peak_memory_mb: float
+    final: dict = field(default_factory=dict)
+    stopped_early: bool = False
+
+
+def _peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def load_backbone(model_path: Path, device: torch.device, bf16: bool):
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    return model
+
+
+def build_heads(backbone, cfg: TrainConfig) -> MedusaHeads:
+    conf = backbone.config
+    lm = backbone.get_output_embeddings().weight
+    hcfg = HeadsConfig(hidden_size=conf.hidden_size, vocab_size=lm.shape[0], num_heads=cfg.heads,
+                       num_layers=cfg.layers, share_lm_head=cfg.share_lm_head)
+    return MedusaHeads(hcfg, lm_head_weight=lm.detach().float())
+
+
+def add_lora(backbone, cfg: TrainConfig):
+    from peft import LoraConfig, get_peft_model
+
+    targets = cfg.lora_targets if cfg.lora_targets == "all-linear" else [t.strip() for t in cfg.lora_targets.split(",") if t.strip()]
+    lcfg = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, target_modules=targets,
+                      task_type="CAUSAL_LM")
+    return get_peft_model(backbone, lcfg)
+
+
+def _make_optimizer(groups: list[dict], cfg: TrainConfig, device: torch.device):
+    use_8bit = cfg.optimizer == "adamw8bit" or (cfg.optimizer == "auto" and device.type == "cuda" and _has_bnb())
+    if use_8bit:
+        if not _has_bnb() or device.type != "cuda":
+            raise ConfigError("--optimizer adamw8bit needs bitsandbytes and a GPU (pip install bitsandbytes)")
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(groups, weight_decay=cfg.weight_decay), "adamw8bit"
+    return torch.optim.AdamW(groups, weight_decay=cfg.weight_decay), "adamw"
+
+
+def _has_bnb() -> bool:
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def count_batches(data: Path, max_len: int, batch_size: int, context: int = 0) -> int:
+    n = sum(1 for _ in iter_examples(data, max_len, context))
+    return math.ceil(n / batch_size)
+
+
+class Trainer:
+    """Runs one training run described by a :class:`TrainConfig` (``run()`` returns a :class:`TrainSummary`)."""
+
+    def __init__(self, cfg: TrainConfig, progress: bool | None = None):
+        self.cfg = cfg
+        self.progress = cfg.progress if progress is None else progress
+
+    def run(self) -> TrainSummary:
+        from accelerate import Accelerator
+
+        from distill.models import resolve_model
+
+        cfg = self.cfg
+        data = Path(cfg.data)
+        out = Path(cfg.out)
+        ds_meta = dataset_meta(data)
+        if manifest_encoding(ds_meta) is None and (cfg.targets == "soft" or cfg.mode == "medusa2"):
+            raise ConfigError(
+                f"{data} has no teacher top-k (made from seed text): train it with --targets hard --mode medusa1, "
+                "or regenerate it with `distill generate` for soft targets and Medusa-2's KL"
+            )
+        resolved = resolve_model(cfg.model)
+
+        on_gpu = torch.cuda.is_available()
+        bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and on_gpu)
+        from accelerate.utils import DistributedDataParallelKwargs
+
+        # Medusa-2's two-stage schedule leaves the LoRA parameters without grads in stage 1.
+        ddp = DistributedDataParallelKwargs(find_unused_parameters=cfg.mode == "medusa2")
+        accelerator = Accelerator(mixed_precision="bf16" if bf16 and on_gpu else "no", cpu=not on_gpu, kwargs_handlers=[ddp])
+        device = accelerator.device
+        world, rank = accelerator.num_processes, accelerator.process_index
+
+        out.mkdir(parents=True, exist_ok=True)
+        resume_from = ckpt.latest_checkpoint(out) if cfg.resume else None
+        if not cfg.resume and ckpt.latest_checkpoint(out) is not None:
+            raise ConfigError(f"{out} already holds checkpoints of a run: pass --resume to continue it or choose another --out")
+
+        random.seed(cfg.seed)
+        np.random.seed(cfg.seed)
+        torch.manual_seed(cfg.seed)
+
+        backbone = load_backbone(resolved.path, device, bf16 and on_gpu)
+        vocab = backbone.get_output_embeddings().weight.shape[0]
+        ds_vocab = ds_meta.get("model", {}).get("vocab_size")
+        if ds_vocab is not None and ds_vocab != vocab:
+            raise ConfigError(f"{data} was generated with a {ds_vocab}-token vocabulary but the model has {vocab}: pass the --model that made the data")
+        for p in backbone.parameters():
+            p.requires_grad_(False)
+        heads = build_heads(backbone, cfg)
+        if cfg.mode == "medusa2":
+            backbone = add_lora(backbone, cfg)
+            if cfg.gradient_checkpointing:
+                backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            backbone.train()
+        else:
+            backbone.eval()
+        module = HeadsTrainModule(backbone, heads, cfg).to(device)
+
+        head_params = [p for p in heads.parameters() if p.requires_grad]
+        lora_params = [p for n, p in backbone.named_parameters() if p.requires_grad]
+        groups = [{"params": head_params, "lr": cfg.lr, "name": "heads"}]
+        if lora_params:
+            groups.append({"params": lora_params, "lr": cfg.lr / cfg.heads_lr_ratio, "name": "lora"})
+        optimizer, opt_name = _make_optimizer(groups, cfg, device)
+        base_lrs = [g["lr"] for g in optimizer.param_groups]
+
+        total = cfg.steps or math.ceil(count_batches(data, cfg.max_len, cfg.batch_size, cfg.context) * cfg.epochs / (cfg.grad_accum * world))
+        if total < 1:
+            raise ConfigError(f"{data} holds no training window with a generated token")
+
+        module, optimizer = accelerator.prepare(module, optimizer)
+        trainable = {n: p for n, p in accelerator.unwrap_model(module).named_parameters() if p.requires_grad}
+
+        step, epoch, batches = 0, 0, 0
+        metrics_path = out / METRICS_FILE
+        if resume_from is not None:
+            tensors, opt_sd, doc = ckpt.load_checkpoint(resume_from)
+            if doc["config"] != cfg.run_key():
+                changed = sorted(k for k in cfg.run_key() if doc["config"].get(k) != cfg.run_key()[k])
+                raise ConfigError(f"--resume: {out} holds a run with different options ({', '.join(changed)}); use the same options or another --out")
+            with torch.no_grad():
+                for n, p in trainable.items():
+                    p.copy_(tensors[n].to(p.device, p.dtype))
+            optimizer.load_state_dict(opt_sd)
+            step, epoch, batches = doc["step"], doc["epoch"], doc["batches"]
+            ckpt.set_rng_state(doc["rng_tensors"], doc["rng"])
+            _truncate_metrics(metrics_path, step)
+        elif metrics_path.exists() and accelerator.is_main_process:
+            metrics_path.unlink()
+
+        writer = _tensorboard(out) if accelerator.is_main_process else None
+        bar = None
+        if self.progress and accelerator.is_main_process:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=total, initial=step, desc=f"train-heads {cfg.mode}", unit="step", dynamic_ncols=True)
+
+        stream = iter_batches(data, cfg.max_len, cfg.batch_size, epoch, cfg.seed, cfg.shuffle_buffer, skip=batches, context=cfg.context)
+        K = cfg.heads
+        t0 = time.monotonic()
+        tokens_run = 0
+        last: dict = {}
+        stop_at = min(total, step + cfg.stop_after) if cfg.stop_after else total
+
+        def next_batch():
+            nonlocal stream, epoch, batches
+            mine = None
+            for r in range(world):
+                b = next(stream, None)
+                if b is None:
+                    epoch, batches = epoch + 1, 0
+                    stream = iter_batches(data, cfg.max_len, cfg.batch_size, epoch, cfg.seed, cfg.shuffle_buffer, context=cfg.context)
+                    b = next(stream)
+                batches += 1
+                if r == rank:
+                    mine = b
+            return mine
+
+        while step < stop_at:
+            lam = lambda0_at(cfg, step) if cfg.mode == "medusa2" else 1.0
+            factor = lr_factor(step, cfg.warmup_steps, total)
+            for g, base in zip(optimizer.param_groups, base_lrs):
+                g["lr"] = base * factor
+            sums = np.zeros((K + 1, 4))  # per term: loss_sum, top1, top5, count
+            step_loss = 0.0
+            step_tokens = 0
+            for micro in range(cfg.grad_accum):
+                batch = {k: v.to(device) for k, v in next_batch().items()}
+                step_tokens += int(batch["attention_mask"].sum())
+                sync = micro == cfg.grad_accum - 1
+                ctx = accelerator.no_sync(module) if not sync and world > 1 else _null()
+                with ctx:
+                    loss, stats = module(batch, lam, joint_at(cfg, step))
+                    accelerator.backward(loss / cfg.grad_accum)
+                step_loss += float(loss.detach()) / cfg.grad_accum
+                for i, s in enumerate(stats):
+                    sums[i] += (s.loss_sum, s.top1, s.top5, s.count)
+            if cfg.max_grad_norm > 0:
+                accelerator.clip_grad_norm_([p for p in trainable.values()], cfg.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            tokens_run += step_tokens * world
+            record = _record(step, step_loss, sums, K, cfg, lam, optimizer, tokens_run, time.monotonic() - t0)
+            last = record
+            if accelerator.is_main_process and (step % cfg.log_every == 0 or step == stop_at):
+                with open(metrics_path, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+                if writer is not None:
+                    for key, v in record.items():
+                        if isinstance(v, (int, float)) and key != "step":
+                            writer.add_scalar(key, v, step)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{step_loss:.3f}", top1=f"{record.get('head1_top1', 0):.3f}")
+            if (cfg.save_every and step % cfg.save_every == 0) or step == stop_at:
+                accelerator.wait_for_everyone()
+                if accelerator.is_main_process:
+                    ckpt.save_checkpoint(out, step, trainable, optimizer.state_dict(),
+                                         {"epoch": epoch, "batches": batches, "config": cfg.run_key(), "optimizer_name": opt_name})
+        if bar is not None:
+            bar.close()
+        if writer is not None:
+            writer.close()
+        seconds = time.monotonic() - t0
+        summary = TrainSummary(out=str(out), steps=step, tokens=tokens_run, seconds=seconds,
+                               tokens_per_s=tokens_run / seconds if seconds > 0 else 0.0,
+                               peak_memory_mb=_peak_memory_mb(device), final=last, stopped_early=step < total)
+        if accelerator.is_main_process and step >= total:
+            self._write_outputs(accelerator.unwrap_model(module), resolved, ds_meta, summary, opt_name)
+        accelerator.wait_for_everyone()
+        return summary
+
+    def _write_outputs(self, module: HeadsTrainModule, resolved, ds_meta: dict, summary: TrainSummary, opt_name: str) -> None:
+        cfg = self.cfg
+        out = Path(cfg.out)
+        heads = module.heads.float()
+        extra = {
+            "base_model": {"id": resolved.model_id, "revision": resolved.revision, "path": str(resolved.path)},
+            "dataset": {"path": str(Path(cfg.data).resolve()), "model": ds_meta.get("model"), "teacher": ds_meta.get("teacher"),
+                        **count_tokens(Path(cfg.data))},
+            "train_config": cfg.to_dict(),
+            "optimizer": opt_name,
+            "metrics": {k: v for k, v in summary.__dict__.items() if k != "out"},
+        }
+        if cfg.mode == "medusa2":
+            backbone = module.backbone
+            backbone.save_pretrained(str(out / "adapter"), safe_serialization=True)
+            extra["adapter"] = "adapter"
+            if cfg.merge_adapter:
+                merged = backbone.merge_and_unload()
+                merged.save_pretrained(str(out / "merged"), safe_serialization=True)
+                from transformers import AutoTokenizer
+
+                AutoTokenizer.from_pretrained(resolved.path).save_pretrained(str(out / "merged"))
+                extra["merged_model"] = "merged"
+        heads.save(out, extra=extra)
+
+
+def _record(step, step_loss, sums, K, cfg, lam, optimizer, tokens, seconds) -> dict:
+    rec = {"step": step, "loss": step_loss, "lr": optimizer.param_groups[0]["lr"], "tokens": tokens,
+           "tokens_per_s": tokens / seconds if seconds > 0 else 0.0}
+    if cfg.mode == "medusa2":
+        rec["lambda0"] = lam
+        if sums[K, 3] > 0:
+            rec["lm_kl"] = sums[K, 0] / sums[K, 3]
+            rec["lm_top1"] = sums[K, 1] / sums[K, 3]
+    for k in range(K):
+        n = max(sums[k, 3], 1.0)
+        rec[f"head{k + 1}_loss"] = sums[k, 0] / n
+        rec[f"head{k + 1}_top1"] = sums[k, 1] / n
+        rec[f"head{k + 1}_top5"] = sums[k, 2] / n
+    return rec
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)
+
+
+def read_metrics(out: Path) -> list[dict]:
+    path = Path(out) / METRICS_FILE
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _tensorboard(out: Path):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        return None
+    return SummaryWriter(log_dir=str(Path(out) / "tensorboard"))
+
+
+def train(cfg: TrainConfig, progress: bool | None = None) -> TrainSummary:
+    return Trainer(cfg, progress).run()

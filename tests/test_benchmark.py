@@ -1,0 +1,97 @@
+"""distill bench: statistics on synthetic runs, MT-Bench prompt selection, report files, and a real tiny run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from conftest import DISTILL
+from distill.benchmark import BenchConfig, BenchResult, Run, Sweep, SweepPoint, load_prompts
+from distill.benchmark.report import write_all
+from distill.benchmark.runner import summarize
+from distill.errors import ConfigError
+
+
+def run(pid, cat, mode, acc, tokens, steps, step_s, wall, ids=None) -> Run:
+    return Run(pid, cat, mode, acc, prompt_tokens=10, tokens=tokens, step_tokens=tokens - 1, steps=steps, step_seconds=step_s,
+               prefill_seconds=0.1, wall_seconds=wall, finish_reason="length", token_ids=ids or [1] * tokens)
+
+
+def test_group_stats_are_ratios_of_sums_per_category_and_overall():
+    runs = [
+        run("a", "math", "plain", "greedy", 11, 10, 1.0, 2.0, [1, 2]), run("a", "math", "medusa", "greedy", 11, 4, 0.6, 1.0, [1, 2]),
+        run("b", "code", "plain", "greedy", 21, 20, 2.0, 4.0, [3]), run("b", "code", "medusa", "greedy", 21, 5, 1.0, 2.0, [4]),
+    ]
+    groups = {g.category: g for g in summarize(runs)}
+    assert list(groups) == ["math", "code", "all"]
+    m = groups["math"]
+    assert m.acceleration_rate == pytest.approx(10 / 4)
+    assert m.plain_step_ms == pytest.approx(100) and m.medusa_step_ms == pytest.approx(150)
+    assert m.step_overhead == pytest.approx(1.5) and m.speedup == pytest.approx(2.0) and m.identical == 1
+    a = groups["all"]
+    assert a.acceleration_rate == pytest.approx(30 / 9) and a.speedup == pytest.approx((32 / 3) / (32 / 6))
+    assert a.identical == 1 and a.prompts == 2  # prompt b's Medusa output differs
+
+
+def test_typical_groups_do_not_claim_identity():
+    runs = [run("a", "x", "plain", "typical", 5, 4, 0.4, 0.5), run("a", "x", "medusa", "typical", 5, 2, 0.3, 0.4)]
+    assert all(g.identical is None for g in summarize(runs))
+
+
+def test_mt_bench_prompts_round_robin_over_categories():
+    prompts = load_prompts("mt-bench", limit=8)
+    assert len({p.category for p in prompts}) == 8
+    assert all(p.messages[-1]["role"] == "user" for p in prompts)
+    assert len(load_prompts("mt-bench")) == 80
+
+
+@pytest.mark.parametrize("options", [{"modes": ("fast",)}, {"limit": 0}, {"temperature": 0.0}, {"sweep_nodes": (0, 4)}])
+def test_bench_config_rejects_bad_options(options):
+    with pytest.raises(ConfigError):
+        BenchConfig(heads="h", **options)
+
+
+def test_report_files_are_written_from_stats(tmp_path):
+    runs = [run("a", "math", "plain", "greedy", 11, 10, 1.0, 2.0), run("a", "math", "medusa", "greedy", 11, 4, 0.6, 1.0)]
+    pts = [SweepPoint(0, 1, 0.01, 1.0, 1.0, 1.0), SweepPoint(4, 5, 0.012, 1.2, 2.0, 2.0 / 1.2)]
+    sweep = Sweep(128, 3, "test", [[0.5, 0.2]], pts, 4, 2.0 / 1.2, 0.05, "cpu")
+    res = BenchResult(BenchConfig(heads="h").to_dict(), "m", "d", "model", "h", {"nodes": 4, "source": "x", "nodes_used_at_batch_1": 4},
+                      summarize(runs), runs, sweep)
+    paths = write_all(res, tmp_path)
+    assert json.loads(paths["json"].read_text())["groups"][0]["speedup"] == pytest.approx(2.0)
+    md = paths["markdown"].read_text()
+    assert "| greedy | math |" in md and "Chosen node budget: **4**" in md
+    for key in ("plot", "sweep_plot"):
+        assert paths[key].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_bench_cli_runs_plain_vs_medusa_and_the_sweep_with_the_bundled_model(tmp_path, model_dir, cli_env):
+    """Fresh heads (zero residual blocks): greedy Medusa output must still equal plain decoding."""
+    from distill.heads import HeadsConfig, MedusaHeads
+    from distill.heads.tree import load_tree
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    from safetensors.torch import load_file
+
+    lm = load_file(str(model_dir / "model.safetensors"))["model.embed_tokens.weight"]
+    MedusaHeads(HeadsConfig(cfg["hidden_size"], cfg["vocab_size"], num_heads=2), lm_head_weight=lm).save(tmp_path / "heads")
+    out = tmp_path / "bench"
+    r = subprocess.run([DISTILL, "bench", "--heads", str(tmp_path / "heads"), "--limit", "2", "--max-tokens", "6", "--modes", "greedy",
+                        "--sweep-tree", "--sweep-nodes", "1,3", "--sweep-repeats", "1", "--sweep-context", "16", "--out", str(out), "-q"],
+                       capture_output=True, text=True, env=cli_env, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    data = json.loads((out / "bench.json").read_text())
+    overall = next(g for g in data["groups"] if g["category"] == "all")
+    assert overall["prompts"] == 2 and overall["identical"] == 2
+    assert overall["acceleration_rate"] >= 1.0 and overall["plain_tokens_per_s"] > 0
+    assert {g["category"] for g in data["groups"]} == {"writing", "roleplay", "all"}
+    assert [p["nodes"] for p in data["sweep"]["points"]] == [0, 1, 3]
+    best = data["sweep"]["best_nodes"]
+    if best:  # the chosen budget's sparse tree, ready for `distill serve --tree`
+        assert load_tree(out / "tree.json")["nodes"] == best
+    else:  # speculation does not pay on this machine: no tree is written
+        assert not (out / "tree.json").exists() and "plain decoding" in (out / "bench.md").read_text()
+    assert "| greedy | **all** |" in r.stdout

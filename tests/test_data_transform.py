@@ -1,0 +1,119 @@
+"""`distill data merge | dedupe | split` on real shards: new valid folders, inputs untouched, counts reported."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import DISTILL
+from distill.data.transform import dedupe, eval_side, merge, split, user_text_key
+from distill.data.validate import validate_dataset
+from distill.errors import ConfigError
+from distill.store import iter_rows
+from distill.store.shards import sha256_path
+
+pytestmark = pytest.mark.vllm
+
+
+def folder_digest(root):
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.iterdir())}
+
+
+def ids(root):
+    return [r["id"] for r in iter_rows(root, columns=["id"])]
+
+
+def test_split_is_deterministic_by_id_hash_and_leaves_the_input_alone(real_shards, tmp_path, cli_env):
+    before = folder_digest(real_shards)
+    r = subprocess.run([DISTILL, "data", "split", str(real_shards), "--eval-fraction", "0.3", "--out", str(tmp_path / "a"),
+                        "--shard-size", "4"], capture_output=True, text=True, env=cli_env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    train, evals = ids(tmp_path / "a" / "train"), ids(tmp_path / "a" / "eval")
+    assert summary["rows_out"] == {"train": len(train), "eval": len(evals)} and len(train) + len(evals) == 16
+    assert not set(train) & set(evals)
+    assert all(eval_side(i, 0.3) for i in evals) and not any(eval_side(i, 0.3) for i in train)
+    for side in ("train", "eval"):
+        report = validate_dataset(tmp_path / "a" / side)
+        assert report.ok, [str(p) for p in report.problems]
+    again = split(real_shards, tmp_path / "b", eval_fraction=0.3, shard_rows=100)
+    assert ids(tmp_path / "b" / "eval") == evals and again.rows_out["train"] == len(train)
+    assert folder_digest(real_shards) == before
+    r = subprocess.run([DISTILL, "data", "split", str(real_shards), "--out", str(tmp_path / "a")],
+                       capture_output=True, text=True, env=cli_env, timeout=120)
+    assert r.returncode == 2 and "already exists" in r.stderr
+
+
+def test_merge_of_a_split_restores_every_row(real_shards, tmp_path):
+    split(real_shards, tmp_path / "s", eval_fraction=0.4)
+    summary = merge([tmp_path / "s" / "train", tmp_path / "s" / "eval"], tmp_path / "m", shard_rows=5)
+    assert summary.rows_out == {"out": 16}
+    assert sorted(ids(tmp_path / "m")) == sorted(ids(real_shards))
+    assert validate_dataset(tmp_path / "m").ok
+    manifest = json.loads((tmp_path / "m" / "manifest.json").read_text())
+    assert manifest["meta"]["derived"]["op"] == "merge" and manifest["totals"]["shards"] == 4
+    assert manifest["meta"]["teacher"] == json.loads((real_shards / "manifest.json").read_text())["meta"]["teacher"]
+
+
+def test_merge_refuses_repeated_ids_unless_told_to_skip(real_shards, tmp_path):
+    with pytest.raises(ConfigError, match="already in an earlier input"):
+        merge([real_shards, real_shards], tmp_path / "m")
+    assert not (tmp_path / "m").exists() and not list(tmp_path.glob(".m.*"))  # nothing half-written is left
+    summary = merge([real_shards, real_shards], tmp_path / "m2", skip_duplicate_ids=True)
+    assert summary.rows_out == {"out": 16} and summary.dropped == {"duplicate_id": 16}
+
+
+def test_dedupe_keeps_the_first_of_each_user_text(real_shards, tmp_path):
+    rows = list(iter_rows(real_shards, columns=["id", "messages"]))
+    expected, seen = [], set()
+    for r in rows:
+        key = tuple(m["content"] for m in r["messages"] if m["role"] == "user")
+        if key not in seen:
+            seen.add(key)
+            expected.append(r["id"])
+    assert len(expected) < 16  # the bundled ShareGPT seed repeats some user turns
+
+    summary = dedupe(real_shards, tmp_path / "d", mode="exact")
+    assert ids(tmp_path / "d") == expected
+    assert summary.dropped == {"duplicate_exact": 16 - len(expected)}
+    rejects = [json.loads(line) for line in (tmp_path / "d" / "rejects.jsonl").read_text().splitlines()]
+    assert {r["id"] for r in rejects if r["stage"] == "dedupe"} == set(ids(real_shards)) - set(expected)
+    assert validate_dataset(tmp_path / "d").ok
+
+
+def test_dedupe_normalized_folds_case_and_whitespace(real_shards, tmp_path):
+    ds = shutil.copytree(real_shards, tmp_path / "ds")
+    original = next(iter_rows(real_shards))
+    users = [m["content"] for m in original["messages"] if m["role"] == "user"]
+    path = ds / "shard-00002.parquet"
+    table = pq.read_table(path)
+    rows = table.to_pylist()
+    victim = rows[0]
+    assert sum(m["role"] == "user" for m in victim["messages"]) == len(users)
+    shouted = iter(users)
+    for m in victim["messages"]:  # the first conversation's user turns, upper-cased and spaced out
+        if m["role"] == "user":
+            m["content"] = "  " + "   ".join(next(shouted).upper().split()) + "\n"
+    pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), path, compression="zstd")
+    manifest = json.loads((ds / "manifest.json").read_text())
+    manifest["shards"][2].update(bytes=path.stat().st_size, sha256=sha256_path(path))
+    (ds / "manifest.json").write_text(json.dumps(manifest))
+    assert validate_dataset(ds).ok
+
+    assert user_text_key(victim["messages"], "normalized") == user_text_key(original["messages"], "normalized")
+    assert user_text_key(victim["messages"], "exact") != user_text_key(original["messages"], "exact")
+    exact = dedupe(ds, tmp_path / "e", mode="exact")
+    norm = dedupe(ds, tmp_path / "n", mode="normalized")
+    assert victim["id"] in ids(tmp_path / "e") and victim["id"] not in ids(tmp_path / "n")
+    assert norm.dropped["duplicate_normalized"] >= 1
+    assert norm.dropped.get("duplicate_exact", 0) == exact.dropped.get("duplicate_exact", 0)
+    assert sum(norm.dropped.values()) + norm.rows_out["out"] == 16
+    rejects = [json.loads(line) for line in (tmp_path / "n" / "rejects.jsonl").read_text().splitlines()]
+    assert {"id": victim["id"], "reason": "duplicate_normalized"}.items() <= next(r for r in rejects if r["id"] == victim["id"]).items()
+    assert validate_dataset(tmp_path / "n").ok

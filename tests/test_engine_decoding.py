@@ -1,0 +1,174 @@
+"""The engine on the bundled model (float32): greedy Medusa == plain greedy, batched == batch 1, stops."""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+
+from distill.engine import Engine, EngineConfig, GenerationResult, SamplingParams, StepStats
+from distill.errors import ConfigError
+from distill.heads import HeadsConfig, MedusaHeads
+
+NEW_TOKENS = 24
+QUESTIONS = 4
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer) -> list[list[int]]:
+    """Chat-templated first turns of the first MT-Bench questions."""
+    from distill.seeds import load_seed
+
+    out = []
+    for conv in load_seed("mt-bench"):
+        if not hasattr(conv, "messages"):
+            continue
+        first = next(m for m in conv.messages if m.role == "user")
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": first.content}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=True)["input_ids"]
+        out.append(list(ids))
+        if len(out) == QUESTIONS:
+            break
+    assert len({len(p) for p in out}) > 1  # different lengths: left padding is exercised
+    return out
+
+
+def make_heads(model, random_w1: bool, seed: int = 0, num_heads: int = 4) -> MedusaHeads:
+    """Heads initialised from the LM head; random_w1 adds random residual weights so heads disagree with it."""
+    lm = model.get_output_embeddings().weight.detach()
+    heads = MedusaHeads(HeadsConfig(lm.shape[1], lm.shape[0], num_heads=num_heads), lm_head_weight=lm)
+    if random_w1:
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for block in heads.blocks:
+                for layer in block.layers:
+                    layer.weight.copy_(torch.randn(layer.weight.shape, generator=g) * 0.05)
+    return heads.eval()
+
+
+@pytest.fixture(scope="module")
+def plain_reference(hf_model, tokenizer, prompts) -> list[GenerationResult]:
+    """Plain greedy decoding, one prompt at a time."""
+    engine = Engine(hf_model, tokenizer, None, EngineConfig())
+    out = []
+    for p in prompts:
+        res, stats = engine.generate([p], [SamplingParams(max_tokens=NEW_TOKENS)])
+        assert stats.tree_nodes == 0 and res[0].accepted == [1] * res[0].steps
+        out.append(res[0])
+    return out
+
+
+@pytest.mark.parametrize("random_w1", [True, False], ids=["random-heads", "lm-head-heads"])
+def test_greedy_medusa_equals_plain_greedy_on_mt_bench(hf_model, tokenizer, prompts, plain_reference, random_w1):
+    engine = Engine(hf_model, tokenizer, make_heads(hf_model, random_w1),
+                    EngineConfig(tree="sparse-16", max_batch=QUESTIONS, speculate_max_batch=QUESTIONS))
+    results, stats = engine.generate(prompts, [SamplingParams(max_tokens=NEW_TOKENS)] * len(prompts))
+    assert stats.tree_nodes == 16 and stats.batch_size == QUESTIONS
+    assert max(a for r in results for a in r.accepted) >= 2  # candidates were accepted: the commit path ran
+    for res, ref in zip(results, plain_reference):
+        assert res.token_ids == ref.token_ids
+        assert res.finish_reason == ref.finish_reason
+        assert sum(res.accepted) >= len(res.token_ids) - 1  # every emitted token counted (last step may be cut)
+        assert res.steps <= ref.steps
+
+
+@pytest.fixture(scope="module")
+def trained_heads_dir(real_shards, tmp_path_factory):
+    """Heads briefly trained by distill.train (Medusa-1, 3 heads, shared LM head, a few steps) on the real shards."""
+    from distill.train import TrainConfig, train
+
+    out = tmp_path_factory.mktemp("engine-trained-heads") / "heads"
+    train(TrainConfig(data=str(real_shards), out=str(out), heads=3, share_lm_head=True, max_len=96, batch_size=2, steps=4,
+                      progress=False))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_greedy_medusa_with_trained_heads_equals_plain_greedy(trained_heads_dir, model_dir, prompts, plain_reference):
+    engine = Engine.from_pretrained(str(model_dir), trained_heads_dir,
+                                    EngineConfig(tree="3,2,2", max_batch=QUESTIONS, speculate_max_batch=QUESTIONS))
+    assert engine.heads is not None and engine.heads.config.num_heads == 3
+    assert any(float(layer.weight.detach().abs().max()) > 0 for b in engine.heads.blocks for layer in b.layers)  # trained
+    results, stats = engine.generate(prompts, [SamplingParams(max_tokens=NEW_TOKENS)] * len(prompts))
+    assert stats.tree_nodes == 3 + 6 + 12
+    for res, ref in zip(results, plain_reference):
+        assert res.token_ids == ref.token_ids
+
+
+def test_batched_decoding_equals_batch_one(hf_model, tokenizer, prompts, plain_reference):
+    """Medusa batch 1 per prompt and batch 4 (different accepted lengths, different max_tokens), plain batch 4."""
+    heads = make_heads(hf_model, random_w1=True, seed=1)
+    engine = Engine(hf_model, tokenizer, heads, EngineConfig(tree="3,2,1", max_batch=QUESTIONS, speculate_max_batch=QUESTIONS))
+    budgets = [16, 9, 16, 12]  # sequences leave the batch at different steps
+    params = [SamplingParams(max_tokens=n) for n in budgets]
+    single = [engine.generate([p], [sp])[0][0] for p, sp in zip(prompts, params)]
+    batched, stats = engine.generate(prompts, params)
+    plain, _ = engine.generate(prompts, params, speculative=False)
+    for one, many, flat, ref, n in zip(single, batched, plain, plain_reference, budgets):
+        assert one.token_ids == many.token_ids == flat.token_ids == ref.token_ids[:n]
+        assert one.accepted == many.accepted
+    assert stats.tree_nodes == 3 + 6 + 6
+
+
+def test_stop_tokens_cancellation_and_callbacks(hf_model, tokenizer, prompts, plain_reference):
+    engine = Engine(hf_model, tokenizer, make_heads(hf_model, random_w1=True), EngineConfig(tree="chain", speculate_max_batch=2))
+    ref = plain_reference[0].token_ids
+    stop_at = 5
+    seen: dict[int, list[int]] = {0: [], 1: []}
+
+    def on_tokens(i: int, new: list[int]) -> bool:
+        seen[i].extend(new)
+        return not (i == 1 and len(seen[1]) >= 3)
+
+    params = [SamplingParams(max_tokens=NEW_TOKENS, stop_token_ids=(ref[stop_at],)), SamplingParams(max_tokens=NEW_TOKENS)]
+    results, stats = engine.generate([prompts[0], prompts[0]], params, on_tokens=on_tokens)
+    first = ref.index(ref[stop_at])
+    assert results[0].finish_reason == "stop" and results[0].token_ids == ref[:first]
+    assert seen[0] == results[0].token_ids
+    assert results[1].finish_reason == "cancelled" and results[1].token_ids == seen[1] and len(seen[1]) >= 3
+    assert results[1].token_ids == ref[: len(seen[1])]
+    assert isinstance(stats, StepStats) and stats.tokens == len(results[0].token_ids) + len(results[1].token_ids)
+    assert len(stats.step_seconds) == stats.steps and stats.prefill_seconds > 0
+
+
+def test_heads_folder_with_tree_json_loads_through_from_pretrained(hf_model, tmp_path, model_dir, prompts, plain_reference):
+    from distill.heads.tree import save_tree
+
+    heads = make_heads(hf_model, random_w1=True, num_heads=3)
+    heads.save(tmp_path / "heads")
+    save_tree(tmp_path / "heads" / "tree.json", [(0,), (1,), (0, 0), (0, 0, 0)], num_heads=3,
+              accuracy=[[0.5, 0.2], [0.3, 0.1], [0.2, 0.1]], source="calibrate")
+    engine = Engine.from_pretrained(str(model_dir), tmp_path / "heads", EngineConfig(speculate_max_batch=1))
+    assert engine.tree is not None and engine.tree.paths == [(0,), (1,), (0, 0), (0, 0, 0)]
+    res, stats = engine.generate([prompts[1]], [SamplingParams(max_tokens=8)])
+    assert stats.tree_nodes == 4 and res[0].token_ids == plain_reference[1].token_ids[:8]
+
+
+def test_bad_requests_are_clear_errors(hf_model, tokenizer):
+    engine = Engine(hf_model, tokenizer, None, EngineConfig())
+    with pytest.raises(ConfigError, match="empty"):
+        engine.generate([[]], [SamplingParams()])
+    with pytest.raises(ConfigError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ConfigError, match="acceptance"):
+        EngineConfig(acceptance="lenient")
+    with pytest.raises(ConfigError, match="2 prompts but 1"):
+        engine.generate([[1], [2]], [SamplingParams()])
+
+
+def test_policy_shrinks_the_tree_as_the_batch_grows_and_turns_speculation_off(hf_model, tokenizer, prompts):
+    engine = Engine(hf_model, tokenizer, make_heads(hf_model, random_w1=True), EngineConfig(tree="sparse-24"))
+    sizes = [engine.tree_size_for(b) for b in (1, 2, 4, 8, 16, 32, 64)]
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] > 0 and sizes[-1] == 0
+    forced = Engine(hf_model, tokenizer, engine.heads, EngineConfig(tree="chain", speculate_max_batch=1, max_batch=2))
+    assert forced.tree_size_for(1) == 4 and forced.tree_size_for(2) == 0
+    results, stats = forced.generate(prompts[:2], [SamplingParams(max_tokens=4)] * 2)
+    assert stats.tree_nodes == 0 and all(r.accepted == [1] * r.steps for r in results)

@@ -1,0 +1,213 @@
+"""`distill push`: the dry-run folder loads with `datasets` and its card parses; the upload reaches a real
+HTTP server speaking the Hub API routes `huggingface_hub` uses (the Hub itself is unreachable here)."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import subprocess
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import DISTILL
+from distill.data.transform import split
+from distill.hub.card import CardOptions, reproduce_command, size_category
+from distill.store import shard_schema
+
+pytestmark = pytest.mark.vllm
+TOKEN = "hf_distillTestToken0123456789abcdef"
+
+
+def test_card_helpers():
+    assert [size_category(n) for n in (0, 999, 1000, 250_000)] == ["n<1K", "n<1K", "1K<n<10K", "100K<n<1M"]
+    with pytest.raises(ValueError, match="OWNER/NAME"):
+        CardOptions("no-owner")
+    meta = {"teacher": {"k": 4}, "config_key": {"model_id": "m/x", "seed": "sharegpt", "topk": 4, "temperature": 0.7},
+            "derived": {"op": "split", "eval_fraction": 0.1, "from": {"op": "dedupe", "mode": "exact", "from": None}}}
+    assert reproduce_command(meta).splitlines() == [
+        "distill generate --model m/x --seed sharegpt --temperature 0.7 --topk 4 --out data",
+        "distill data dedupe data --mode exact --out data-deduped",
+        "distill data split data --eval-fraction 0.1 --out data-split",
+    ]
+
+
+def test_dry_run_folder_loads_as_a_dataset_with_a_valid_card(real_shards, tmp_path, cli_env):
+    split(real_shards, tmp_path / "split", eval_fraction=0.3)
+    out = tmp_path / "dry"
+    r = subprocess.run([DISTILL, "push", str(tmp_path / "split"), "--repo", "someone/sharegpt-smol", "--dry-run", str(out),
+                        "--license", "apache-2.0"], capture_output=True, text=True, env=cli_env, timeout=180)
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    n_train, n_eval = summary["rows"]["train"], summary["rows"]["eval"]
+    assert n_train + n_eval == 16 and n_eval > 0
+    files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+    assert files == summary["files"]
+    assert {"README.md", "data/train/manifest.json", "data/eval/manifest.json", "data/train/rejects.jsonl"} <= set(files)
+
+    from huggingface_hub import DatasetCard
+
+    card = DatasetCard.load(out / "README.md")
+    d = card.data
+    assert d.license == "apache-2.0" and d.language == ["en"] and d.task_categories == ["text-generation"]
+    assert d.size_categories == ["n<1K"]
+    assert d.configs == [{"config_name": "default", "data_files": [{"split": "train", "path": "data/train/*.parquet"},
+                                                                    {"split": "eval", "path": "data/eval/*.parquet"}]}]
+    assert {s["name"]: s["num_examples"] for s in d.dataset_info["splits"]} == {"train": n_train, "eval": n_eval}
+    text = card.text
+    meta = json.loads((real_shards / "manifest.json").read_text())["meta"]
+    for needle in (meta["model"]["id"], meta["model"]["revision"], "temperature 0.7", "distill generate ", "--eval-fraction 0.3",
+                   "teacher_lp", "np.cumsum", "top-20"):
+        assert needle in text, needle
+
+    import datasets
+
+    loaded = datasets.load_dataset(str(out), cache_dir=str(tmp_path / "cache"))
+    assert set(loaded) == {"train", "eval"}
+    assert (loaded["train"].num_rows, loaded["eval"].num_rows) == (n_train, n_eval)
+    assert loaded["train"].features == datasets.Features.from_arrow_schema(shard_schema("uint16"))
+    assert loaded["eval"][0]["messages"][0]["role"] == "user"
+
+
+def test_push_refuses_an_invalid_dataset(real_shards, tmp_path, cli_env):
+    import shutil
+
+    ds = shutil.copytree(real_shards, tmp_path / "ds")
+    (ds / "shard-00001.parquet").unlink()
+    r = subprocess.run([DISTILL, "push", str(ds), "--repo", "a/b", "--dry-run", str(tmp_path / "dry")],
+                       capture_output=True, text=True, env=cli_env, timeout=120)
+    assert r.returncode == 2 and "shard-00001.parquet" in r.stderr and "not valid" in r.stderr
+
+
+class FakeHub:
+    """The Hub API routes create_repo + upload_folder call, over real HTTP: create, preupload, commit, revision."""
+
+    def __init__(self):
+        self.requests: list[tuple[str, str, str]] = []  # (method, path, authorization header)
+        self.created: list[dict] = []
+        self.commits: list[dict] = []
+        self.files: dict[str, bytes] = {}
+        self.validated: list[dict] = []
+        hub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _json(self, status, obj):
+                body = json.dumps(obj).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def _body(self) -> bytes:
+                return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+
+            def do_POST(self):
+                path = self.path.split("?")[0]
+                hub.requests.append(("POST", path, self.headers.get("Authorization", "")))
+                if self.headers.get("Authorization") != f"Bearer {TOKEN}":
+                    return self._json(401, {"error": "Invalid credentials"})
+                body = self._body()
+                if path == "/api/repos/create":
+                    hub.created.append(json.loads(body))
+                    req = hub.created[-1]
+                    return self._json(200, {"url": f"{hub.url}/datasets/{req['organization']}/{req['name']}"})
+                if path == "/api/validate-yaml":  # upload_folder checks a README's metadata before committing it
+                    req = json.loads(body)
+                    hub.validated.append(req)
+                    header = yaml.safe_load(req["content"].split("---")[1])
+                    missing = [k for k in ("license", "configs", "task_categories", "size_categories") if k not in header]
+                    if req["repoType"] != "dataset" or missing:
+                        return self._json(400, {"errors": [{"message": f"missing {missing}"}]})
+                    return self._json(200, {"warnings": []})
+                if "/preupload/" in path:
+                    files = json.loads(body)["files"]
+                    return self._json(200, {"files": [
+                        {"path": f["path"], "uploadMode": "regular", "shouldIgnore": False,
+                         "oid": hub.git_oid(hub.files[f["path"]]) if f["path"] in hub.files else None} for f in files]})
+                if "/commit/" in path:
+                    lines = [json.loads(line) for line in body.splitlines() if line.strip()]
+                    header = next(x["value"] for x in lines if x["key"] == "header")
+                    added = {}
+                    for x in lines:
+                        if x["key"] == "file":
+                            assert x["value"]["encoding"] == "base64"
+                            added[x["value"]["path"]] = base64.b64decode(x["value"]["content"])
+                    hub.files.update(added)
+                    oid = hashlib.sha1(f"commit{len(hub.commits)}".encode()).hexdigest()
+                    hub.commits.append({"path": path, "summary": header["summary"], "files": sorted(added), "oid": oid})
+                    repo = path.split("/api/datasets/")[1].split("/commit/")[0]
+                    return self._json(200, {"commitUrl": f"{hub.url}/datasets/{repo}/commit/{oid}", "commitOid": oid,
+                                            "success": True})
+                return self._json(404, {"error": f"no route {path}"})
+
+            def do_GET(self):
+                path = self.path.split("?")[0]
+                hub.requests.append(("GET", path, self.headers.get("Authorization", "")))
+                if "/revision/" in path:
+                    repo = path.split("/api/datasets/")[1].split("/revision/")[0]
+                    sha = hub.commits[-1]["oid"] if hub.commits else "0" * 40
+                    return self._json(200, {"id": repo, "sha": sha, "private": False,
+                                            "siblings": [{"rfilename": f} for f in sorted(hub.files)]})
+                return self._json(404, {"error": f"no route {path}"})
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    @staticmethod
+    def git_oid(data: bytes) -> str:
+        return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_push_uploads_through_huggingface_hub_to_a_local_endpoint(real_shards, tmp_path, cli_env):
+    dry = tmp_path / "dry"
+    env = dict(cli_env, HF_TOKEN=TOKEN, HF_HOME=str(tmp_path / "hf-home"), HF_HUB_DISABLE_TELEMETRY="1")
+    r = subprocess.run([DISTILL, "push", str(real_shards), "--repo", "someone/smol-distill", "--dry-run", str(dry)],
+                       capture_output=True, text=True, env=env, timeout=180)
+    assert r.returncode == 0, r.stderr
+    expected = {str(p.relative_to(dry)): p.read_bytes() for p in dry.rglob("*") if p.is_file()}
+
+    with FakeHub() as hub:
+        env["HF_ENDPOINT"] = hub.url
+        cmd = [DISTILL, "push", str(real_shards), "--repo", "someone/smol-distill", "--private"]
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+        assert r.returncode == 0, r.stderr
+        summary = json.loads(r.stdout)
+        assert hub.created == [{"name": "smol-distill", "organization": "someone", "visibility": "private", "type": "dataset"}]
+        assert len(hub.commits) >= 1 and all(c["path"] == "/api/datasets/someone/smol-distill/commit/main" for c in hub.commits)
+        assert hub.commits[0]["summary"].startswith("distill push: 16 conversations")
+        assert summary["commit_oid"] == hub.commits[-1]["oid"]
+        assert hub.files == expected  # exactly the dry-run folder, byte for byte
+        assert hub.validated and hub.validated[0]["content"] == expected["README.md"].decode()
+        assert all(auth == f"Bearer {TOKEN}" for _, _, auth in hub.requests)
+        for text in (r.stdout, r.stderr, hub.files["README.md"].decode()):
+            assert TOKEN not in text and TOKEN[3:] not in text
+
+        # Re-running resumes: every file is already there with the same content, so nothing is committed again.
+        n_commits = len(hub.commits)
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+        assert r.returncode == 0, r.stderr
+        assert len(hub.commits) == n_commits
+        assert TOKEN not in r.stdout + r.stderr
+
+        # A wrong token is refused by the server and reported in one line, without echoing the token.
+        bad = dict(env, HF_TOKEN="hf_wrongWrongWrong")
+        r = subprocess.run(cmd, capture_output=True, text=True, env=bad, timeout=300)
+        assert r.returncode == 2 and "HTTP 401" in r.stderr and "hf_wrongWrongWrong" not in r.stderr + r.stdout
+    assert Path(real_shards / "manifest.json").is_file()

@@ -1,0 +1,293 @@
+"""`distill serve` as a real process, driven by the official `openai` client.
+
+One server per fixture (module scope): the bundled model with freshly initialised
+heads (random residual weights), greedy answers checked token for token against the
+engine's plain decoding. A second, tiny-queue server checks HTTP 503. The last test
+stops the main server with SIGTERM.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from conftest import DISTILL
+
+pytestmark = pytest.mark.slow
+
+API_KEY = "test-key-123"
+MAX_TOKENS = 8
+START_TIMEOUT_S = 300  # model load on a busy 2-core machine
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def heads_dir(tmp_path_factory, model_dir) -> Path:
+    import torch
+    from safetensors.torch import load_file
+
+    from distill.heads import HeadsConfig, MedusaHeads
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    sd = load_file(str(model_dir / "model.safetensors"))
+    lm = sd.get("lm_head.weight", sd["model.embed_tokens.weight"])
+    torch.manual_seed(0)
+    heads = MedusaHeads(HeadsConfig(cfg["hidden_size"], cfg["vocab_size"], num_heads=3), lm_head_weight=lm)
+    with torch.no_grad():
+        for block in heads.blocks:
+            for layer in block.layers:
+                layer.weight.normal_(0, 0.02)
+    out = tmp_path_factory.mktemp("heads") / "heads"
+    heads.save(out)
+    return out
+
+
+class Server:
+    def __init__(self, args: list[str], log: Path):
+        self.port = free_port()
+        self.log = log
+        env = dict(os.environ, OMP_NUM_THREADS="2", TOKENIZERS_PARALLELISM="false")
+        self.proc = subprocess.Popen([DISTILL, "serve", "--port", str(self.port), "--log-level", "warning", *args],
+                                     stdout=subprocess.DEVNULL, stderr=open(log, "wb"), env=env)
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"distill serve exited with {self.proc.returncode}:\n{log.read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"distill serve did not become healthy in {START_TIMEOUT_S}s:\n{log.read_text()[-3000:]}")
+            time.sleep(0.5)
+
+    def client(self, key: str = API_KEY, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, timeout=300, **kw)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, heads_dir):
+    srv = Server(["--heads", str(heads_dir), "--api-key", API_KEY, "--max-batch", "4", "--queue-size", "32",
+                  "--max-tokens", str(MAX_TOKENS), "--served-model-name", "smol"], tmp_path_factory.mktemp("log") / "serve.log")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def plain(model_dir):
+    """The engine's plain greedy decoding (no heads), batch 1: the reference every greedy answer must equal."""
+    from distill.engine import Engine, EngineConfig, SamplingParams
+
+    engine = Engine.from_pretrained(str(model_dir), None, EngineConfig(max_batch=1))
+    tok = engine.tokenizer
+
+    def answer(messages=None, prompt=None, max_tokens=MAX_TOKENS) -> tuple[str, int]:
+        if messages is not None:
+            ids = tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+        else:
+            ids = tok(prompt, add_special_tokens=False)["input_ids"]
+        (res,), _ = engine.generate([ids], [SamplingParams(max_tokens=max_tokens, temperature=0.0)], speculative=False)
+        return tok.decode(res.token_ids, skip_special_tokens=True), len(res.token_ids)
+
+    return answer
+
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "Write a haiku about the sea.",
+    "How many legs does a spider have?",
+    "Give me a synonym for happy.",
+    "What is 12 times 12?",
+    "Describe a cat in one sentence.",
+    "Why is the sky blue?",
+]
+
+
+def chat(q: str) -> list[dict]:
+    return [{"role": "user", "content": q}]
+
+
+def test_greedy_chat_answer_equals_the_engines_plain_decoding(server, plain):
+    r = server.client().chat.completions.create(model="smol", messages=chat(QUESTIONS[0]), temperature=0, max_tokens=MAX_TOKENS)
+    text, n = plain(chat(QUESTIONS[0]))
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == text
+    assert r.usage.completion_tokens == n and r.usage.prompt_tokens > 0
+    assert r.choices[0].finish_reason in ("stop", "length") and r.model == "smol"
+
+
+def test_streamed_chat_deltas_join_to_the_non_streamed_answer(server, plain):
+    stream = server.client().chat.completions.create(model="smol", messages=chat(QUESTIONS[1]), temperature=0, max_tokens=MAX_TOKENS,
+                                                     stream=True, stream_options={"include_usage": True})
+    parts, finish, usage = [], None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            parts.append(c.delta.content or "")
+            finish = c.finish_reason or finish
+    text, n = plain(chat(QUESTIONS[1]))
+    assert "".join(parts) == text
+    assert len([p for p in parts if p]) > 1  # really streamed, not one blob
+    assert finish in ("stop", "length") and usage.completion_tokens == n
+
+
+def test_text_completions_with_a_prompt_list_answer_each_prompt(server, plain):
+    prompts = ["The capital of Italy is", "Once upon a time"]
+    r = server.client().completions.create(model="smol", prompt=prompts, temperature=0, max_tokens=8)
+    assert [c.index for c in r.choices] == [0, 1]
+    for c, p in zip(r.choices, prompts):
+        assert c.text == plain(prompt=p, max_tokens=8)[0]
+    streamed = "".join(c.choices[0].text for c in server.client().completions.create(
+        model="smol", prompt=prompts[0], temperature=0, max_tokens=8, stream=True) if c.choices)
+    assert streamed == r.choices[0].text
+
+
+def test_stop_string_cuts_the_answer_before_it(server, plain):
+    text, _ = plain(chat(QUESTIONS[2]))
+    words = text.split()
+    assert len(words) >= 3, text
+    stop = words[2]
+    expected = text[: text.index(stop)]
+    client = server.client()
+    r = client.chat.completions.create(model="smol", messages=chat(QUESTIONS[2]), temperature=0, max_tokens=MAX_TOKENS, stop=[stop, "\u2603never"])
+    assert r.choices[0].message.content == expected and r.choices[0].finish_reason == "stop"
+    stream = client.chat.completions.create(model="smol", messages=chat(QUESTIONS[2]), temperature=0, max_tokens=MAX_TOKENS, stop=stop, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected
+
+
+def test_same_seed_gives_the_same_sample(server):
+    client = server.client()
+    kw = dict(model="smol", messages=chat(QUESTIONS[3]), temperature=1.0, top_p=0.95, max_tokens=MAX_TOKENS, seed=1234)
+    a = client.chat.completions.create(**kw).choices[0].message.content
+    b = client.chat.completions.create(**kw).choices[0].message.content
+    assert a == b and a
+
+
+@pytest.mark.parametrize(("change", "error"), [
+    ({"max_tokens": -1}, openai.BadRequestError),
+    ({"temperature": 5}, openai.BadRequestError),
+    ({"model": "no-such-model"}, openai.NotFoundError),
+    ({"logprobs": True}, openai.BadRequestError),
+    ({"max_tokens": 10**7}, openai.BadRequestError),
+    ({"messages": []}, openai.BadRequestError),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, openai.BadRequestError),
+])
+def test_bad_chat_requests_get_a_4xx_with_a_message(server, change, error):
+    kw = {"model": "smol", "messages": chat("hi"), "max_tokens": 4, **change}
+    with pytest.raises(error) as exc:
+        server.client(max_retries=0).chat.completions.create(**kw)
+    assert 400 <= exc.value.status_code < 500 and exc.value.body["message"]
+
+
+def test_raw_http_errors_missing_messages_bad_json_and_bad_key(server):
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": "smol"}, headers=auth)
+    assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
+    r = httpx.post(f"{server.url}/v1/chat/completions", content=b"{nope", headers={**auth, "Content-Type": "application/json"})
+    assert r.status_code == 400
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": "smol", "prompt": [10**9]}, headers=auth)
+    assert r.status_code == 400
+    with pytest.raises(openai.AuthenticationError):
+        server.client(key="wrong", max_retries=0).models.list()
+    assert httpx.get(f"{server.url}/v1/models").status_code == 401
+
+
+def test_concurrent_clients_are_all_answered_correctly(server, plain):
+    client = server.client()
+
+    def ask(q: str) -> str:
+        return client.chat.completions.create(model="smol", messages=chat(q), temperature=0, max_tokens=MAX_TOKENS).choices[0].message.content
+
+    questions = QUESTIONS[:6]  # more than --max-batch 4: two engine batches
+    with cf.ThreadPoolExecutor(len(questions)) as pool:
+        answers = list(pool.map(ask, questions))
+    assert answers == [plain(chat(q))[0] for q in questions]
+
+
+def test_models_health_and_metrics(server):
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == ["smol"]
+    assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
+    text = httpx.get(f"{server.url}/metrics").text
+    samples = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line and not line.startswith("#")}
+    assert samples['distill_requests_total{endpoint="/v1/chat/completions",status="200"}'] >= 1
+    assert samples["distill_generation_tokens_total"] > 0
+    assert samples["distill_tokens_per_step_count"] > 0 and samples["distill_step_latency_seconds_count"] > 0
+    assert samples['distill_requests_total{endpoint="/v1/models",status="401"}'] >= 1
+
+
+def test_client_disconnect_cancels_the_sequence(server):
+    """A streaming client that goes away mid-answer: its sequence ends as 'abort' instead of running to max_tokens."""
+    def aborted() -> float:
+        text = httpx.get(f"{server.url}/metrics").text
+        return sum(float(l.split(" ")[1]) for l in text.splitlines() if l.startswith('distill_sequences_total{finish_reason="abort"}'))
+
+    before = aborted()
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                      json={"model": "smol", "messages": chat("Tell me a very long story."), "max_tokens": 1000, "stream": True,
+                            "temperature": 0}, timeout=300) as r:
+        for line in r.iter_lines():
+            if '"content": "' in line and '"content": ""' not in line:
+                break  # got a token: hang up
+    deadline = time.monotonic() + 240
+    while aborted() == before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert aborted() == before + 1
+
+
+def test_sigterm_stops_the_server_cleanly(server):
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(timeout=60) == 0
+    assert "Traceback" not in server.log.read_text()
+
+
+@pytest.fixture(scope="module")
+def tiny_queue_server(tmp_path_factory, heads_dir):
+    srv = Server(["--heads", str(heads_dir), "--max-batch", "1", "--queue-size", "1", "--max-tokens", "24"],
+                 tmp_path_factory.mktemp("log") / "serve-small.log")
+    yield srv
+    srv.stop()
+
+
+def test_full_queue_answers_503_and_the_admitted_requests_succeed(tiny_queue_server):
+    client = tiny_queue_server.client(key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+
+    def ask(i: int):
+        try:
+            r = client.chat.completions.create(model=model, messages=chat(QUESTIONS[i % len(QUESTIONS)]), temperature=0, max_tokens=24)
+            return r.choices[0].message.content
+        except openai.APIStatusError as exc:
+            return exc.status_code
+
+    with cf.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(ask, range(8)))
+    refused = [r for r in results if r == 503]
+    answered = [r for r in results if isinstance(r, str)]
+    assert refused and answered and len(refused) + len(answered) == 8, results
+    assert all(answered)
