@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-import yaml
 from rich.console import Console
 
+from distill.configs import read_yaml_mapping
 from distill.errors import ConfigError, DistillError
 
 app = typer.Typer(
@@ -52,14 +52,7 @@ def load_pipeline(path: Path | None, section: str) -> dict:
     """Read one stage's section of a pipeline YAML (a flat file is taken as that section)."""
     if path is None:
         return {}
-    if not path.is_file():
-        raise ConfigError(f"pipeline file {path} not found")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path} is not valid YAML: {str(exc).splitlines()[0]}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path} must hold a mapping of options")
+    data = read_yaml_mapping(path)
     section_data = data.get(section, data)
     if not isinstance(section_data, dict):
         raise ConfigError(f"{path}: '{section}' must be a mapping of options")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import fields
+from pathlib import Path
 from typing import TypeVar
 
 from distill.errors import ConfigError
@@ -18,3 +19,19 @@ def config_from_options(cls: type[C], data: dict, stage: str) -> C:
     if unknown:
         raise ConfigError(f"unknown {stage} option(s): {', '.join(unknown)}")
     return cls(**data)
+
+
+def read_yaml_mapping(path: Path) -> dict:
+    """A pipeline file's top-level mapping; a missing file, bad YAML or a non-mapping is a one-line error."""
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"pipeline file {path} not found")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping of options (one section per stage)")
+    return data

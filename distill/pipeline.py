@@ -38,8 +38,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-import yaml
-
+from distill.configs import read_yaml_mapping
 from distill.errors import ConfigError, StoreError
 from distill.store.shards import atomic_write_bytes
 
@@ -77,15 +76,7 @@ class PipelineConfig:
 
     @classmethod
     def from_yaml(cls, path: Path, overrides: dict | None = None) -> "PipelineConfig":
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"pipeline file {path} not found")
-        try:
-            doc = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path} is not valid YAML: {str(exc).splitlines()[0]}") from None
-        if not isinstance(doc, dict):
-            raise ConfigError(f"{path} must hold a mapping with a 'run:' section and one section per stage")
+        doc = read_yaml_mapping(path)
         unknown = sorted(set(doc) - {"run", *STAGES} - {"validate"})
         if unknown:
             raise ConfigError(f"{path}: unknown section(s) {', '.join(unknown)}; sections are run, {', '.join(STAGES)}")
