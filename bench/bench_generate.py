@@ -36,7 +36,6 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
 
-    import numpy as np
     import pyarrow.parquet as pq
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt

@@ -65,10 +65,13 @@ def run_child(code: str, *args: str) -> dict:
 def bench_throughput(train_dir: Path, work: Path, args) -> list[dict]:
     rows = []
     for share in (True, False):
-        cfg = dict(data=str(train_dir), out=str(work / f"thr-{share}"), heads=4, share_lm_head=share, max_len=args.max_len,
-                   batch_size=args.batch_size, steps=args.throughput_steps, lr=1e-3, progress=False, save_every=0)
-        r = run_child(TRAIN_CHILD, json.dumps(cfg))
-        rows.append({"share_lm_head": share, **{k: r[k] for k in ("tokens_per_s", "tokens", "seconds", "peak_memory_mb", "steps")}})
+        for precision in args.precisions.split(","):
+            cfg = dict(data=str(train_dir), out=str(work / f"thr-{share}-{precision}"), heads=4, share_lm_head=share,
+                       max_len=args.max_len, batch_size=args.batch_size, steps=args.throughput_steps, lr=1e-3, progress=False,
+                       save_every=0, precision=precision, pack=args.pack)
+            r = run_child(TRAIN_CHILD, json.dumps(cfg))
+            rows.append({"share_lm_head": share, "precision": precision, "pack": args.pack,
+                         **{k: r[k] for k in ("tokens_per_s", "tokens", "seconds", "peak_memory_mb", "steps")}})
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -104,7 +107,7 @@ def bench_accuracy(train_dir: Path, heldout: Path, work: Path, args) -> list[dic
         cfg = dict(data=str(train_dir), out=str(out), heads=4, share_lm_head=True, mode=mode, targets=targets,
                    max_len=args.max_len, batch_size=args.batch_size, steps=steps, lr=args.lr, warmup_steps=2,
                    progress=False, lambda0=0.2, lambda0_schedule="sine", lambda0_warmup=max(1, steps // 4),
-                   merge_adapter=mode == "medusa2", lora_r=32, lora_alpha=16)
+                   merge_adapter=mode == "medusa2", lora_r=32, lora_alpha=16, precision=args.precision, pack=args.pack)
         t = run_child(TRAIN_CHILD, json.dumps(cfg))
         model = str(out / "merged") if mode == "medusa2" else ""
         e = run_child(EVAL_CHILD, str(out), str(heldout), model, str(args.max_len), str(args.eval_tokens))
@@ -181,6 +184,9 @@ def main() -> None:
     ap.add_argument("--token-budget", type=int, default=8192, help="input tokens per accuracy run")
     ap.add_argument("--eval-tokens", type=int, default=3000)
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--precision", default="fp32", help="accuracy runs: fp32 | bf16 (autocast; fast on CPUs with AVX512-BF16)")
+    ap.add_argument("--precisions", default="fp32,bf16", help="throughput runs: the precisions compared")
+    ap.add_argument("--pack", action="store_true", help="pack windows end to end (no padding compute)")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "train.json")
     args = ap.parse_args()
     parts = set(args.parts.split(","))

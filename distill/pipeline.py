@@ -36,11 +36,11 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from distill.configs import read_yaml_mapping
 from distill.errors import ConfigError, StoreError
-from distill.store.shards import atomic_write_bytes
+from distill.store.atomic import atomic_write_bytes
 
 STAGES = ("generate", "validate", "split", "train", "calibrate", "bench")
 STATE_FILE = "pipeline.json"
@@ -50,6 +50,24 @@ OUTPUTS = {"generate": "data", "validate": "validate.json", "split": "split", "t
 # Options the pipeline decides itself (paths that chain the stages): a section may not set them.
 OWNED = {"generate": {"out"}, "split": {"out"}, "train": {"data", "out", "resume"},
          "calibrate": {"heads", "data", "out"}, "bench": {"heads", "out"}}
+
+
+def parse_set(item: str) -> tuple[str, str, object]:
+    """``STAGE.KEY=VALUE`` -> (stage, key, value); the value is read as YAML (``2`` is an int, ``a,b`` a string)."""
+    import yaml
+
+    head, eq, raw = item.partition("=")
+    stage, dot, key = head.strip().partition(".")
+    if not eq or not dot or not stage or not key:
+        raise ConfigError(f"--set takes STAGE.KEY=VALUE (e.g. train.steps=20); got '{item}'")
+    sections = ("run", "generate", "split", "train", "calibrate", "bench")
+    if stage not in sections:
+        raise ConfigError(f"--set {item}: unknown section '{stage}'; options live in {', '.join(sections)}")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        raise ConfigError(f"--set {item}: the value is not valid YAML") from None
+    return stage, key.strip().replace("-", "_"), value
 
 
 @dataclass
@@ -75,8 +93,18 @@ class PipelineConfig:
                 raise ConfigError(f"pipeline section '{stage}' sets {', '.join(clash)}: the pipeline sets those itself under 'run: out'")
 
     @classmethod
-    def from_yaml(cls, path: Path, overrides: dict | None = None) -> "PipelineConfig":
+    def from_yaml(cls, path: Path, overrides: dict | None = None, sets: Sequence[str] = ()) -> "PipelineConfig":
+        """The file, then ``overrides`` of ``run:`` (out, model), then ``sets`` (``STAGE.KEY=VALUE``, value read as YAML)."""
         doc = read_yaml_mapping(path)
+        for item in sets:
+            stage, key, value = parse_set(item)
+            if stage == "run":
+                doc.setdefault("run", {})
+            section = doc.get(stage) or {}
+            if not isinstance(section, dict):
+                raise ConfigError(f"{path}: section '{stage}' must be a mapping of options")
+            section[key] = value
+            doc[stage] = section
         unknown = sorted(set(doc) - {"run", *STAGES} - {"validate"})
         if unknown:
             raise ConfigError(f"{path}: unknown section(s) {', '.join(unknown)}; sections are run, {', '.join(STAGES)}")

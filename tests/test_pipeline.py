@@ -127,3 +127,17 @@ def test_pipeline_files_with_unknown_sections_or_chained_paths_are_refused(tmp_p
         PipelineConfig.from_yaml(bad)
     cfg = PipelineConfig.from_yaml(REPO / "pipelines" / "quickstart.yaml", {"out": str(tmp_path / "q")})
     assert cfg.out == str(tmp_path / "q") and cfg.train["share_lm_head"] is True
+
+
+def test_set_overrides_one_option_per_stage_and_rejects_malformed_items(tmp_path):
+    cfg = PipelineConfig.from_yaml(
+        REPO / "pipelines" / "quickstart.yaml", {"out": str(tmp_path / "q")},
+        sets=["train.steps=2", "generate.max-new-tokens=16", "bench.modes=greedy", "run.model=/m", "split.eval_fraction=0.5"],
+    )
+    assert cfg.train["steps"] == 2 and cfg.train["heads"] == 3  # the file's other options stay
+    assert cfg.generate["max_new_tokens"] == 16 and cfg.bench["modes"] == "greedy"
+    assert cfg.model == "/m" and cfg.out == str(tmp_path / "q") and cfg.split["eval_fraction"] == 0.5
+    for item, msg in [("train.steps", "STAGE.KEY=VALUE"), ("steps=2", "STAGE.KEY=VALUE"), ("trian.steps=2", "unknown section"),
+                      ("train.steps=[1", "not valid YAML"), ("train.data=x", "sets data")]:
+        with pytest.raises(ConfigError, match=msg):
+            PipelineConfig.from_yaml(REPO / "pipelines" / "quickstart.yaml", sets=[item])

@@ -84,3 +84,37 @@ def test_teacherless_shards_train_with_hard_targets_and_refuse_soft_ones(real_sh
     summary = train(TrainConfig(data=str(tmp_path / "plain"), out=str(tmp_path / "heads"), heads=2, share_lm_head=True,
                                 max_len=64, batch_size=2, steps=1, progress=False))
     assert summary.steps == 1 and (tmp_path / "heads" / "model.safetensors").is_file()
+
+
+def test_packed_rows_give_each_window_the_hidden_states_and_losses_it_has_alone(real_shards, hf_model):
+    import torch
+
+    from distill.train.data import collate, packed
+    from distill.train.losses import Term, chunked_term_losses
+
+    windows = list(iter_examples(real_shards, max_len=64))[:7]
+    packs = list(packed(iter(windows), 160))
+    assert len(packs) < len(windows) and all(len(p.input_ids) <= 160 for p in packs)
+    assert sum(int(p.segment_ids.max()) + 1 for p in packs) == len(windows)
+    batch, alone = collate(packs), collate(windows)
+    assert int(batch["attention_mask"].sum()) == int(alone["attention_mask"].sum())  # the same real tokens
+    decoder, lm = hf_model.get_decoder(), hf_model.get_output_embeddings()
+    with torch.no_grad():
+        h_packed = decoder(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).last_hidden_state
+        h_alone = decoder(input_ids=alone["input_ids"], attention_mask=alone["attention_mask"], use_cache=False).last_hidden_state
+        i = 0
+        for r, p in enumerate(packs):
+            for s in range(int(p.segment_ids.max()) + 1):
+                cols = np.flatnonzero(p.segment_ids == s)
+                n = len(windows[i].input_ids)
+                assert torch.allclose(h_packed[r, cols], h_alone[i, :n], atol=2e-4), (r, s)
+                i += 1
+        # Targets never cross a window boundary: every head sees the same (position, target) pairs either way.
+        terms = [Term(lambda h: lm(h), offset=k + 2) for k in range(3)]
+        loss_p, stats_p = chunked_term_losses(h_packed, terms, batch["input_ids"], batch["loss_mask"], segment_ids=batch["segment_ids"])
+        loss_a, stats_a = chunked_term_losses(h_alone, terms, alone["input_ids"], alone["loss_mask"])
+    assert [s.count for s in stats_p] == [s.count for s in stats_a] and stats_p[0].count > 0
+    assert torch.allclose(loss_p, loss_a, atol=1e-4)
+    # Without segment ids the packed rows would pair positions with the next window's tokens.
+    _, leaky = chunked_term_losses(h_packed, terms, batch["input_ids"], batch["loss_mask"])
+    assert leaky[2].count > stats_p[2].count

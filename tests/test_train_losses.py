@@ -6,7 +6,6 @@ import math
 import subprocess
 import sys
 
-import pytest
 import torch
 import torch.nn.functional as F
 

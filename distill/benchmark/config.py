@@ -20,6 +20,10 @@ class BenchConfig:
     limit
         at most this many prompts, taken round-robin over the categories so a small
         limit still covers every category (None: all).
+    full_tree
+        verify the whole tree at every Medusa step (the engine's speculation policy off),
+        which measures the tree itself; by default the policy may shrink the tree or
+        decode plainly when its cost model says speculation does not pay.
     sweep_nodes / sweep_context / sweep_repeats
         the ``--sweep-tree`` grid: tree sizes, the context length a verification
         forward is timed at, and timed repeats per size (the median is kept).
@@ -33,6 +37,7 @@ class BenchConfig:
     modes: tuple[str, ...] = MODES
     temperature: float = 0.7  # for the typical mode
     tree: str | None = None
+    full_tree: bool = False  # always verify the whole tree (policy off); default: the engine's policy decides per step
     typical_epsilon: float = 0.09
     typical_delta: float = 0.3
     dtype: str = "float32"

@@ -87,7 +87,8 @@ class BenchRunner:
         self.progress = progress or (lambda msg: None)
         if engine is None:
             ecfg = EngineConfig(acceptance="typical", typical_epsilon=config.typical_epsilon, typical_delta=config.typical_delta,
-                                tree=config.tree, max_batch=1, dtype=config.dtype, device=config.device)
+                                tree=config.tree, max_batch=1,
+                                speculate_max_batch=1 if config.full_tree else None, dtype=config.dtype, device=config.device)
             engine = Engine.from_pretrained(config.model, config.heads, ecfg)
         if engine.heads is None:
             raise ConfigError("the benchmark compares plain and Medusa decoding: pass --heads DIR")

@@ -27,7 +27,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +34,8 @@ from pathlib import Path
 import distill
 from distill.conversation import Rejection
 from distill.data.dataset import Dataset
-from distill.data.write import DEFAULT_SHARD_ROWS, ShardWriter, check_new_output, public_mode
+from distill.data.write import DEFAULT_SHARD_ROWS, ShardWriter, check_new_output
+from distill.store.atomic import StagedFolder, public_mode
 from distill.errors import ConfigError
 
 EXPORTS = ("sharegpt", "openai", "hf")
@@ -100,17 +100,8 @@ def _export_hf(d: Dataset, out: Path, summary: ConvertSummary) -> ConvertSummary
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".{out.name}.hf-cache-", dir=out.parent) as cache:
         ds = datasets.Dataset.from_parquet([str(p) for p in d.files], cache_dir=cache)
-        stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
-        try:
-            ds.save_to_disk(str(stage))
-            for p in [stage, *stage.iterdir()]:
-                public_mode(p)
-            if out.exists():
-                out.rmdir()
-            os.replace(stage, out)
-        finally:
-            if stage.exists():
-                shutil.rmtree(stage, ignore_errors=True)
+        with StagedFolder(out) as stage:
+            ds.save_to_disk(str(stage.path))
         summary.rows = ds.num_rows
     return summary
 

@@ -8,24 +8,15 @@ complete dataset.
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import distill
 from distill.errors import ConfigError
+from distill.store.atomic import StagedFolder, public_mode  # noqa: F401  (public_mode re-exported)
 from distill.store.shards import ShardStore
 
 DEFAULT_SHARD_ROWS = 1000
-
-
-def public_mode(path: Path, mode: int = 0o644) -> None:
-    """Give a temp-created file (``mkstemp``: 0600) or folder (``mkdtemp``: 0700) the usual umask permissions."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, (0o755 if Path(path).is_dir() else mode) & ~umask)
 
 
 def check_new_output(out: Path, inputs: list[Path] = ()) -> None:
@@ -53,8 +44,8 @@ class ShardWriter:
             raise ConfigError(f"--shard-size must be >= 1; got {shard_rows}")
         self.out = Path(out)
         check_new_output(self.out)
-        self.out.parent.mkdir(parents=True, exist_ok=True)
-        self.stage = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.", suffix=".partial", dir=self.out.parent))
+        self.staged = StagedFolder(self.out)
+        self.stage = self.staged.path
         self.store = ShardStore(self.stage, meta, {"derived": meta.get("derived", {}).get("op")}, id_dtype).open()
         self.shard_rows = shard_rows
         self.rows: list[dict] = []
@@ -80,15 +71,10 @@ class ShardWriter:
         for r in self.rejects:
             by_reason[r.get("reason", "unknown")] = by_reason.get(r.get("reason", "unknown"), 0) + 1
         self.store.commit(complete=True, pending=0, rejected=len(self.rejects), rejects_by_reason=by_reason, **totals)
-        for p in [self.stage, *self.stage.iterdir()]:
-            public_mode(p)
-        if self.out.exists():
-            self.out.rmdir()  # checked empty in __init__
-        os.replace(self.stage, self.out)
-        return self.out
+        return self.staged.commit()  # ``out`` was checked empty in __init__
 
     def abort(self) -> None:
-        shutil.rmtree(self.stage, ignore_errors=True)
+        self.staged.abort()
 
     def __enter__(self) -> "ShardWriter":
         return self

@@ -43,6 +43,7 @@ class GenerateConfig:
     batch_size: int = 16  # hf backend: sequences per generate call
     enforce_eager: bool | None = None
     tensor_parallel_size: int = 1
+    part: str | None = None  # "I/N": only seed rows with index % N == I (data parallelism: one process per GPU)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -60,8 +61,35 @@ class GenerateConfig:
             raise ConfigError(f"--turns must be >= 1 in self-talk mode (>= 0 otherwise); got {self.turns}")
         if self.limit is not None and self.limit < 0:
             raise ConfigError(f"--limit must be >= 0; got {self.limit}")
+        if self.part is not None:
+            self._part()  # validates I/N
         if self.max_model_len is not None and self.max_model_len <= self.max_new_tokens:
             raise ConfigError(f"--max-model-len ({self.max_model_len}) must exceed --max-new-tokens ({self.max_new_tokens})")
+
+    def _part(self) -> tuple[int, int]:
+        if self.part is None:
+            return 0, 1
+        i, slash, n = str(self.part).partition("/")
+        try:
+            index, count = int(i), int(n)
+        except ValueError:
+            index = count = -1
+        if not slash or count < 1 or not 0 <= index < count:
+            raise ConfigError(f"--part takes I/N with 0 <= I < N (e.g. 0/4); got '{self.part}'")
+        return index, count
+
+    @property
+    def part_index(self) -> int:
+        return self._part()[0]
+
+    @property
+    def part_count(self) -> int:
+        return self._part()[1]
+
+    def in_part(self, index: int) -> bool:
+        """Whether seed row ``index`` belongs to this process's part (always, without --part)."""
+        i, n = self._part()
+        return index % n == i
 
     @property
     def user_prompt_path(self) -> Path:

@@ -166,6 +166,7 @@ class Generator:
             "end_marker": c.end_marker if c.mode == "self-talk" else None,
             "backend": self.backend_name,
             "dtype": c.dtype,
+            **({"part": f"{c.part_index}/{c.part_count}"} if c.part is not None else {}),
         }
 
     def meta(self) -> dict:
@@ -205,7 +206,8 @@ class Generator:
         todo: list[Conversation] = []
         seed_ids: list[tuple[str, str]] = []  # (id, kind) per seed row: kind in seed-reject / in-limit / beyond-limit
         for index, item in enumerate(self.source):
-            beyond = cfg.limit is not None and index >= cfg.limit
+            # beyond --limit, or another process's part: counted as skipped
+            beyond = (cfg.limit is not None and index >= cfg.limit) or not cfg.in_part(index)
             if isinstance(item, Rejection):
                 if not beyond:
                     seed_rejects.append(item.to_dict())

@@ -17,13 +17,12 @@ Formats
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 
 from distill.errors import ConfigError
 from distill.heads.model import DISTILL_HEADS_FILE, MedusaHeads, read_distill_meta
+from distill.store.atomic import StagedFolder
 
 FORMATS = ("vllm", "medusa-repo")
 SIDE_FILES = (DISTILL_HEADS_FILE, "tree.json", "calibration.json", "tree.png", "acceptance.png", "metrics.jsonl")
@@ -52,9 +51,8 @@ def export_heads(heads_dir: Path, out: Path, fmt: str = "medusa-repo", base_mode
         raise ConfigError(f"{out} exists and is not empty: choose a new --out")
     heads = MedusaHeads.load(heads_dir)
     meta = read_distill_meta(heads_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    try:
+    with StagedFolder(out) as stage:
+        tmp = stage.path
         if fmt == "vllm":
             heads.save(tmp)
         else:
@@ -69,10 +67,4 @@ def export_heads(heads_dir: Path, out: Path, fmt: str = "medusa-repo", base_mode
         for name in SIDE_FILES:
             if (heads_dir / name).is_file():
                 shutil.copy2(heads_dir / name, tmp / name)
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return out

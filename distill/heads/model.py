@@ -22,7 +22,7 @@ fields go to ``distill-heads.json`` beside them, never into ``config.json``.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch

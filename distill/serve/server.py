@@ -89,7 +89,7 @@ def vllm_command(cfg: ServeConfig, python: str | None = None) -> list[str]:
     tree attention, so ``--tree`` does not apply.
     """
     from distill.heads.model import HeadsConfig
-    from distill.models import resolve_model, stop_token_ids
+    from distill.models import resolve_model
 
     heads = Path(cfg.heads).expanduser().resolve()
     if not (heads / "config.json").is_file():

@@ -28,6 +28,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from distill.errors import StoreError
+from distill.store.atomic import atomic_write_bytes, public_mode
 
 FORMAT = "distill-shards/v1"
 META_KEY = b"distill"
@@ -64,21 +65,6 @@ def shard_schema(id_dtype: str) -> pa.Schema:
             ("n_generated_tokens", pa.int32()),
         ]
     )
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temp file in the same folder + fsync + os.replace."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def sha256_path(path: Path) -> str:
@@ -230,6 +216,7 @@ class ShardStore:
                 pq.write_table(table, tmp, compression="zstd", compression_level=9, row_group_size=256)
                 with open(tmp, "rb") as f:
                     os.fsync(f.fileno())
+                public_mode(Path(tmp))
                 os.replace(tmp, path)
             finally:
                 if os.path.exists(tmp):

@@ -19,17 +19,15 @@ acceptance length vs node count, the Cartesian comparison), ``tree.png`` and
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from distill.errors import ConfigError
 from distill.heads.model import MedusaHeads, read_distill_meta
 from distill.heads.tree import cartesian_tree, expected_acceptance_length, save_tree, sparse_tree
-from distill.store.shards import atomic_write_bytes
+from distill.store.atomic import atomic_write_bytes
 from distill.train.data import iter_batches
 from distill.train.losses import hard_ce, shifted_targets
 

@@ -15,10 +15,7 @@ leaves a half checkpoint that counts.
 from __future__ import annotations
 
 import json
-import os
 import random
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from distill.errors import ConfigError
+from distill.store.atomic import StagedFolder
 
 CHECKPOINTS = "checkpoints"
 
@@ -78,8 +76,8 @@ def save_checkpoint(out: Path, step: int, trainable: dict[str, torch.Tensor], op
     root = Path(out) / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:06d}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".step-{step:06d}-", dir=root))
-    try:
+    with StagedFolder(final, overwrite=True) as stage:
+        tmp = stage.path
         save_file({k: v.detach().cpu().contiguous() for k, v in trainable.items()}, str(tmp / "trainable.safetensors"))
         opt_tensors, opt_doc = _optimizer_to_files(optimizer_sd)
         save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
@@ -87,12 +85,6 @@ def save_checkpoint(out: Path, step: int, trainable: dict[str, torch.Tensor], op
         save_file(rng_tensors, str(tmp / "rng.safetensors"))
         doc = {**state, "step": step, "optimizer": opt_doc, "rng": rng_doc}
         (tmp / "state.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return final
 
 

@@ -57,6 +57,7 @@ class TrainConfig:
     merge_adapter: bool = False
     gradient_checkpointing: bool = False  # medusa2: recompute backbone activations
     shuffle_buffer: int = 0  # examples; 0 keeps the shard order
+    pack: bool = False  # lay windows end to end in rows of max_len (no padding compute)
     precision: str = "auto"  # auto: bf16 on GPU, fp32 on CPU
     optimizer: str = "auto"  # auto: 8-bit AdamW when bitsandbytes and a GPU are there
     seed: int = 0

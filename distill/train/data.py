@@ -7,6 +7,13 @@ example
     conversation becomes several windows) with its ``loss_mask`` and the teacher
     top-k aligned to ``input_ids`` (decoded by :func:`distill.store.decode_row_dense`).
     Windows without any generated token are dropped.
+pack
+    several windows laid end to end in one row of at most ``max_len`` tokens
+    (``--pack``): ``position_ids`` restart at 0 for each window and ``segment_ids``
+    number them, so attention stays inside a window (transformers builds the
+    block-diagonal causal mask from the restarting positions when no 2D attention
+    mask is passed) and no target crosses into the next window. No compute is spent
+    on padding, which on short chat turns is most of a padded batch.
 data position
     ``(epoch, batches)``: how many batches of this epoch were consumed; a resumed run
     re-streams the epoch and skips that many (the order, including the seeded
@@ -37,6 +44,8 @@ class Example:
     loss_mask: np.ndarray  # (T,) bool
     teacher_ids: np.ndarray  # (T, Kt) int64, -1 where the teacher did not generate
     teacher_lp: np.ndarray  # (T, Kt) float32, -inf where the teacher did not generate
+    segment_ids: np.ndarray | None = None  # (T,) int64: which window of a pack each token is from
+    position_ids: np.ndarray | None = None  # (T,) int64: restarting at 0 for each window of a pack
 
 
 def teacher_encoding(root: Path) -> TeacherEncoding | None:
@@ -92,8 +101,35 @@ def shuffled(it: Iterator[Example], buffer: int, seed: int) -> Iterator[Example]
     yield from pool
 
 
+def packed(it: Iterator[Example], max_len: int) -> Iterator[Example]:
+    """Lay consecutive windows end to end into rows of at most ``max_len`` tokens (see ``pack``)."""
+    group: list[Example] = []
+    size = 0
+
+    def emit() -> Example:
+        return Example(
+            np.concatenate([e.input_ids for e in group]), np.concatenate([e.loss_mask for e in group]),
+            np.concatenate([e.teacher_ids for e in group]), np.concatenate([e.teacher_lp for e in group]),
+            segment_ids=np.concatenate([np.full(len(e.input_ids), i, np.int64) for i, e in enumerate(group)]),
+            position_ids=np.concatenate([np.arange(len(e.input_ids), dtype=np.int64) for e in group]),
+        )
+
+    for ex in it:
+        if group and size + len(ex.input_ids) > max_len:
+            yield emit()
+            group, size = [], 0
+        group.append(ex)
+        size += len(ex.input_ids)
+    if group:
+        yield emit()
+
+
 def collate(examples: list[Example], pad_id: int = 0) -> dict[str, torch.Tensor]:
-    """Pad to the longest example: input_ids, attention_mask, loss_mask (B, T); teacher_ids, teacher_lp (B, T, Kt)."""
+    """Pad to the longest example: input_ids, attention_mask, loss_mask (B, T); teacher_ids, teacher_lp (B, T, Kt).
+
+    Packed examples also give ``position_ids`` and ``segment_ids`` (B, T); padding gets
+    segment -1 and positions that start a segment of its own.
+    """
     B, T, K = len(examples), max(len(e.input_ids) for e in examples), examples[0].teacher_ids.shape[1]
     ids = np.full((B, T), pad_id, dtype=np.int64)
     att = np.zeros((B, T), dtype=np.int64)
@@ -104,16 +140,27 @@ def collate(examples: list[Example], pad_id: int = 0) -> dict[str, torch.Tensor]
         n = len(e.input_ids)
         ids[b, :n], att[b, :n], mask[b, :n] = e.input_ids, 1, e.loss_mask
         t_ids[b, :n], t_lp[b, :n] = e.teacher_ids, e.teacher_lp
-    return {
+    out = {
         "input_ids": torch.from_numpy(ids), "attention_mask": torch.from_numpy(att), "loss_mask": torch.from_numpy(mask),
         "teacher_ids": torch.from_numpy(t_ids), "teacher_lp": torch.from_numpy(t_lp),
     }
+    if examples[0].segment_ids is not None:
+        seg = np.full((B, T), -1, dtype=np.int64)
+        pos = np.tile(np.arange(T, dtype=np.int64), (B, 1))
+        for b, e in enumerate(examples):
+            n = len(e.input_ids)
+            seg[b, :n], pos[b, :n] = e.segment_ids, e.position_ids
+            pos[b, n:] -= n  # the padding restarts at 0: a segment of its own, attending only to itself
+        out["segment_ids"], out["position_ids"] = torch.from_numpy(seg), torch.from_numpy(pos)
+    return out
 
 
 def iter_batches(root: Path, max_len: int, batch_size: int, epoch: int, seed: int = 0, shuffle_buffer: int = 0,
-                 skip: int = 0, context: int = 0) -> Iterator[dict[str, torch.Tensor]]:
+                 skip: int = 0, context: int = 0, pack: bool = False) -> Iterator[dict[str, torch.Tensor]]:
     """Batches of one epoch, skipping the first ``skip`` (the data position on resume)."""
     stream = shuffled(iter_examples(Path(root), max_len, context), shuffle_buffer, seed * 100003 + epoch)
+    if pack:
+        stream = packed(stream, max_len)
     pending: list[Example] = []
     index = 0
     for ex in stream:

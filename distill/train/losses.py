@@ -26,9 +26,10 @@ Medusa-1 loss
     ``Σ_k decay^k · CE_k`` over heads k = 1..K (decay 0.8), each CE the mean over
     that head's valid positions.
 
-Memory: no function here builds (B, T, K, V). :func:`chunked_term_losses` walks T
-in chunks of ``chunk`` positions; each chunk's logits are made inside
-``torch.utils.checkpoint`` so autograd keeps only the hidden chunk and recomputes
+Memory: no function here builds (B, T, K, V). :func:`chunked_term_losses` gathers, per
+term, the positions that have a target (prompt, context and padding positions cost no
+logits) and walks them in chunks of ``chunk * B`` rows; each chunk's logits are made
+inside ``torch.utils.checkpoint`` so autograd keeps only the hidden chunk and recomputes
 the logits during backward. Peak memory grows with the chunk, not with T·K·V.
 """
 
@@ -185,6 +186,7 @@ def chunked_term_losses(
     chunk: int = 128,
     recompute: bool = True,
     with_stats: bool = True,
+    segment_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, list[TermStats]]:
     """Mean loss of every term over its valid positions, walking T in chunks.
 
@@ -192,6 +194,7 @@ def chunked_term_losses(
     aligned with input_ids (needed by soft and kl terms). Returns (n_terms,) mean
     losses (0 for a term with no valid position) and per-term summed stats.
     With ``recompute`` and grad enabled, each chunk's logits are rebuilt in backward.
+    ``segment_ids`` (B, T) (packed rows): a position and its target must be in the same segment.
     """
     B, T, _ = hidden.shape
     needs_teacher = any(t.kind != "hard" for t in terms)
@@ -200,6 +203,8 @@ def chunked_term_losses(
     losses, stats = [], []
     for term in terms:
         tgt, valid = shifted_targets(input_ids, loss_mask, term.offset)  # (B, T), (B, T)
+        if segment_ids is not None:  # no target across a packed window boundary
+            valid = valid & (segment_ids == shift_left(segment_ids, term.offset, -2)) & (segment_ids >= 0)
         if needs_teacher:
             t_ids = shift_left(teacher_ids, term.offset, -1)  # (B, T, Kt)
             t_lp = shift_left(teacher_lp, term.offset, float("-inf"))  # (B, T, Kt)
@@ -208,12 +213,18 @@ def chunked_term_losses(
         fn = _chunk_fn(term, with_stats)
         total = hidden.new_zeros((), dtype=torch.float64 if hidden.dtype == torch.float64 else torch.float32)
         h1 = h5 = 0.0
-        for s in range(0, T, chunk):
-            e = min(T, s + chunk)
-            if not bool(valid[:, s:e].any()):
-                continue
-            args = (hidden[:, s:e], tgt[:, s:e], valid[:, s:e],
-                    t_ids[:, s:e] if needs_teacher else None, t_lp[:, s:e] if needs_teacher else None)
+        # Only positions with a target cost a logits row: gather them (prompt, context and
+        # padding positions are skipped), then walk them in chunks of ``chunk * B`` rows.
+        rows = valid.nonzero(as_tuple=True)
+        g_hidden, g_tgt = hidden[rows].unsqueeze(0), tgt[rows].unsqueeze(0)  # (1, N, H), (1, N)
+        g_valid = torch.ones_like(g_tgt, dtype=torch.bool)
+        g_ids = t_ids[rows].unsqueeze(0) if needs_teacher else None  # (1, N, Kt)
+        g_lp = t_lp[rows].unsqueeze(0) if needs_teacher else None
+        N, step = g_tgt.shape[1], max(1, chunk * B)
+        for s in range(0, N, step):
+            e = min(N, s + step)
+            args = (g_hidden[:, s:e], g_tgt[:, s:e], g_valid[:, s:e],
+                    g_ids[:, s:e] if needs_teacher else None, g_lp[:, s:e] if needs_teacher else None)
             if recompute and torch.is_grad_enabled():
                 loss, c1, c5 = checkpoint(fn, *args, use_reentrant=False)
             else:

@@ -78,9 +78,16 @@ class HeadsTrainModule(nn.Module):
         self.cfg = cfg
         self.register_buffer("weights", head_weights(heads.config.num_heads, cfg.decay), persistent=False)
 
-    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Last hidden state after the final norm (what the LM head reads): (B, T, H)."""
-        return self.backbone.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    def hidden_states(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Last hidden state after the final norm (what the LM head reads): (B, T, H).
+
+        A packed batch passes restarting ``position_ids`` and no 2D mask: transformers then
+        masks attention block-diagonally per window (``masking_utils``' packed-sequence path).
+        """
+        decoder = self.backbone.get_decoder()
+        if "position_ids" in batch:
+            return decoder(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).last_hidden_state
+        return decoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).last_hidden_state
 
     def terms(self, with_lm: bool) -> list[Term]:
         kind = "soft" if self.cfg.targets == "soft" else "hard"
@@ -93,14 +100,14 @@ class HeadsTrainModule(nn.Module):
     def forward(self, batch: dict[str, torch.Tensor], lam: float, joint: bool) -> tuple[torch.Tensor, list[TermStats]]:
         """joint: Medusa-2 (backbone trains, ``L_LM + lam * L_medusa1``); else ``L_medusa1`` on a frozen backbone."""
         if joint:
-            hidden = self.hidden_states(batch["input_ids"], batch["attention_mask"])  # (B, T, H)
+            hidden = self.hidden_states(batch)  # (B, T, H)
         else:
             with torch.no_grad():
-                hidden = self.hidden_states(batch["input_ids"], batch["attention_mask"]).detach()  # (B, T, H)
+                hidden = self.hidden_states(batch).detach()  # (B, T, H)
         hidden = hidden.to(self.heads.lm_heads[0].weight.dtype)
         losses, stats = chunked_term_losses(
             hidden, self.terms(with_lm=joint), batch["input_ids"], batch["loss_mask"],
-            batch["teacher_ids"], batch["teacher_lp"], chunk=self.cfg.loss_chunk,
+            batch["teacher_ids"], batch["teacher_lp"], chunk=self.cfg.loss_chunk, segment_ids=batch.get("segment_ids"),
         )  # (K,) or (K+1,) with the LM term last
         K = self.heads.config.num_heads
         medusa1 = (losses[:K] * self.weights).sum()
@@ -170,7 +177,11 @@ def _has_bnb() -> bool:
     return True
 
 
-def count_batches(data: Path, max_len: int, batch_size: int, context: int = 0) -> int:
+def count_batches(data: Path, max_len: int, batch_size: int, context: int = 0, pack: bool = False,
+                  shuffle_buffer: int = 0, seed: int = 0) -> int:
+    """Batches in epoch 0 (packed epochs can differ by a batch or so: the shuffle changes the packing)."""
+    if pack:
+        return sum(1 for _ in iter_batches(data, max_len, batch_size, 0, seed, shuffle_buffer, context=context, pack=True))
     n = sum(1 for _ in iter_examples(data, max_len, context))
     return math.ceil(n / batch_size)
 
@@ -204,7 +215,8 @@ class Trainer:
 
         # Medusa-2's two-stage schedule leaves the LoRA parameters without grads in stage 1.
         ddp = DistributedDataParallelKwargs(find_unused_parameters=cfg.mode == "medusa2")
-        accelerator = Accelerator(mixed_precision="bf16" if bf16 and on_gpu else "no", cpu=not on_gpu, kwargs_handlers=[ddp])
+        # bf16 on CPU is autocast (fp32 master weights): 2-3x faster matmuls on CPUs with AVX512-BF16/AMX.
+        accelerator = Accelerator(mixed_precision="bf16" if bf16 else "no", cpu=not on_gpu, kwargs_handlers=[ddp])
         device = accelerator.device
         world, rank = accelerator.num_processes, accelerator.process_index
 
@@ -242,7 +254,7 @@ class Trainer:
         optimizer, opt_name = _make_optimizer(groups, cfg, device)
         base_lrs = [g["lr"] for g in optimizer.param_groups]
 
-        total = cfg.steps or math.ceil(count_batches(data, cfg.max_len, cfg.batch_size, cfg.context) * cfg.epochs / (cfg.grad_accum * world))
+        total = cfg.steps or math.ceil(count_batches(data, cfg.max_len, cfg.batch_size, cfg.context, cfg.pack, cfg.shuffle_buffer, cfg.seed) * cfg.epochs / (cfg.grad_accum * world))
         if total < 1:
             raise ConfigError(f"{data} holds no training window with a generated token")
 
@@ -273,7 +285,7 @@ class Trainer:
 
             bar = tqdm(total=total, initial=step, desc=f"train-heads {cfg.mode}", unit="step", dynamic_ncols=True)
 
-        stream = iter_batches(data, cfg.max_len, cfg.batch_size, epoch, cfg.seed, cfg.shuffle_buffer, skip=batches, context=cfg.context)
+        stream = iter_batches(data, cfg.max_len, cfg.batch_size, epoch, cfg.seed, cfg.shuffle_buffer, skip=batches, context=cfg.context, pack=cfg.pack)
         K = cfg.heads
         t0 = time.monotonic()
         tokens_run = 0
@@ -287,7 +299,7 @@ class Trainer:
                 b = next(stream, None)
                 if b is None:
                     epoch, batches = epoch + 1, 0
-                    stream = iter_batches(data, cfg.max_len, cfg.batch_size, epoch, cfg.seed, cfg.shuffle_buffer, context=cfg.context)
+                    stream = iter_batches(data, cfg.max_len, cfg.batch_size, epoch, cfg.seed, cfg.shuffle_buffer, context=cfg.context, pack=cfg.pack)
                     b = next(stream)
                 batches += 1
                 if r == rank:
@@ -304,7 +316,7 @@ class Trainer:
             step_tokens = 0
             for micro in range(cfg.grad_accum):
                 batch = {k: v.to(device) for k, v in next_batch().items()}
-                step_tokens += int(batch["attention_mask"].sum())
+                step_tokens += int(batch["attention_mask"].sum())  # real tokens (padding excluded, packed or not)
                 sync = micro == cfg.grad_accum - 1
                 ctx = accelerator.no_sync(module) if not sync and world > 1 else _null()
                 with ctx:
