@@ -155,7 +155,8 @@ def _ultrachat_layout(work: Path, rows: int = 12) -> None:
         if not hasattr(conv, "messages"):
             continue
         msgs = [{"role": m.role, "content": m.content} for m in conv.messages if m.role in ("user", "assistant")]
-        if msgs and msgs[0]["role"] == "user":
+        # distinct prompts, as in UltraChat (the bundled ShareGPT file repeats many of its openers)
+        if msgs and msgs[0]["role"] == "user" and all(r["prompt"] != msgs[0]["content"] for r in records):
             records.append({"prompt": msgs[0]["content"], "prompt_id": f"{len(records):064x}", "messages": msgs})
     folder = work / "HuggingFaceH4" / "ultrachat_200k" / "data"
     folder.mkdir(parents=True)
