@@ -60,7 +60,7 @@ def parse_set(item: str) -> tuple[str, str, object]:
     stage, dot, key = head.strip().partition(".")
     if not eq or not dot or not stage or not key:
         raise ConfigError(f"--set takes STAGE.KEY=VALUE (e.g. train.steps=20); got '{item}'")
-    sections = ("run", "generate", "split", "train", "calibrate", "bench")
+    sections = ("run", *STAGES)
     if stage not in sections:
         raise ConfigError(f"--set {item}: unknown section '{stage}'; options live in {', '.join(sections)}")
     try:

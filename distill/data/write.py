@@ -13,7 +13,7 @@ from typing import Any
 
 import distill
 from distill.errors import ConfigError
-from distill.store.atomic import StagedFolder, public_mode  # noqa: F401  (public_mode re-exported)
+from distill.store.atomic import StagedFolder
 from distill.store.shards import ShardStore
 
 DEFAULT_SHARD_ROWS = 1000

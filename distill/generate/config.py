@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from pathlib import Path
 
 from distill.configs import config_from_options
@@ -62,11 +63,13 @@ class GenerateConfig:
         if self.limit is not None and self.limit < 0:
             raise ConfigError(f"--limit must be >= 0; got {self.limit}")
         if self.part is not None:
-            self._part()  # validates I/N
+            self.part_slot  # validates I/N
         if self.max_model_len is not None and self.max_model_len <= self.max_new_tokens:
             raise ConfigError(f"--max-model-len ({self.max_model_len}) must exceed --max-new-tokens ({self.max_new_tokens})")
 
-    def _part(self) -> tuple[int, int]:
+    @cached_property
+    def part_slot(self) -> tuple[int, int]:
+        """``--part I/N`` as (I, N), parsed once; (0, 1) without --part."""
         if self.part is None:
             return 0, 1
         i, slash, n = str(self.part).partition("/")
@@ -78,17 +81,9 @@ class GenerateConfig:
             raise ConfigError(f"--part takes I/N with 0 <= I < N (e.g. 0/4); got '{self.part}'")
         return index, count
 
-    @property
-    def part_index(self) -> int:
-        return self._part()[0]
-
-    @property
-    def part_count(self) -> int:
-        return self._part()[1]
-
     def in_part(self, index: int) -> bool:
         """Whether seed row ``index`` belongs to this process's part (always, without --part)."""
-        i, n = self._part()
+        i, n = self.part_slot
         return index % n == i
 
     @property

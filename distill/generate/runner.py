@@ -166,7 +166,7 @@ class Generator:
             "end_marker": c.end_marker if c.mode == "self-talk" else None,
             "backend": self.backend_name,
             "dtype": c.dtype,
-            **({"part": f"{c.part_index}/{c.part_count}"} if c.part is not None else {}),
+            **({"part": "%d/%d" % c.part_slot} if c.part is not None else {}),
         }
 
     def meta(self) -> dict:
