@@ -7,7 +7,8 @@
                one chunk per head (the whole (B, T, V) of a head at once)
 
 Usage: python bench/bench_train.py --data DIR [--parts throughput,accuracy,memory] [--out bench/results]
-The dataset is split by shard: the last --heldout-shards shards are held out.
+The dataset is split by shard: the last --heldout-shards shards are held out; or --heldout DIR
+names a held-out dataset (e.g. the eval half of `distill data split`) and --data is all training data.
 """
 
 from __future__ import annotations
@@ -178,6 +179,7 @@ def main() -> None:
     ap.add_argument("--data", type=Path, required=True)
     ap.add_argument("--parts", default="throughput,accuracy,memory")
     ap.add_argument("--heldout-shards", type=int, default=2)
+    ap.add_argument("--heldout", type=Path, default=None, help="a held-out dataset folder (instead of --heldout-shards)")
     ap.add_argument("--max-len", type=int, default=128)
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--throughput-steps", type=int, default=4)
@@ -193,7 +195,10 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-train-"))
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "args": {k: str(v) for k, v in vars(args).items()}}
     try:
-        train_dir, heldout = split_dataset(args.data, args.heldout_shards, work)
+        if args.heldout is not None:
+            train_dir, heldout = args.data, args.heldout
+        else:
+            train_dir, heldout = split_dataset(args.data, args.heldout_shards, work)
         if "memory" in parts:
             result["loss_memory"] = bench_memory(args)
         if "throughput" in parts:

@@ -302,13 +302,15 @@ def data_dedupe(
 def data_split(
     root: DataDirArg,
     out: NewOutOpt,
-    eval_fraction: Annotated[float, typer.Option(help="Fraction of rows (by id hash) that go to eval.")] = 0.05,
+    eval_fraction: Annotated[float, typer.Option(help="Fraction of rows (by key hash) that go to eval.")] = 0.05,
+    by: Annotated[str, typer.Option("--by", help="Split key: id (row by row) | first-turn (conversations opening with "
+                                    "the same user turn, normalized, stay on one side: no prompt leaks into eval).")] = "id",
     shard_size: ShardRowsOpt = 1000,
 ) -> None:
-    """Deterministic train/eval split by id hash into OUT/train and OUT/eval."""
+    """Deterministic train/eval split by key hash into OUT/train and OUT/eval."""
     from distill.data.transform import split
 
-    _echo_json(split(root, out, eval_fraction=eval_fraction, shard_rows=shard_size).to_dict())
+    _echo_json(split(root, out, eval_fraction=eval_fraction, shard_rows=shard_size, by=by).to_dict())
 
 
 @app.command("push")
@@ -468,6 +470,9 @@ def serve(
     typical_epsilon: Annotated[Optional[float], typer.Option(help="Typical acceptance epsilon.")] = None,
     typical_delta: Annotated[Optional[float], typer.Option(help="Typical acceptance delta.")] = None,
     step_cost_ratio: Annotated[Optional[float], typer.Option(help="Engine cost model r per extra tree token (`distill bench --sweep-tree` measures it).")] = None,
+    adaptive: Annotated[Optional[bool], typer.Option(
+        "--adaptive/--static", help="adaptive (default): the tree size per batch size follows the acceptance and step "
+        "times measured while serving, plain decoding when that is faster; static: the calibrated prediction alone.")] = None,
     num_speculative_tokens: Annotated[Optional[int], typer.Option(help="--engine vllm: heads used (default: all).")] = None,
     dtype: Annotated[Optional[str], typer.Option(help="float32 | bfloat16 | float16 (default float32).")] = None,
     device: Annotated[Optional[str], typer.Option(help="torch device (default cpu).")] = None,

@@ -152,7 +152,7 @@ class Pipeline:
         if stage == "validate":
             return {"data": str(self.path("generate"))}
         if stage == "split":
-            return {"eval_fraction": 0.1, **self.cfg.split, "data": str(self.path("generate")), "out": str(self.path("split"))}
+            return {"eval_fraction": 0.1, "by": "id", **self.cfg.split, "data": str(self.path("generate")), "out": str(self.path("split"))}
         if stage == "train":
             return {**self.cfg.train, **model, "data": str(self.path("split") / "train"), "out": str(self.path("train"))}
         if stage == "calibrate":
@@ -250,7 +250,7 @@ class Pipeline:
         from distill.data.transform import split
 
         self._clear("split")  # an interrupted split starts over (it is deterministic)
-        return split(o["data"], o["out"], eval_fraction=o["eval_fraction"]).to_dict()
+        return split(o["data"], o["out"], eval_fraction=o["eval_fraction"], by=o["by"]).to_dict()
 
     def _train(self, o: dict) -> dict:
         from distill.train import TrainConfig, train

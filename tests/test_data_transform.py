@@ -12,7 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import DISTILL
-from distill.data.transform import dedupe, eval_side, merge, split, user_text_key
+from distill.data.dataset import Dataset
+from distill.data.transform import dedupe, eval_side, merge, split, split_key, user_text_key
 from distill.data.validate import validate_dataset
 from distill.errors import ConfigError
 from distill.store import iter_rows
@@ -42,12 +43,44 @@ def test_split_is_deterministic_by_id_hash_and_leaves_the_input_alone(real_shard
     for side in ("train", "eval"):
         report = validate_dataset(tmp_path / "a" / side)
         assert report.ok, [str(p) for p in report.problems]
-    again = split(real_shards, tmp_path / "b", eval_fraction=0.3, shard_rows=100)
+    again = split(real_shards, tmp_path / "b", eval_fraction=0.3, shard_rows=100, by="id")
     assert ids(tmp_path / "b" / "eval") == evals and again.rows_out["train"] == len(train)
     assert folder_digest(real_shards) == before
     r = subprocess.run([DISTILL, "data", "split", str(real_shards), "--out", str(tmp_path / "a")],
                        capture_output=True, text=True, env=cli_env, timeout=120)
     assert r.returncode == 2 and "already exists" in r.stderr
+
+
+def test_split_by_first_turn_keeps_conversations_that_open_alike_on_one_side(real_shards, tmp_path):
+    """The default key: a repeated opening prompt (differently spaced / cased) never straddles train and eval."""
+    source = Dataset.open(real_shards)
+    rows = list(source.iter_rows())
+    twins = []
+    for i, row in enumerate(rows[:6]):  # six more rows opening like the first six, reworded only in case and spacing
+        msgs = [dict(m) for m in row["messages"]]
+        first = next(m for m in msgs if m["role"] == "user")
+        first["content"] = "  " + first["content"].upper().replace(" ", "   ") + "\n"
+        twins.append({**row, "id": f"{row['id']}-twin", "messages": msgs})
+    from distill.data.write import ShardWriter
+
+    w = ShardWriter(tmp_path / "with-twins", source.meta, source.id_dtype, 100)
+    for row in rows + twins:
+        w.add(row)
+    w.close()
+    keys = {split_key(r, "first-turn") for r in rows}
+    fraction = next(f / 20 for f in range(1, 20) if len({eval_side(k, f / 20) for k in keys}) == 2)  # both sides used
+    split(tmp_path / "with-twins", tmp_path / "s", eval_fraction=fraction, by="first-turn")
+    side = {i: name for name in ("train", "eval") for i in ids(tmp_path / "s" / name)}
+    assert len(side) == len(rows) + len(twins) and set(side.values()) == {"train", "eval"}
+    for row in rows[:6]:
+        assert side[row["id"]] == side[f"{row['id']}-twin"] == ("eval" if eval_side(split_key(row, "first-turn"), fraction) else "train")
+    assert json.loads((tmp_path / "s" / "eval" / "manifest.json").read_text())["meta"]["derived"]["by"] == "first-turn"
+    with pytest.raises(ConfigError, match="--by"):
+        split(real_shards, tmp_path / "bad", by="length")
+    low = min(f / 100 for f in range(1, 100) if any(eval_side(k, f / 100) for k in keys)) - 0.01  # no key below it
+    with pytest.raises(ConfigError, match="left 'eval' empty"):
+        split(real_shards, tmp_path / "empty", eval_fraction=low, by="first-turn")
+    assert not (tmp_path / "empty").exists()  # nothing written
 
 
 def test_merge_of_a_split_restores_every_row(real_shards, tmp_path):

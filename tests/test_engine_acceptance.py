@@ -12,7 +12,7 @@ from distill.engine.acceptance import (
     typical_threshold,
     warp,
 )
-from distill.engine.policy import candidate_sizes, choose_tree_size, taus_for
+from distill.engine.policy import AdaptivePolicy, candidate_sizes, choose_tree_size, taus_for
 from distill.engine.tree import build_buffers, default_accuracy, resolve_tree
 
 # root=0, (0,)=1, (1,)=2, (0,0)=3, (0,1)=4, (1,0)=5, (0,0,0)=6
@@ -149,3 +149,46 @@ def test_policy_turns_speculation_off_for_large_batches():
     assert sizes == sorted(sizes, reverse=True) and sizes[0] > 0 and sizes[-1] == 0
     assert choose_tree_size(4, taus, cost_ratio=0.0, speculate_max_batch=3) == 0
     assert choose_tree_size(3, taus, cost_ratio=0.0, speculate_max_batch=3) == 24
+
+
+ADAPT_TAUS = {4: 2.0, 2: 1.6, 1: 1.4}
+
+
+def test_adaptive_policy_starts_as_the_static_one():
+    taus = taus_for(resolve_tree("sparse-24", 4).paths, default_accuracy(4))
+    h = {n: 0.01 * n for n in taus}
+    policy = AdaptivePolicy(taus, 0.02, h)
+    for b in (1, 2, 3, 4, 8, 16, 32, 64):
+        assert policy.best(b) == choose_tree_size(b, taus, 0.02, None, h) == policy.best(b, measured=False)
+    assert policy.acceptance_ratio == 1.0
+
+
+def test_adaptive_policy_turns_the_tree_off_when_acceptance_is_below_calibration_and_probes_it():
+    policy = AdaptivePolicy(ADAPT_TAUS, 0.05, probe_every=8)
+    assert policy.best(1) == 4  # calibrated: 2.0 tokens for 1.2x the cost
+    for _ in range(200):  # the traffic accepts nothing: rho falls towards 0
+        n = policy.next_size(1)
+        if n == 0:
+            break
+        policy.observe(1, n, 0.100 * policy.model_cost(1, n), [0])  # step times as the cost model predicts
+    assert policy.acceptance_ratio < 0.2 and policy.best(1) == 0
+    choices = [policy.next_size(1) for _ in range(32)]
+    assert choices.count(4) == 4 and choices.count(0) == 28  # a probe of the calibrated choice every 8th step
+
+
+def test_adaptive_policy_follows_measured_step_times_and_recovers():
+    policy = AdaptivePolicy({4: 2.0}, 0.0, prior=1.0, halflife=16)  # the cost model calls extra tokens free
+    for _ in range(5):  # acceptance as calibrated (2 of 3 at n=4 -> 1.0 accepted per step, tau 2.0)
+        policy.observe(1, 0, 0.100, [])
+        policy.observe(1, 4, 0.300, [1])
+    assert abs(policy.acceptance_ratio - 1.0) < 1e-9
+    assert policy.cost(1, 4) == pytest.approx(0.300) and policy.best(1) == 0  # 2 tokens in 3x the time: plain wins
+    for _ in range(30):
+        policy.observe(1, 4, 0.150, [1])  # the tree step gets cheaper (EMA)
+    assert policy.best(1) == 4  # 2 tokens in 1.5x the time
+    for _ in range(60):
+        policy.observe(1, 4, 0.150, [0])  # acceptance collapses: rho -> 0 (half-life 16)
+    assert policy.acceptance_ratio < 0.2 and policy.best(1) == 0
+    for _ in range(60):
+        policy.observe(1, 4, 0.150, [2])  # and recovers above calibration
+    assert policy.acceptance_ratio > 1.5 and policy.best(1) == 4

@@ -172,3 +172,15 @@ def test_policy_shrinks_the_tree_as_the_batch_grows_and_turns_speculation_off(hf
     assert forced.tree_size_for(1) == 4 and forced.tree_size_for(2) == 0
     results, stats = forced.generate(prompts[:2], [SamplingParams(max_tokens=4)] * 2)
     assert stats.tree_nodes == 0 and all(r.accepted == [1] * r.steps for r in results)
+
+
+def test_adaptive_policy_turns_off_heads_that_guess_wrong_and_stays_lossless(hf_model, tokenizer, prompts, plain_reference):
+    heads = make_heads(hf_model, random_w1=True, num_heads=4)
+    engine = Engine(hf_model, tokenizer, heads, EngineConfig(tree="chain", adaptive=True, step_cost_ratio=0.0))
+    assert engine.policy is not None and engine.tree_size_for(1) > 0  # calibrated default accuracy: speculate
+    engine.policy._decay = 0.5 ** (1 / 4)  # forget the prior fast, for a short test
+    res, stats = engine.generate([prompts[0]], [SamplingParams(max_tokens=NEW_TOKENS)])
+    assert res[0].token_ids == plain_reference[0].token_ids[:NEW_TOKENS]
+    nodes = stats.tree_nodes_per_step
+    assert nodes[0] > 0 and 0 in nodes, nodes  # it started with the tree and switched to plain steps
+    assert engine.policy.acceptance_ratio < 0.5 and engine.tree_size_for(1) == 0

@@ -180,9 +180,11 @@ def test_stop_string_cuts_the_answer_before_it(server, plain):
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected
 
 
-def test_same_seed_gives_the_same_sample(server):
-    client = server.client()
-    kw = dict(model="smol", messages=chat(QUESTIONS[3]), temperature=1.0, top_p=0.95, max_tokens=MAX_TOKENS, seed=1234)
+def test_same_seed_gives_the_same_sample(tiny_queue_server):
+    """Same seed, same tree sizes (--static, batch 1): same sample (the adaptive policy may pick other trees)."""
+    client = tiny_queue_server.client(key="unused")
+    model = client.models.list().data[0].id
+    kw = dict(model=model, messages=chat(QUESTIONS[3]), temperature=1.0, top_p=0.95, max_tokens=24, seed=1234)
     a = client.chat.completions.create(**kw).choices[0].message.content
     b = client.chat.completions.create(**kw).choices[0].message.content
     assert a == b and a
@@ -238,6 +240,8 @@ def test_models_health_and_metrics(server):
     assert samples['distill_requests_total{endpoint="/v1/chat/completions",status="200"}'] >= 1
     assert samples["distill_generation_tokens_total"] > 0
     assert samples["distill_tokens_per_step_count"] > 0 and samples["distill_step_latency_seconds_count"] > 0
+    assert samples["distill_tree_nodes_count"] == samples["distill_step_latency_seconds_count"]  # one per step
+    assert samples["distill_tree_nodes_sum"] > 0 and 0 <= samples["distill_acceptance_ratio"]  # the adaptive policy ran trees
     assert samples['distill_requests_total{endpoint="/v1/models",status="401"}'] >= 1
 
 
@@ -268,7 +272,7 @@ def test_sigterm_stops_the_server_cleanly(server):
 
 @pytest.fixture(scope="module")
 def tiny_queue_server(tmp_path_factory, heads_dir):
-    srv = Server(["--heads", str(heads_dir), "--max-batch", "1", "--queue-size", "1", "--max-tokens", "24"],
+    srv = Server(["--heads", str(heads_dir), "--max-batch", "1", "--queue-size", "1", "--max-tokens", "24", "--static"],
                  tmp_path_factory.mktemp("log") / "serve-small.log")
     yield srv
     srv.stop()

@@ -6,8 +6,15 @@ user text key
     what dedupe compares: the user turns of a conversation, in order. ``exact``
     compares them as stored; ``normalized`` first lowercases them (Unicode
     casefold) and collapses every run of whitespace to one space, trimming the ends.
-split by id hash
-    a row goes to ``eval`` when ``sha256(id)`` read as a fraction in [0, 1) is below
+split key
+    what decides a row's side. ``id`` (default): the row id. ``first-turn``: the
+    conversation's first user turn, normalized as above, so conversations that open
+    alike (a seed set with repeated prompts, replies regenerated at temperature > 0,
+    self-talk from one opener) all land on the same side and the eval split never
+    holds a prompt the heads were trained on. With few distinct openers a side can
+    come out empty: the split refuses that rather than write it.
+split by key hash
+    a row goes to ``eval`` when ``sha256(key)`` read as a fraction in [0, 1) is below
     ``eval_fraction``: deterministic, independent of row order and shard layout,
     and stable when rows are added (a row never changes side).
 """
@@ -23,6 +30,7 @@ from distill.data.write import DEFAULT_SHARD_ROWS, ShardWriter, check_new_output
 from distill.errors import ConfigError
 
 DEDUPE_MODES = ("exact", "normalized")
+SPLIT_KEYS = ("id", "first-turn")
 
 
 @dataclass
@@ -128,23 +136,34 @@ def dedupe(inp: Path | str, out: Path | str, mode: str = "normalized", shard_row
     return summary
 
 
-def eval_side(row_id: str, eval_fraction: float) -> bool:
-    """True when ``row_id`` belongs to the eval split (see the module's terms)."""
-    h = int.from_bytes(hashlib.sha256(row_id.encode("utf-8", "surrogatepass")).digest()[:8], "big")
+def eval_side(key: str, eval_fraction: float) -> bool:
+    """True when a row of split key ``key`` belongs to the eval split (see the module's terms)."""
+    h = int.from_bytes(hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()[:8], "big")
     return h / 2**64 < eval_fraction
 
 
-def split(inp: Path | str, out: Path | str, eval_fraction: float = 0.05, shard_rows: int = DEFAULT_SHARD_ROWS) -> TransformSummary:
-    """Write ``out/train`` and ``out/eval`` (both dataset folders) by id hash."""
+def split_key(row: dict, by: str = "id") -> str:
+    """The split key of a row (see the module's terms)."""
+    if by == "id":
+        return row["id"]
+    first = next((m["content"] for m in row["messages"] if m["role"] == "user"), "")
+    return " ".join(first.split()).casefold()
+
+
+def split(inp: Path | str, out: Path | str, eval_fraction: float = 0.05, shard_rows: int = DEFAULT_SHARD_ROWS,
+          by: str = "id") -> TransformSummary:
+    """Write ``out/train`` and ``out/eval`` (both dataset folders) by the hash of each row's split key."""
     if not 0 < eval_fraction < 1:
         raise ConfigError(f"--eval-fraction must be in (0, 1); got {eval_fraction}")
+    if by not in SPLIT_KEYS:
+        raise ConfigError(f"--by must be one of {', '.join(SPLIT_KEYS)}; got '{by}'")
     d = Dataset.open(inp)
     out = Path(out)
     check_new_output(out, [d.root])
     out.mkdir(parents=True, exist_ok=True)
     summary = TransformSummary("split", {"train": str(out / "train"), "eval": str(out / "eval")})
     writers = {
-        name: ShardWriter(out / name, derived_meta(d.meta, "split", split=name, eval_fraction=eval_fraction,
+        name: ShardWriter(out / name, derived_meta(d.meta, "split", split=name, eval_fraction=eval_fraction, by=by,
                                                    inputs=[_input_record(d)]), d.id_dtype, shard_rows)
         for name in ("train", "eval")
     }
@@ -152,7 +171,11 @@ def split(inp: Path | str, out: Path | str, eval_fraction: float = 0.05, shard_r
         writers["train"].rejects.extend(d.rejects())
         for row in d.iter_rows():
             summary.rows_in += 1
-            writers["eval" if eval_side(row["id"], eval_fraction) else "train"].add(row)
+            writers["eval" if eval_side(split_key(row, by), eval_fraction) else "train"].add(row)
+        empty = [name for name, w in writers.items() if w.count == 0]
+        if by == "first-turn" and summary.rows_in >= 2 and empty:
+            raise ConfigError(f"split --by first-turn left '{empty[0]}' empty ({summary.rows_in} rows, too few distinct "
+                              f"opening turns for --eval-fraction {eval_fraction}); raise the fraction or use --by id")
         for name, w in writers.items():
             w.close(derived_rows_in=summary.rows_in)
             summary.rows_out[name] = w.count

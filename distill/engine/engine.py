@@ -46,7 +46,7 @@ from distill.engine.acceptance import (
     typical_accept,
     warp,
 )
-from distill.engine.policy import DEFAULT_COST_RATIO, choose_tree_size, taus_for
+from distill.engine.policy import DEFAULT_COST_RATIO, AdaptivePolicy, choose_tree_size, taus_for
 from distill.engine.tree import ResolvedTree, TreeBuffers, build_buffers, resolve_tree, subtree
 from distill.errors import ConfigError, ModelError
 from distill.heads.model import MedusaHeads
@@ -88,6 +88,7 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     step_cost_ratio: float | None = None  # r of the policy's cost model (None: DEFAULT_COST_RATIO of the device type)
+    adaptive: bool = False  # correct the policy with measured acceptance and step times (policy.AdaptivePolicy)
 
     def __post_init__(self) -> None:
         if self.acceptance not in ACCEPTANCE_MODES:
@@ -203,6 +204,9 @@ class Engine:
             self.tree = tree or resolve_tree(self.config.tree, hc.num_heads)
             self._taus = taus_for(self.tree.paths, self.tree.accuracy)
             self._proposal = {n: self._proposal_cost(n) for n in self._taus}
+        self.policy: AdaptivePolicy | None = None
+        if self.heads is not None and self.config.adaptive and self.config.speculate_max_batch is None:
+            self.policy = AdaptivePolicy(self._taus, self._cost_ratio(), self._proposal)
         window = getattr(model.config.get_text_config(), "sliding_window", None)
         self._max_len = min(
             getattr(model.config.get_text_config(), "max_position_embeddings", None) or 1 << 30,
@@ -238,16 +242,21 @@ class Engine:
         return ids
 
     # -- policy ------------------------------------------------------------------------------
+    def _cost_ratio(self) -> float:
+        ratio = self.config.step_cost_ratio
+        if ratio is None:
+            ratio = DEFAULT_COST_RATIO.get(self.device.type, DEFAULT_COST_RATIO["cuda"])
+        return ratio
+
     def tree_size_for(self, batch: int) -> int:
-        """Tree nodes the policy uses for a batch of ``batch`` sequences (0 = plain decoding)."""
+        """Tree nodes the policy would use now for a batch of ``batch`` sequences (0 = plain decoding)."""
         if self.heads is None or self.tree is None:
             return 0
         if self.config.speculate_max_batch is not None:  # the user decides: the full tree up to that batch size
             return len(self.tree.paths) if batch <= self.config.speculate_max_batch else 0
-        ratio = self.config.step_cost_ratio
-        if ratio is None:
-            ratio = DEFAULT_COST_RATIO.get(self.device.type, DEFAULT_COST_RATIO["cuda"])
-        return choose_tree_size(batch, self._taus, ratio, None, self._proposal)
+        if self.policy is not None:
+            return self.policy.best(batch)
+        return choose_tree_size(batch, self._taus, self._cost_ratio(), None, self._proposal)
 
     def _proposal_cost(self, nodes: int) -> float:
         """h of the policy: weights the heads read for a tree of ``nodes`` nodes / weights a forward reads."""
@@ -403,7 +412,13 @@ class Engine:
                 pos, root, hidden = pos[rows], root[rows], hidden[rows]
                 active = [active[i] for i in keep_rows]
             t0 = time.perf_counter()
-            buf = self.buffers(self.tree_size_for(len(active)) if speculative else 0)
+            if not speculative:
+                nodes = 0
+            elif self.policy is not None:
+                nodes = self.policy.next_size(len(active))
+            else:
+                nodes = self.tree_size_for(len(active))
+            buf = self.buffers(nodes)
             if buf.nodes:
                 tokens = self._propose(hidden, root, buf)  # (B, T)
             else:
@@ -428,4 +443,7 @@ class Engine:
                 s.steps += 1
                 s.accepted.append(len(new))
                 s.emit(new, on_tokens)
-            stats.step_seconds.append(time.perf_counter() - t0)
+            seconds = time.perf_counter() - t0
+            stats.step_seconds.append(seconds)
+            if self.policy is not None and speculative:
+                self.policy.observe(len(active), buf.nodes, seconds, lengths_acc)

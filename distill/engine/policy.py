@@ -72,3 +72,117 @@ def taus_for(paths: Sequence[tuple[int, ...]], accuracy: Sequence[Sequence[float
     from distill.heads.tree import expected_acceptance_length
 
     return {n: expected_acceptance_length(subtree(paths, accuracy, n), accuracy) for n in candidate_sizes(len(paths)) if n}
+
+
+class AdaptivePolicy:
+    """The tree size per batch size, corrected by what the engine measures while it serves.
+
+    The static policy (:func:`choose_tree_size`) trusts two predictions: the calibrated τ
+    (from held-out data, which may not look like the traffic) and the cost model (``r``,
+    ``h``: a straight line through a sweep). This one replaces both by measurements as they
+    come, and starts from them:
+
+    measured acceptance ``ρ``
+        Σ accepted candidates / Σ (τ(n) − 1) over the sequence-steps that used a tree of n
+        nodes, each sum starting at ``prior`` pseudo-tokens (ρ = 1) and decaying with a
+        half-life of ``halflife`` sequence-steps; the τ used is ``1 + ρ·(τ(n) − 1)``.
+        Acceptance does not depend on the batch size, so one ρ serves all of them.
+    measured step cost
+        per (batch size, tree size): the exponential moving average (weight ``alpha``) of
+        the step's wall seconds, the first step of each pair skipped (buffers are built
+        then). A pair not measured yet is predicted from a measured pair of the same batch
+        size through the cost model's ratio; the cost model alone while none is.
+    choice
+        the size with the most tokens per second, ``τ(n) / cost(B, n)``, plain decoding included.
+    probe
+        when plain decoding wins at B but the calibrated prediction says a tree would, every
+        ``probe_every``-th step at B runs that tree anyway, so that ρ and the tree's cost are
+        measured again (traffic changes); it costs at most 1/``probe_every`` of a tree step's
+        extra time.
+    """
+
+    def __init__(
+        self,
+        taus: dict[int, float],
+        cost_ratio: float,
+        proposal_cost: dict[int, float] | None = None,
+        *,
+        prior: float = 8.0,
+        halflife: float = 512.0,
+        alpha: float = 0.2,
+        probe_every: int = 32,
+    ):
+        self.taus = dict(taus)
+        self.cost_ratio = cost_ratio
+        self.proposal_cost = dict(proposal_cost or {})
+        self.sizes = sorted({0, *self.taus})
+        self.alpha = alpha
+        self.probe_every = probe_every
+        self._decay = 0.5 ** (1.0 / halflife)
+        self._accepted = prior  # Σ accepted candidates (decayed), pseudo-tokens included
+        self._predicted = prior  # Σ (τ(n) − 1) of the same steps
+        self._cost: dict[tuple[int, int], float] = {}  # (batch, nodes) -> EMA step seconds
+        self._seen: dict[tuple[int, int], int] = {}  # steps observed per pair (the first is skipped)
+        self._steps: dict[int, int] = {}  # steps decided per batch size (probe clock)
+
+    # -- predictions ---------------------------------------------------------------------------
+    @property
+    def acceptance_ratio(self) -> float:
+        """ρ: measured / calibrated accepted candidates per sequence-step."""
+        return self._accepted / self._predicted if self._predicted > 0 else 1.0
+
+    def tau(self, nodes: int, measured: bool = True) -> float:
+        if nodes <= 0:
+            return 1.0
+        extra = self.taus[nodes] - 1.0
+        return 1.0 + (self.acceptance_ratio if measured else 1.0) * extra
+
+    def model_cost(self, batch: int, nodes: int) -> float:
+        """Cost model: one step relative to a one-token forward (module docstring)."""
+        if nodes <= 0:
+            return 1.0 + self.cost_ratio * (batch - 1)
+        return 1.0 + self.cost_ratio * (batch * (nodes + 1) - 1) + self.proposal_cost.get(nodes, 0.0)
+
+    def cost(self, batch: int, nodes: int) -> float:
+        """Measured seconds of a step, or its prediction in the same unit (see the class docstring)."""
+        if (batch, nodes) in self._cost:
+            return self._cost[(batch, nodes)]
+        anchors = [n for n in self.sizes if (batch, n) in self._cost]
+        if not anchors:
+            return self.model_cost(batch, nodes)
+        anchor = min(anchors, key=lambda n: abs(n - nodes))  # the nearest measured size scales the model
+        return self._cost[(batch, anchor)] * self.model_cost(batch, nodes) / self.model_cost(batch, anchor)
+
+    def best(self, batch: int, measured: bool = True) -> int:
+        """The size with the most tokens per second (0 = plain); ``measured=False``: the calibrated, static choice."""
+        if not measured:
+            return choose_tree_size(batch, self.taus, self.cost_ratio, None, self.proposal_cost)
+        best, best_rate = 0, 1.0 / self.cost(batch, 0)
+        for n in self.sizes:
+            if n > 0 and (rate := self.tau(n) / self.cost(batch, n)) > best_rate * (1 + 1e-9):
+                best, best_rate = n, rate
+        return best
+
+    # -- the engine's calls ----------------------------------------------------------------------
+    def next_size(self, batch: int) -> int:
+        """The size for the next step at ``batch`` (advances the probe clock)."""
+        k = self._steps.get(batch, 0)
+        self._steps[batch] = k + 1
+        choice = self.best(batch)
+        if choice == 0 and self.probe_every and k % self.probe_every == self.probe_every - 1:
+            return self.best(batch, measured=False)
+        return choice
+
+    def observe(self, batch: int, nodes: int, seconds: float, accepted: Sequence[int]) -> None:
+        """One step: its size, wall seconds, and each sequence's accepted candidates (bonus token excluded)."""
+        key = (batch, nodes)
+        seen = self._seen.get(key, 0)
+        self._seen[key] = seen + 1
+        if seen >= 1:
+            old = self._cost.get(key)
+            self._cost[key] = seconds if old is None else old + self.alpha * (seconds - old)
+        if nodes > 0:
+            predicted = self.taus[nodes] - 1.0
+            for a in accepted:
+                self._accepted = self._accepted * self._decay + a
+                self._predicted = self._predicted * self._decay + predicted

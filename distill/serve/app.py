@@ -47,8 +47,13 @@ class AppSettings:
     speculative: bool = False
 
 
-def create_app(engine, settings: AppSettings) -> FastAPI:
-    """An app serving ``engine`` (a started worker thread is created in the app's lifespan)."""
+def create_app(engine, settings: AppSettings, worker_thread: bool = True) -> FastAPI:
+    """An app serving ``engine``.
+
+    ``worker_thread``: the app's lifespan starts the scheduler's worker on a thread of its
+    own; False leaves it to the caller (``app.state.scheduler.run()``, as ``distill serve``
+    does on the main thread). Either way the lifespan's end stops it.
+    """
     from distill.engine import SamplingParams
 
     metrics = ServerMetrics()
@@ -59,7 +64,8 @@ def create_app(engine, settings: AppSettings) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        scheduler.start()
+        if worker_thread:
+            scheduler.start()
         yield
         scheduler.stop()
 

@@ -41,6 +41,7 @@ class ServeConfig:
     shutdown_timeout: float = 10.0  # seconds in-flight requests get after SIGTERM
     num_speculative_tokens: int | None = None  # vllm engine: default = the heads' num_heads
     step_cost_ratio: float | None = None  # engine cost model r (from `distill bench --sweep-tree`); None = the device default
+    adaptive: bool = True  # tree size from measured acceptance and step times (distill.engine.policy.AdaptivePolicy)
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:

@@ -44,6 +44,14 @@ class ServerMetrics:
         self.batch_size = Histogram("distill_batch_size", "Sequences per engine batch", buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
         self.queue_depth = Gauge("distill_queue_depth", "Requests waiting for the engine", registry=r)
         self.running = Gauge("distill_running_sequences", "Sequences the engine is decoding", registry=r)
+        self.tree_nodes = Histogram(
+            "distill_tree_nodes", "Speculated tree nodes verified per decoding step (0 = a plain step; the policy's choice)",
+            buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128), registry=r,
+        )
+        self.acceptance_ratio = Gauge(
+            "distill_acceptance_ratio", "Measured / calibrated accepted tokens per step (the adaptive policy's rho; 1 = as calibrated)",
+            registry=r,
+        )
         self.rejected = Counter("distill_rejected_requests", "Requests refused with 503 because the queue was full", registry=r)
 
     def exposition(self) -> bytes:

@@ -13,9 +13,17 @@ job
 waiting queue
     sequences admitted but not yet handed to the engine, bounded by ``queue_size``:
     a job whose sequences do not all fit is refused whole (:class:`QueueFull`, HTTP 503).
+worker
+    the one thread that calls the engine: a thread of its own (:meth:`Scheduler.start`)
+    or the caller's (:meth:`Scheduler.run`). ``distill serve`` runs it on the process's
+    main thread and uvicorn on a second one: with the GNU OpenMP runtime (torch's on
+    Linux), a second thread that runs torch ops gets a second OpenMP pool, and once
+    the pools' threads outnumber the cores every pool's idle threads sleep instead of
+    spinning; each small op then waits for its threads to wake, and a decoding step on
+    a 2-core CPU was a third slower (BENCHMARKS.md, "Serving").
 batch
     up to ``max_batch`` waiting sequences the worker takes at once and runs through
-    ``engine.generate`` (blocking, not re-entrant: only this thread calls it).
+    ``engine.generate`` (blocking, not re-entrant: only the worker calls it).
     Sequences arriving meanwhile wait for the next batch.
 cancel
     a client that disconnects sets its job's ``cancelled`` event; the engine
@@ -115,7 +123,11 @@ class Job:
 
 
 class Scheduler:
-    """A bounded waiting queue and one worker thread that batches sequences through the engine."""
+    """A bounded waiting queue and one worker that batches sequences through the engine.
+
+    The worker is :meth:`start` (a thread of its own) or :meth:`run` (the calling thread,
+    until :meth:`stop`); one of the two, once.
+    """
 
     def __init__(self, engine, *, queue_size: int, max_batch: int, speculative: bool, metrics=None):
         self.engine = engine
@@ -127,16 +139,35 @@ class Scheduler:
         self._cond = threading.Condition()
         self._stopping = False
         self._running: list[Sequence] = []
-        self._thread = threading.Thread(target=self._loop, name="distill-engine", daemon=True)
-        self.error: str | None = None  # set when the worker thread died
+        self._thread: threading.Thread | None = None
+        self._worker: int | None = None  # ident of the thread running the loop
+        self._done = threading.Event()  # set when the worker loop has returned
+        self.error: str | None = None  # set when the worker died
 
-    # -- called from the event loop ------------------------------------------------------
     def start(self) -> None:
+        """Run the worker on a thread of its own."""
+        self._claim()
+        self._thread = threading.Thread(target=self._loop, name="distill-engine", daemon=True)
         self._thread.start()
 
+    def run(self) -> None:
+        """Run the worker on the calling thread until :meth:`stop` (or its death, which is recorded, not raised)."""
+        self._claim()
+        try:
+            self._loop()
+        except BaseException:  # noqa: BLE001 - already recorded in self.error and logged
+            pass
+
+    def _claim(self) -> None:
+        with self._cond:
+            if self._worker is not None or self._thread is not None:
+                raise RuntimeError("the scheduler's worker is already running")
+            self._worker = -1  # claimed; the loop sets its thread's ident
+
+    # -- called from the event loop ------------------------------------------------------
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and not self._stopping
+        return not self._stopping and self.error is None
 
     def submit(self, job: Job) -> None:
         """Admit all of the job's sequences or none (raises QueueFull / ShuttingDown)."""
@@ -150,14 +181,16 @@ class Scheduler:
             self._cond.notify()
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Refuse new work, fail waiting sequences, cancel running ones, and join the worker."""
+        """Refuse new work, fail waiting sequences, cancel running ones, and wait for the worker to return."""
         with self._cond:
             self._stopping = True
             waiting, self._waiting = list(self._waiting), deque()
             self._cond.notify_all()
+            started = self._worker is not None
         for s in waiting:
             s.emit(Failed("the server is shutting down", 503))
-        self._thread.join(timeout)
+        if started and threading.get_ident() != self._worker:
+            self._done.wait(timeout)
 
     # -- the worker thread -----------------------------------------------------------------
     def _gauge(self) -> None:
@@ -183,6 +216,7 @@ class Scheduler:
             return batch
 
     def _loop(self) -> None:
+        self._worker = threading.get_ident()
         try:
             while (batch := self._next_batch()) is not None:
                 if batch:
@@ -196,6 +230,8 @@ class Scheduler:
             for s in waiting + self._running:
                 s.emit(Failed(f"engine failed: {self.error}"))
             raise
+        finally:
+            self._done.set()
 
     def _run(self, batch: list[Sequence]) -> None:
         self._running = batch
@@ -244,6 +280,10 @@ class Scheduler:
         if m is not None:
             for sec in stats.step_seconds:
                 m.step_latency.observe(sec)
+            for n in stats.tree_nodes_per_step:
+                m.tree_nodes.observe(n)
+            if getattr(self.engine, "policy", None) is not None:
+                m.acceptance_ratio.set(self.engine.policy.acceptance_ratio)
             m.prefill_latency.observe(stats.prefill_seconds)
             for s, r in zip(batch, results):
                 for n in r.accepted:

@@ -1,8 +1,11 @@
 """Start a server: the distill engine behind uvicorn, or vLLM's own OpenAI server with the heads.
 
+Threads: the engine runs on the process's main thread and uvicorn on a second one
+(the reason is in :mod:`distill.serve.scheduler`, "worker").
+
 Shutdown: SIGTERM or Ctrl-C stops accepting connections, lets in-flight requests
 finish for up to ``shutdown_timeout`` seconds, cancels what is left, stops the
-engine worker, and returns (SIGTERM: exit code 0).
+engine worker, and returns (SIGTERM: exit code 0; a second Ctrl-C forces it).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
 from distill.errors import ConfigError, ModelError
@@ -31,8 +35,8 @@ def context_length(model_path: Path) -> int:
     return int(n)
 
 
-def build_app(cfg: ServeConfig):
-    """Load the engine and make the app (no socket yet)."""
+def build_app(cfg: ServeConfig, worker_thread: bool = True):
+    """Load the engine and make the app (no socket yet); ``worker_thread``: see :func:`~distill.serve.app.create_app`."""
     from distill.engine import Engine, EngineConfig
     from distill.models import resolve_model, stop_token_ids
     from distill.serve.app import AppSettings, create_app
@@ -41,6 +45,7 @@ def build_app(cfg: ServeConfig):
     engine_cfg = EngineConfig(
         acceptance=cfg.acceptance, typical_epsilon=cfg.typical_epsilon, typical_delta=cfg.typical_delta,
         tree=cfg.tree, max_batch=cfg.max_batch, dtype=cfg.dtype, device=cfg.device, step_cost_ratio=cfg.step_cost_ratio,
+        adaptive=cfg.adaptive,
     )
     engine = Engine.from_pretrained(cfg.model, cfg.heads, engine_cfg)
     # The engine keeps room for one verification tree beyond prompt + max_tokens (engine.generate refuses otherwise).
@@ -55,7 +60,7 @@ def build_app(cfg: ServeConfig):
         api_key=cfg.api_key,
         speculative=engine.heads is not None,
     )
-    return create_app(engine, settings), settings
+    return create_app(engine, settings, worker_thread=worker_thread), settings
 
 
 def serve(cfg: ServeConfig, log_level: str = "info") -> None:
@@ -65,20 +70,41 @@ def serve(cfg: ServeConfig, log_level: str = "info") -> None:
         return
     import uvicorn
 
-    app, settings = build_app(cfg)
+    app, settings = build_app(cfg, worker_thread=False)
+    scheduler = app.state.scheduler
     mode = "Medusa speculative decoding" if settings.speculative else "plain decoding"
     print(f"distill serve: {settings.model_name} ({mode}) on http://{cfg.host}:{cfg.port}/v1", file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(
         app, host=cfg.host, port=cfg.port, log_level=log_level, timeout_graceful_shutdown=cfg.shutdown_timeout,
         access_log=log_level == "debug",
     ))
-    # uvicorn re-raises the signal it caught once it has shut down; SIGTERM is an
-    # ordinary stop for a server, so let that re-raise end in a normal return (exit 0).
-    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    failed: list[BaseException] = []
+
+    def http() -> None:  # uvicorn off the main thread installs no signal handlers: ours below stand in
+        try:
+            server.run()
+        except BaseException as exc:  # noqa: BLE001 - e.g. SystemExit when the port is taken
+            failed.append(exc)
+        finally:
+            scheduler.stop(timeout=0)  # ends the engine loop if the lifespan did not
+
+    def on_signal(sig, frame) -> None:
+        if server.should_exit and sig == signal.SIGINT:
+            server.force_exit = True
+        server.should_exit = True
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    thread = threading.Thread(target=http, name="distill-http", daemon=True)
     try:
-        server.run()
+        thread.start()
+        scheduler.run()  # the engine, on this thread, until the server stops
+        while thread.is_alive():
+            thread.join(0.5)  # in slices: a signal handler runs between them
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if failed or not server.started:
+        raise SystemExit(1)
 
 
 # -- --engine vllm -------------------------------------------------------------------------
