@@ -92,11 +92,16 @@ def merge(inputs: list[Path | str], out: Path | str, skip_duplicate_ids: bool = 
     return summary
 
 
+def normalize(text: str) -> str:
+    """Casefolded, every run of whitespace one space, ends trimmed (``normalized`` in the module's terms)."""
+    return " ".join(text.split()).casefold()
+
+
 def user_text_key(messages: list[dict], mode: str) -> bytes:
     """Digest of a conversation's user turns (see the module's terms)."""
     users = [m["content"] for m in messages if m["role"] == "user"]
     if mode == "normalized":
-        users = [" ".join(u.split()).casefold() for u in users]
+        users = [normalize(u) for u in users]
     return hashlib.blake2b("\x1e".join(users).encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
@@ -146,8 +151,7 @@ def split_key(row: dict, by: str = "id") -> str:
     """The split key of a row (see the module's terms)."""
     if by == "id":
         return row["id"]
-    first = next((m["content"] for m in row["messages"] if m["role"] == "user"), "")
-    return " ".join(first.split()).casefold()
+    return normalize(next((m["content"] for m in row["messages"] if m["role"] == "user"), ""))
 
 
 def split(inp: Path | str, out: Path | str, eval_fraction: float = 0.05, shard_rows: int = DEFAULT_SHARD_ROWS,

@@ -55,15 +55,21 @@ def choose_tree_size(
     """
     if speculate_max_batch is not None and batch > speculate_max_batch:
         return 0
-    best, best_rate = 0, 1.0 / (1.0 + cost_ratio * (batch - 1))
+    best, best_rate = 0, 1.0 / step_cost(batch, 0, cost_ratio)
     for n in sorted(taus):
         if n <= 0:
             continue
-        h = (proposal_cost or {}).get(n, 0.0)
-        rate = taus[n] / (1.0 + cost_ratio * (batch * (n + 1) - 1) + h)
+        rate = taus[n] / step_cost(batch, n, cost_ratio, proposal_cost)
         if rate > best_rate * (1 + 1e-9):
             best, best_rate = n, rate
     return best
+
+
+def step_cost(batch: int, nodes: int, cost_ratio: float, proposal_cost: dict[int, float] | None = None) -> float:
+    """``c(B·(n + 1)) + h(n)``: one step of a tree of ``nodes`` nodes for ``batch`` sequences, relative to a one-token forward."""
+    if nodes <= 0:
+        return 1.0 + cost_ratio * (batch - 1)
+    return 1.0 + cost_ratio * (batch * (nodes + 1) - 1) + (proposal_cost or {}).get(nodes, 0.0)
 
 
 def taus_for(paths: Sequence[tuple[int, ...]], accuracy: Sequence[Sequence[float]]) -> dict[int, float]:
@@ -131,17 +137,13 @@ class AdaptivePolicy:
         """ρ: measured / calibrated accepted candidates per sequence-step."""
         return self._accepted / self._predicted if self._predicted > 0 else 1.0
 
-    def tau(self, nodes: int, measured: bool = True) -> float:
-        if nodes <= 0:
-            return 1.0
-        extra = self.taus[nodes] - 1.0
-        return 1.0 + (self.acceptance_ratio if measured else 1.0) * extra
+    def tau(self, nodes: int) -> float:
+        """Expected tokens per step of ``nodes`` nodes, the calibrated extra scaled by ρ."""
+        return 1.0 + self.acceptance_ratio * (self.taus[nodes] - 1.0) if nodes > 0 else 1.0
 
     def model_cost(self, batch: int, nodes: int) -> float:
-        """Cost model: one step relative to a one-token forward (module docstring)."""
-        if nodes <= 0:
-            return 1.0 + self.cost_ratio * (batch - 1)
-        return 1.0 + self.cost_ratio * (batch * (nodes + 1) - 1) + self.proposal_cost.get(nodes, 0.0)
+        """The cost model's :func:`step_cost`."""
+        return step_cost(batch, nodes, self.cost_ratio, self.proposal_cost)
 
     def cost(self, batch: int, nodes: int) -> float:
         """Measured seconds of a step, or its prediction in the same unit (see the class docstring)."""
