@@ -118,6 +118,44 @@ def test_batched_decoding_equals_batch_one(hf_model, tokenizer, prompts, plain_r
     assert stats.tree_nodes == 3 + 6 + 6
 
 
+@pytest.mark.parametrize("speculative", [True, False], ids=["medusa", "plain"])
+def test_sequences_joining_a_running_batch_decode_as_in_batch_one(hf_model, tokenizer, prompts, plain_reference, speculative):
+    """Continuous batching: prompts join between steps (a longer prompt into a shorter cache and the
+    reverse), rows leave as they finish, and every greedy sequence still equals its batch-1 decoding."""
+    heads = make_heads(hf_model, random_w1=True, seed=2)
+    engine = Engine(hf_model, tokenizer, heads, EngineConfig(tree="3,2,1", max_batch=QUESTIONS, speculate_max_batch=QUESTIONS))
+    budgets = {"a": 20, "b": 6, "c": 16, "d": 12}
+    seen: dict[str, list[int]] = {k: [] for k in budgets}
+
+    def on_tokens(key, new):
+        seen[key].extend(new)
+        return True
+
+    batch = engine.running_batch(speculative, on_tokens)
+    results: dict[str, GenerationResult] = {}
+    order = sorted(range(QUESTIONS), key=lambda i: len(prompts[i]))  # shortest prompt first: later ones are longer
+    keys = list(budgets)
+    assert dict(batch.add([prompts[order[0]]], [SamplingParams(max_tokens=budgets["a"])], ["a"])) == {}
+    joined_at = {}
+    for step in range(200):
+        if step in (2, 5) and len(joined_at) < 3:  # one joins alone, then two together (with different lengths)
+            group = keys[1:2] if step == 2 else keys[2:4]
+            idx = [order[keys.index(k)] for k in group]
+            results.update(batch.add([prompts[i] for i in idx], [SamplingParams(max_tokens=budgets[k]) for k in group], group))
+            joined_at.update({k: step for k in group})
+        results.update(batch.step())
+        if not len(batch) and len(joined_at) == 3:
+            break
+    assert set(results) == set(keys) and len(batch) == 0
+    for k in keys:
+        ref = plain_reference[order[keys.index(k)]]
+        assert results[k].token_ids == ref.token_ids[: budgets[k]] == seen[k], k
+        assert results[k].finish_reason in ("length", "stop")
+    assert batch.stats.steps > 0
+    if speculative:
+        assert max(a for r in results.values() for a in r.accepted) >= 2  # speculation ran in the mixed batch
+
+
 def test_stop_tokens_cancellation_and_callbacks(hf_model, tokenizer, prompts, plain_reference):
     engine = Engine(hf_model, tokenizer, make_heads(hf_model, random_w1=True), EngineConfig(tree="chain", speculate_max_batch=2))
     ref = plain_reference[0].token_ids

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -49,7 +50,8 @@ API_KEY = "docs-test-key"
 # (tensor parallelism 1: GPU counts are sizes too)
 SIZES: dict[str, dict[str, str]] = {
     "generate": {"--limit": "3", "--max-new-tokens": "16", "--shard-size": "2"},
-    "train-heads": {"--steps": "2", "--max-len": "128", "--context": "32", "--batch-size": "2", "--save-every": "1"},
+    "train-heads": {"--steps": "2", "--max-len": "128", "--context": "32", "--batch-size": "2", "--save-every": "1",
+                    "--keep-checkpoints": "1"},
     "calibrate": {"--max-len": "128", "--max-tokens": "512", "--nodes": "8"},
     "bench": {"--limit": "1", "--max-tokens": "8", "--sweep-nodes": "1,4", "--sweep-repeats": "1", "--sweep-context": "32"},
     "data split": {"--eval-fraction": "0.34"},
@@ -119,9 +121,13 @@ def _set_option(cmd: str, opt: str, value: str, append: bool) -> str:
         return pattern.sub(f"{opt} {value}", cmd)
     if not append:
         return cmd
-    # Append to the distill command itself (a loop line ends in `& done; wait`).
+    return _append(cmd, f"{opt} {value}")
+
+
+def _append(cmd: str, words: str) -> str:
+    """Append to the distill command itself (a loop line ends in `& done; wait`)."""
     m = re.search(r"\s+&\s+done;", cmd)
-    return f"{cmd[:m.start()]} {opt} {value}{cmd[m.start():]}" if m else f"{cmd} {opt} {value}"
+    return f"{cmd[:m.start()]} {words}{cmd[m.start():]}" if m else f"{cmd} {words}"
 
 
 def sized(cmd: str) -> str:
@@ -131,6 +137,10 @@ def sized(cmd: str) -> str:
         cmd = _set_option(cmd, opt, value, append=True)
     for opt, value in REPLACE_ONLY.get(sub, {}).items():
         cmd = _set_option(cmd, opt, value, append=False)
+    if sub == "train-heads" and "-share-lm-head" not in cmd:
+        # Disk is a size too: an untied head is a 49152 x 576 LM head (113 MB, 3x that in a checkpoint),
+        # so the walkthrough's dozen heads folders would take GBs; shared, ~120 MB each.
+        cmd = _append(cmd, "--share-lm-head")
     if sub == "run" or cmd.startswith("bash scripts/run.sh"):
         cmd += "".join(f" --set {s}" for s in PIPELINE_SETS)
     return cmd
@@ -242,7 +252,7 @@ class Docs:
 
 
 @pytest.fixture(scope="module")
-def docs(tmp_path_factory):
+def docs(tmp_path_factory, request):
     from distill.models import resolve_model
 
     work = tmp_path_factory.mktemp("readme")
@@ -252,7 +262,10 @@ def docs(tmp_path_factory):
     env = dict(os.environ, PATH=f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}", DISTILL_API_KEY=API_KEY, HF_TOKEN=TOKEN,
                HF_HOME=str(work / "hf-home"), HF_HUB_DISABLE_TELEMETRY="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"),
                VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1")
-    return work, env
+    failed = request.session.testsfailed
+    yield work, env
+    if request.session.testsfailed == failed:  # the walkthrough writes GBs (heads, checkpoints, a merged model)
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def test_readme_blocks_parse_into_commands():
@@ -265,6 +278,8 @@ def test_readme_blocks_parse_into_commands():
     loop = "for i in 0 1; do distill generate --part $i/2 --out o$i & done; wait"
     assert sized(loop).endswith("--shard-size 2 & done; wait") and "--limit 3" in sized(loop)
     assert "--stop-after 1" in sized("distill train-heads --steps 1000 --stop-after 100") and "--steps 2" in sized("distill train-heads --steps 1000")
+    assert sized("distill train-heads --out o").endswith(" --share-lm-head") and "--no-share-lm-head" not in sized("distill train-heads")
+    assert sized("distill train-heads --no-share-lm-head").count("share-lm-head") == 1
 
 
 def test_every_readme_command_runs(docs):

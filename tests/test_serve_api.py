@@ -14,6 +14,7 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -262,6 +263,31 @@ def test_client_disconnect_cancels_the_sequence(server):
     while aborted() == before and time.monotonic() < deadline:
         time.sleep(0.5)
     assert aborted() == before + 1
+
+
+def test_a_new_request_joins_the_running_batch_and_finishes_first(server, plain):
+    """Continuous batching: a short request sent while a long answer streams is answered (correctly)
+    before the long one ends; a batch that admitted nobody until it finished could not do that."""
+    started, chunks = threading.Event(), []
+
+    def long_answer() -> None:
+        with httpx.stream("POST", f"{server.url}/v1/chat/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                          json={"model": "smol", "messages": chat("Tell me a very long story about a dragon."), "max_tokens": 96,
+                                "stream": True, "temperature": 0}, timeout=300) as r:
+            for line in r.iter_lines():
+                if '"content": "' in line and '"content": ""' not in line:
+                    chunks.append(time.monotonic())
+                    started.set()
+        started.set()
+
+    with cf.ThreadPoolExecutor(1) as pool:
+        streaming = pool.submit(long_answer)
+        assert started.wait(240) and chunks, "the long answer never streamed"
+        short = server.client().chat.completions.create(model="smol", messages=chat(QUESTIONS[0]), temperature=0, max_tokens=MAX_TOKENS)
+        answered = time.monotonic()
+        streaming.result(timeout=300)
+    assert short.choices[0].message.content == plain(chat(QUESTIONS[0]))[0]
+    assert sum(t > answered for t in chunks) >= 5, f"{len(chunks)} chunks, {sum(t > answered for t in chunks)} after the short answer"
 
 
 def test_sigterm_stops_the_server_cleanly(server):

@@ -73,6 +73,22 @@ def test_resume_from_a_checkpoint_reproduces_the_uninterrupted_run(real_shards, 
     assert all(torch.allclose(wa[k], wb[k], atol=1e-6) for k in wa)
 
 
+def test_only_the_newest_checkpoints_are_kept_and_the_run_resumes_from_them(real_shards, tmp_path):
+    from distill.train.checkpoint import checkpoints
+
+    opts = dict(data=str(real_shards), steps=5, save_every=1, **TINY)
+    train(TrainConfig(out=str(tmp_path / "all"), keep_checkpoints=0, stop_after=4, **opts))
+    assert [p.name for p in checkpoints(tmp_path / "all")] == [f"step-{i:06d}" for i in range(1, 5)]
+    train(TrainConfig(out=str(tmp_path / "kept"), keep_checkpoints=2, stop_after=4, **opts))
+    assert [p.name for p in checkpoints(tmp_path / "kept")] == ["step-000003", "step-000004"]
+    assert sorted(p.name for p in (tmp_path / "kept" / "checkpoints").iterdir()) == ["step-000003", "step-000004"]
+    # keep_checkpoints is not part of the run's identity: the resume may change it
+    done = train(TrainConfig(out=str(tmp_path / "kept"), keep_checkpoints=1, resume=True, **opts))
+    assert done.steps == 5 and [p.name for p in checkpoints(tmp_path / "kept")] == ["step-000005"]
+    with pytest.raises(ConfigError, match="--keep-checkpoints"):
+        TrainConfig(data="x", keep_checkpoints=-1)
+
+
 def test_a_second_run_into_the_same_folder_needs_resume_and_the_same_options(real_shards, tmp_path):
     opts = dict(data=str(real_shards), out=str(tmp_path / "run"), steps=2, **TINY)
     train(TrainConfig(stop_after=1, **opts))

@@ -1,11 +1,12 @@
 """Inference engine: plain and Medusa (tree) decoding with greedy, typical and rejection acceptance.
 
-``Engine.from_pretrained(model, heads, EngineConfig(...)).generate(prompts, params)``; see
+``Engine.from_pretrained(model, heads, EngineConfig(...)).generate(prompts, params)``, or
+``engine.running_batch()`` for continuous batching; see
 :mod:`distill.engine.engine` for the decoding step, :mod:`distill.engine.tree` for tree buffers
 and named trees, :mod:`distill.engine.acceptance` for the acceptance rules and
 :mod:`distill.engine.policy` for when to speculate.
 """
 
-from distill.engine.engine import Engine, EngineConfig, GenerationResult, SamplingParams, StepStats
+from distill.engine.engine import Engine, EngineConfig, GenerationResult, RunningBatch, SamplingParams, StepStats
 
-__all__ = ["Engine", "EngineConfig", "GenerationResult", "SamplingParams", "StepStats"]
+__all__ = ["Engine", "EngineConfig", "GenerationResult", "RunningBatch", "SamplingParams", "StepStats"]

@@ -107,3 +107,20 @@ def select(cache: DynamicCache, valid: torch.Tensor, end: torch.Tensor, rows: to
         layer.keys = layer.keys[:, :, :length]
         layer.values = layer.values[:, :, :length]
     return valid[rows, :length], end
+
+
+def join(cache: DynamicCache, valid: torch.Tensor, other: DynamicCache, other_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Append ``other``'s rows to ``cache`` (batch axis); the shorter side gets hole slots on the right.
+
+    Returns both valid masks padded to the common length (concatenate them for the joined batch).
+    Every row keeps its ``end``: slots past it are holes either way.
+    """
+    S, S2 = valid.shape[1], other_valid.shape[1]
+    L = max(S, S2)
+    for layer, layer2 in zip(cache.layers, other.layers, strict=True):
+        for name in ("keys", "values"):
+            a, b = getattr(layer, name), getattr(layer2, name)
+            a = torch.nn.functional.pad(a, (0, 0, 0, L - S))  # (B, heads, L, d)
+            b = torch.nn.functional.pad(b, (0, 0, 0, L - S2))
+            setattr(layer, name, torch.cat([a, b]))
+    return torch.nn.functional.pad(valid, (0, L - S)), torch.nn.functional.pad(other_valid, (0, L - S2))

@@ -352,6 +352,15 @@ class Engine:
         return full
 
     # -- generation --------------------------------------------------------------------------
+    def _check(self, prompts: list[list[int]], params: list[SamplingParams]) -> None:
+        if len(params) != len(prompts):
+            raise ConfigError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            if not p:
+                raise ConfigError(f"prompt {i} is empty")
+            if len(p) + sp.max_tokens + 64 > self._max_len:
+                raise ConfigError(f"prompt {i}: {len(p)} tokens + max_tokens {sp.max_tokens} exceed the model's {self._max_len}")
+
     @torch.inference_mode()
     def generate(
         self,
@@ -367,24 +376,25 @@ class Engine:
         """
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise ConfigError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        for i, (p, sp) in enumerate(zip(prompts, params)):
-            if not p:
-                raise ConfigError(f"prompt {i} is empty")
-            if len(p) + sp.max_tokens + 64 > self._max_len:
-                raise ConfigError(f"prompt {i}: {len(p)} tokens + max_tokens {sp.max_tokens} exceed the model's {self._max_len}")
+        self._check(prompts, params)
         seqs = [_Seq(i, sp, self.stop_ids, self.device) for i, sp in enumerate(params)]
         stats = StepStats()
         B = self.config.max_batch
+        speculative = speculative and self.heads is not None
         for lo in range(0, len(prompts), B):
-            self._run(prompts[lo : lo + B], seqs[lo : lo + B], speculative and self.heads is not None, on_tokens, stats)
+            batch: _Batch | None = self._prefill(prompts[lo : lo + B], seqs[lo : lo + B], on_tokens, stats)
+            while (batch := self._compact(batch)[0]) is not None:
+                self._step(batch, speculative, on_tokens, stats)
         stats.tokens = sum(len(s.tokens) for s in seqs)
         return [s.result() for s in seqs], stats
 
-    def _run(self, prompts, seqs: list[_Seq], speculative: bool, on_tokens, stats: StepStats) -> None:
+    def running_batch(self, speculative: bool = True, on_tokens: Callable[[object, list[int]], bool] | None = None) -> "RunningBatch":
+        """A batch that sequences join between steps (continuous batching; see :class:`RunningBatch`)."""
+        return RunningBatch(self, speculative and self.heads is not None, on_tokens)
+
+    def _prefill(self, prompts, seqs: list[_Seq], on_tokens, stats: StepStats) -> "_Batch":
+        """One forward over the left-padded prompts; emits each sequence's first token."""
         dev = self.device
-        stats.batch_size = max(stats.batch_size, len(seqs))
         t0 = time.perf_counter()
         cache = kv.new_cache()
         lengths = [len(p) for p in prompts]
@@ -394,56 +404,142 @@ class Engine:
         logits, hidden = self._forward(ids, positions, allowed, cache, last_only=True)
         first = self._accept(torch.zeros(len(seqs), 1, dtype=torch.long, device=dev), logits, self._plain, seqs)
         root = first.next_token  # (B,)
-        hidden = hidden[:, -1]  # (B, H)
         end = torch.full((len(seqs),), P, dtype=torch.long, device=dev)
         pos = torch.tensor(lengths, dtype=torch.long, device=dev)
         for s, tok in zip(seqs, root.tolist()):
             s.emit([tok], on_tokens)
         stats.prefill_seconds += time.perf_counter() - t0
+        return _Batch(list(seqs), cache, valid, end, pos, root, hidden[:, -1])
 
-        active = list(seqs)
-        while True:
-            keep_rows = [i for i, s in enumerate(active) if s.finish is None]
-            if not keep_rows:
-                break
-            if len(keep_rows) < len(active):
-                rows = torch.tensor(keep_rows, dtype=torch.long, device=dev)
-                valid, end = kv.select(cache, valid, end, rows)
-                pos, root, hidden = pos[rows], root[rows], hidden[rows]
-                active = [active[i] for i in keep_rows]
-            t0 = time.perf_counter()
-            if not speculative:
-                nodes = 0
-            elif self.policy is not None:
-                nodes = self.policy.next_size(len(active))
-            else:
-                nodes = self.tree_size_for(len(active))
-            buf = self.buffers(nodes)
-            if buf.nodes:
-                tokens = self._propose(hidden, root, buf)  # (B, T)
-            else:
-                tokens = root[:, None]
-            step_pos = pos[:, None] + buf.depth[None]  # (B, T)
-            allowed = kv.step_mask(valid, buf.mask)
-            logits, tree_hidden = self._forward(tokens, step_pos, allowed, cache)
-            acc = self._accept(tokens, logits, buf, active)
-            M = int(acc.length.max()) + 1
-            valid, end = kv.commit(cache, valid, end, acc.path[:, :M], acc.length + 1)
-            pos = pos + acc.length + 1
-            rows = torch.arange(len(active), device=dev)
-            hidden = tree_hidden[rows, acc.last]  # (B, H)
-            root = acc.next_token
-            emitted = torch.cat([tokens.gather(1, acc.path[:, 1:M]), root[:, None]], dim=1).tolist() if M > 1 else root[:, None].tolist()
-            lengths_acc = acc.length.tolist()
-            stats.steps += 1
-            stats.tree_nodes = max(stats.tree_nodes, buf.nodes)
-            stats.tree_nodes_per_step.append(buf.nodes)
-            for s, row, L in zip(active, emitted, lengths_acc):
-                new = row[:L] + [row[-1]] if M > 1 else row
-                s.steps += 1
-                s.accepted.append(len(new))
-                s.emit(new, on_tokens)
-            seconds = time.perf_counter() - t0
-            stats.step_seconds.append(seconds)
-            if self.policy is not None and speculative:
-                self.policy.observe(len(active), buf.nodes, seconds, lengths_acc)
+    def _compact(self, batch: "_Batch | None") -> tuple["_Batch | None", list[_Seq]]:
+        """Drop the finished rows -> (the rest or None when none is left, the finished sequences)."""
+        if batch is None:
+            return None, []
+        keep = [i for i, s in enumerate(batch.seqs) if s.finish is None]
+        done = [s for s in batch.seqs if s.finish is not None]
+        if not keep:
+            return None, done
+        if len(keep) < len(batch.seqs):
+            rows = torch.tensor(keep, dtype=torch.long, device=self.device)
+            batch.valid, batch.end = kv.select(batch.cache, batch.valid, batch.end, rows)
+            batch.pos, batch.root, batch.hidden = batch.pos[rows], batch.root[rows], batch.hidden[rows]
+            batch.seqs = [batch.seqs[i] for i in keep]
+        return batch, done
+
+    def _step(self, batch: "_Batch", speculative: bool, on_tokens, stats: StepStats) -> None:
+        """One decoding step of every row (all unfinished): propose, verify, accept, commit, emit."""
+        active = batch.seqs
+        stats.batch_size = max(stats.batch_size, len(active))
+        t0 = time.perf_counter()
+        if not speculative:
+            nodes = 0
+        elif self.policy is not None:
+            nodes = self.policy.next_size(len(active))
+        else:
+            nodes = self.tree_size_for(len(active))
+        buf = self.buffers(nodes)
+        if buf.nodes:
+            tokens = self._propose(batch.hidden, batch.root, buf)  # (B, T)
+        else:
+            tokens = batch.root[:, None]
+        step_pos = batch.pos[:, None] + buf.depth[None]  # (B, T)
+        allowed = kv.step_mask(batch.valid, buf.mask)
+        logits, tree_hidden = self._forward(tokens, step_pos, allowed, batch.cache)
+        acc = self._accept(tokens, logits, buf, active)
+        M = int(acc.length.max()) + 1
+        batch.valid, batch.end = kv.commit(batch.cache, batch.valid, batch.end, acc.path[:, :M], acc.length + 1)
+        batch.pos = batch.pos + acc.length + 1
+        rows = torch.arange(len(active), device=self.device)
+        batch.hidden = tree_hidden[rows, acc.last]  # (B, H)
+        batch.root = acc.next_token
+        root = batch.root
+        emitted = torch.cat([tokens.gather(1, acc.path[:, 1:M]), root[:, None]], dim=1).tolist() if M > 1 else root[:, None].tolist()
+        lengths_acc = acc.length.tolist()
+        stats.steps += 1
+        stats.tree_nodes = max(stats.tree_nodes, buf.nodes)
+        stats.tree_nodes_per_step.append(buf.nodes)
+        for s, row, L in zip(active, emitted, lengths_acc):
+            new = row[:L] + [row[-1]] if M > 1 else row
+            s.steps += 1
+            s.accepted.append(len(new))
+            s.emit(new, on_tokens)
+        seconds = time.perf_counter() - t0
+        stats.step_seconds.append(seconds)
+        if self.policy is not None and speculative:
+            self.policy.observe(len(active), buf.nodes, seconds, lengths_acc)
+
+
+@dataclass
+class _Batch:
+    """The rows decoding together: their sequences, KV cache and per-row state (see engine.cache)."""
+
+    seqs: list[_Seq]
+    cache: object  # DynamicCache
+    valid: torch.Tensor  # (B, S) bool
+    end: torch.Tensor  # (B,) next cache slot
+    pos: torch.Tensor  # (B,) next position id
+    root: torch.Tensor  # (B,) next token, not yet in the cache
+    hidden: torch.Tensor  # (B, H) hidden state of the last committed token
+
+    def join(self, other: "_Batch") -> "_Batch":
+        """This batch's rows followed by ``other``'s in one cache (the shorter is padded with holes)."""
+        self.valid, other.valid = kv.join(self.cache, self.valid, other.cache, other.valid)
+        self.valid = torch.cat([self.valid, other.valid])
+        self.end, self.pos = torch.cat([self.end, other.end]), torch.cat([self.pos, other.pos])
+        self.root, self.hidden = torch.cat([self.root, other.root]), torch.cat([self.hidden, other.hidden])
+        self.seqs = self.seqs + other.seqs
+        return self
+
+
+class RunningBatch:
+    """Continuous batching: sequences join a running batch between steps and leave as they finish.
+
+    ``add`` prefills the newcomers in one forward of their own and appends their rows
+    (cache included) to the running batch; ``step`` runs one decoding step of every row.
+    Both return the sequences that finished, as ``(key, GenerationResult)``. ``on_tokens``
+    is called with a sequence's key. Greedy rows decode exactly as in batch-1 decoding
+    whichever rows they share the batch with; sampled rows draw from their own seeded
+    generators. ``stats`` collects the step figures until the caller swaps it out.
+    """
+
+    def __init__(self, engine: Engine, speculative: bool, on_tokens: Callable[[object, list[int]], bool] | None):
+        self.engine = engine
+        self.speculative = speculative
+        self.on_tokens = on_tokens
+        self.stats = StepStats()
+        self._batch: _Batch | None = None
+
+    def __len__(self) -> int:
+        return len(self._batch.seqs) if self._batch is not None else 0
+
+    def _finished(self, done: list[_Seq]) -> list[tuple[object, GenerationResult]]:
+        self.stats.tokens += sum(len(s.tokens) for s in done)
+        return [(s.index, s.result()) for s in done]
+
+    @torch.inference_mode()
+    def add(self, prompts: list[list[int]], params: list[SamplingParams], keys: list) -> list[tuple[object, GenerationResult]]:
+        """Prefill ``prompts`` and let them join; -> those already finished (first token a stop, max_tokens 1)."""
+        e = self.engine
+        e._check(prompts, params)
+        if len(keys) != len(prompts):
+            raise ConfigError(f"{len(prompts)} prompts but {len(keys)} keys")
+        seqs = [_Seq(k, sp, e.stop_ids, e.device) for k, sp in zip(keys, params)]
+        new, done = e._compact(e._prefill(prompts, seqs, self.on_tokens, self.stats))
+        if new is not None:
+            self._batch = new if self._batch is None else self._batch.join(new)
+        return self._finished(done)
+
+    @torch.inference_mode()
+    def step(self) -> list[tuple[object, GenerationResult]]:
+        """One decoding step of every row; -> the sequences that finished in it."""
+        if self._batch is None:
+            return []
+        self.engine._step(self._batch, self.speculative, self.on_tokens, self.stats)
+        self._batch, done = self.engine._compact(self._batch)
+        return self._finished(done)
+
+    def clear(self) -> list[_Seq]:
+        """Drop every row (after a failed step): -> their sequences."""
+        seqs = self._batch.seqs if self._batch is not None else []
+        self._batch = None
+        return seqs

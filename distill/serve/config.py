@@ -17,7 +17,7 @@ class ServeConfig:
 
     ``queue_size`` bounds the requests waiting for the engine (not those it is
     running); a request that does not fit gets HTTP 503. ``max_batch`` is how many
-    waiting requests the worker hands to the engine as one batch.
+    sequences decode together (waiting ones join between steps as rows free up).
     ``default_max_tokens`` applies when a request gives no ``max_tokens``.
     """
 

@@ -34,14 +34,14 @@ class ServerMetrics:
             buckets=(0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0), registry=r,
         )
         self.prefill_latency = Histogram(
-            "distill_prefill_seconds", "Wall-clock time of a batch's prefill",
+            "distill_prefill_seconds", "Wall-clock time of a prefill (the prompts joining the running batch)",
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0), registry=r,
         )
         self.request_latency = Histogram(
             "distill_request_seconds", "Time from a request's arrival to its last token",
             buckets=(0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0), registry=r,
         )
-        self.batch_size = Histogram("distill_batch_size", "Sequences per engine batch", buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
+        self.batch_size = Histogram("distill_batch_size", "Sequences decoding together, per decoding step", buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
         self.queue_depth = Gauge("distill_queue_depth", "Requests waiting for the engine", registry=r)
         self.running = Gauge("distill_running_sequences", "Sequences the engine is decoding", registry=r)
         self.tree_nodes = Histogram(

@@ -22,9 +22,12 @@ worker
     spinning; each small op then waits for its threads to wake, and a decoding step on
     a 2-core CPU was a third slower (BENCHMARKS.md, "Serving").
 batch
-    up to ``max_batch`` waiting sequences the worker takes at once and runs through
-    ``engine.generate`` (blocking, not re-entrant: only the worker calls it).
-    Sequences arriving meanwhile wait for the next batch.
+    the sequences decoding together, at most ``max_batch``: the engine's
+    :class:`~distill.engine.engine.RunningBatch` (continuous batching). Between two
+    decoding steps the worker moves waiting sequences into free rows (their prompts
+    are prefilled in one forward and join the batch) and a finished sequence leaves
+    at once, so a new request never waits for a whole batch to end. Only the worker
+    calls the engine.
 cancel
     a client that disconnects sets its job's ``cancelled`` event; the engine
     learns it from ``on_tokens`` returning False at its next step. A stop string
@@ -197,30 +200,37 @@ class Scheduler:
         if self.metrics is not None:
             self.metrics.queue_depth.set(len(self._waiting))
 
-    def _next_batch(self) -> list[Sequence] | None:
+    def _admit(self, running: int) -> list[Sequence] | None:
+        """Waiting sequences that fit beside ``running`` rows (blocks while both are empty); None: stop."""
         with self._cond:
-            while not self._waiting and not self._stopping:
+            while not self._waiting and not running and not self._stopping:
                 self._cond.wait()
             if self._stopping:
                 return None
-            batch: list[Sequence] = []
-            while self._waiting and len(batch) < self.max_batch:
+            new: list[Sequence] = []
+            while self._waiting and running + len(new) < self.max_batch:
                 s = self._waiting.popleft()
                 if s.job.cancelled.is_set():
                     s.finished, s.finish_reason = True, "abort"  # nobody listens; drop it
                     if self.metrics is not None:
                         self.metrics.sequences.labels("abort").inc()
                     continue
-                batch.append(s)
+                new.append(s)
             self._gauge()
-            return batch
+            return new
 
     def _loop(self) -> None:
         self._worker = threading.get_ident()
+        batch = self.engine.running_batch(self.speculative, self._on_tokens)
         try:
-            while (batch := self._next_batch()) is not None:
-                if batch:
-                    self._run(batch)
+            while (new := self._admit(len(batch))) is not None:
+                if new:
+                    self._join(batch, new)
+                if len(batch):
+                    self._step(batch)
+            for s in batch.clear():  # stopping: the rows still decoding end here
+                self._finish(s.index, [], "cancelled")
+            self._running = []
         except BaseException as exc:  # noqa: BLE001 - a dead worker must be visible on /health
             self.error = f"{type(exc).__name__}: {exc}"
             log.exception("engine worker died")
@@ -233,62 +243,82 @@ class Scheduler:
         finally:
             self._done.set()
 
-    def _run(self, batch: list[Sequence]) -> None:
-        self._running = batch
-        m = self.metrics
-        if m is not None:
-            m.batch_size.observe(len(batch))
-            m.running.set(len(batch))
+    def _on_tokens(self, s: Sequence, new_ids: list[int]) -> bool:
+        """The engine's callback (worker thread): stream the text; False ends the sequence."""
+        if s.finished or s.job.cancelled.is_set() or self._stopping:
+            return False
+        delta = s.decoder.add(new_ids)
+        if delta.text:
+            s.emit(Delta(s.index, delta.text))
+        if delta.stopped:
+            s.finish("stop")
+            return False
+        return True
 
-        def on_tokens(i: int, new_ids: list[int]) -> bool:
-            s = batch[i]
-            if s.finished or s.job.cancelled.is_set() or self._stopping:
-                return False
-            delta = s.decoder.add(new_ids)
-            if delta.text:
-                s.emit(Delta(s.index, delta.text))
-            if delta.stopped:
-                s.finish("stop")
-                return False
-            return True
-
+    def _join(self, batch, new: list[Sequence]) -> None:
+        """Prefill the newcomers and add them to the running batch (continuous batching)."""
         try:
-            results, stats = self.engine.generate(
-                [s.prompt_ids for s in batch], [s.params for s in batch], speculative=self.speculative, on_tokens=on_tokens
-            )
-        except Exception as exc:  # noqa: BLE001 - one failed batch must not kill the server
-            log.exception("engine.generate failed")
-            for s in batch:
-                if not s.finished:
-                    s.finished = True
-                    s.emit(Failed(f"generation failed: {type(exc).__name__}: {exc}"))
+            done = batch.add([s.prompt_ids for s in new], [s.params for s in new], new)
+        except Exception as exc:  # noqa: BLE001 - a failed prefill fails its own sequences only
+            log.exception("prefill failed")
+            self._fail(new, exc)
+            return
+        self._running.extend(new)
+        self._report(batch, done)
+
+    def _step(self, batch) -> None:
+        if self.metrics is not None:
+            self.metrics.batch_size.observe(len(batch))
+        try:
+            done = batch.step()
+        except Exception as exc:  # noqa: BLE001 - one failed step must not kill the server
+            log.exception("decoding step failed")
+            self._fail([row.index for row in batch.clear()], exc)
             self._running = []
             return
-        for s, r in zip(batch, results):
-            if s.finished:
-                continue
+        self._report(batch, done)
+
+    def _fail(self, seqs: list[Sequence], exc: Exception) -> None:
+        for s in seqs:
+            if not s.finished:
+                s.finished = True
+                s.emit(Failed(f"generation failed: {type(exc).__name__}: {exc}"))
+
+    def _report(self, batch, done: list) -> None:
+        """Finish the sequences that left the batch; move the batch's step figures into the metrics."""
+        for s, r in done:
+            self._finish(s, r.token_ids, r.finish_reason, r.accepted)
+        if done:
+            gone = {id(s) for s, _ in done}
+            self._running = [s for s in self._running if id(s) not in gone]
+        stats, batch.stats = batch.stats, type(batch.stats)()
+        m = self.metrics
+        if m is None:
+            return
+        for sec in stats.step_seconds:
+            m.step_latency.observe(sec)
+        for n in stats.tree_nodes_per_step:
+            m.tree_nodes.observe(n)
+        if stats.prefill_seconds:
+            m.prefill_latency.observe(stats.prefill_seconds)
+        if getattr(self.engine, "policy", None) is not None:
+            m.acceptance_ratio.set(self.engine.policy.acceptance_ratio)
+        m.running.set(len(batch))
+
+    def _finish(self, s: Sequence, token_ids: list[int], reason: str, accepted: list[int] = ()) -> None:
+        if not s.finished:
             seen = len(s.decoder.ids)
-            rest = list(r.token_ids[seen:]) if list(r.token_ids[:seen]) == s.decoder.ids else []
+            rest = list(token_ids[seen:]) if list(token_ids[:seen]) == s.decoder.ids else []
             if rest:  # tokens the engine did not report through on_tokens
                 delta = s.decoder.add(rest)
                 if delta.text:
                     s.emit(Delta(s.index, delta.text))
                 if delta.stopped:
-                    s.finish("stop")
-                    continue
-            s.finish({"stop": "stop", "length": "length"}.get(r.finish_reason, "abort"))
+                    reason = "stop"
+            s.finish({"stop": "stop", "length": "length"}.get(reason, "abort"))
+        m = self.metrics
         if m is not None:
-            for sec in stats.step_seconds:
-                m.step_latency.observe(sec)
-            for n in stats.tree_nodes_per_step:
-                m.tree_nodes.observe(n)
-            if getattr(self.engine, "policy", None) is not None:
-                m.acceptance_ratio.set(self.engine.policy.acceptance_ratio)
-            m.prefill_latency.observe(stats.prefill_seconds)
-            for s, r in zip(batch, results):
-                for n in r.accepted:
-                    m.tokens_per_step.observe(n)
-                m.sequences.labels(s.finish_reason or "abort").inc()
-                m.generation_tokens.inc(len(s.decoder.ids))
-            m.running.set(0)
-        self._running = []
+            for n in accepted:
+                m.tokens_per_step.observe(n)
+            m.sequences.labels(s.finish_reason or "abort").inc()
+            m.generation_tokens.inc(len(s.decoder.ids))

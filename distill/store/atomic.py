@@ -1,7 +1,7 @@
 """Writing files and folders so that a reader sees the old state or the complete new one.
 
 Every writer in distill goes through these: a file is written to a temp file beside it,
-fsynced and renamed (:func:`atomic_write_bytes`); a folder is built in a hidden staging
+fsynced and renamed (:func:`atomic_file`, :func:`atomic_write_bytes`); a folder is built in a hidden staging
 folder beside its target and renamed into place when complete (:class:`StagedFolder`).
 A crash leaves at most a hidden temp entry, never a half-written target.
 """
@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -21,21 +23,32 @@ def public_mode(path: Path, mode: int = 0o644) -> None:
     os.chmod(path, (0o755 if Path(path).is_dir() else mode) & ~umask)
 
 
+@contextmanager
+def atomic_file(path: Path) -> Iterator[Path]:
+    """A temp file beside ``path`` to write by name; fsynced and renamed to ``path`` on a normal exit.
+
+    For writers that want a file name (``pq.write_table``, ``save_file``); on an
+    exception the temp file is removed and ``path`` is left as it was.
+    """
+    path = Path(path)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        public_mode(tmp)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` through a temp file in the same folder + fsync + os.replace."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        public_mode(Path(tmp))
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_file(path) as tmp:
+        tmp.write_bytes(data)
 
 
 class StagedFolder:

@@ -18,7 +18,6 @@ import hashlib
 import json
 import os
 import re
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -28,7 +27,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from distill.errors import StoreError
-from distill.store.atomic import atomic_write_bytes, public_mode
+from distill.store.atomic import atomic_file, atomic_write_bytes
 
 FORMAT = "distill-shards/v1"
 META_KEY = b"distill"
@@ -210,17 +209,8 @@ class ShardStore:
             meta = dict(self.meta, chunk_rejects=chunk_rejects)
             schema = self.schema.with_metadata({META_KEY: json.dumps(meta, sort_keys=True).encode()})
             table = pa.Table.from_pylist(rows, schema=schema)
-            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=self.root)
-            os.close(fd)
-            try:
+            with atomic_file(path) as tmp:
                 pq.write_table(table, tmp, compression="zstd", compression_level=9, row_group_size=256)
-                with open(tmp, "rb") as f:
-                    os.fsync(f.fileno())
-                public_mode(Path(tmp))
-                os.replace(tmp, path)
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
             info = ShardInfo.of_file(path, rejects=chunk_rejects)
         else:
             info = ShardInfo(file="", rows=0, bytes=0, sha256="", prompt_tokens=0, generated_tokens=0, rejects=chunk_rejects)

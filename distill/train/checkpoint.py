@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -88,10 +89,28 @@ def save_checkpoint(out: Path, step: int, trainable: dict[str, torch.Tensor], op
     return final
 
 
-def latest_checkpoint(out: Path) -> Path | None:
+def checkpoints(out: Path) -> list[Path]:
+    """Complete checkpoints of the run in ``out``, oldest first."""
     root = Path(out) / CHECKPOINTS
-    found = sorted(p for p in root.glob("step-*") if p.is_dir() and (p / "state.json").is_file()) if root.is_dir() else []
+    return sorted(p for p in root.glob("step-*") if p.is_dir() and (p / "state.json").is_file()) if root.is_dir() else []
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    found = checkpoints(out)
     return found[-1] if found else None
+
+
+def prune_checkpoints(out: Path, keep: int) -> list[Path]:
+    """Delete all but the newest ``keep`` checkpoints (0 keeps all); -> the deleted folders.
+
+    Called after a new checkpoint is in place, so a crash here still leaves the
+    newest one to resume from.
+    """
+    found = checkpoints(out)
+    gone = found[:-keep] if keep > 0 else []
+    for path in gone:
+        shutil.rmtree(path, ignore_errors=True)
+    return gone
 
 
 def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict, dict]:

@@ -14,7 +14,7 @@ PRECISIONS = ("auto", "fp32", "bf16")
 OPTIMIZERS = ("auto", "adamw", "adamw8bit")
 
 # Fields that may differ between a run and its --resume without changing the run.
-RESUME_FREE = ("resume", "stop_after", "progress", "save_every", "log_every")
+RESUME_FREE = ("resume", "stop_after", "progress", "save_every", "keep_checkpoints", "log_every")
 
 
 @dataclass
@@ -62,6 +62,7 @@ class TrainConfig:
     optimizer: str = "auto"  # auto: 8-bit AdamW when bitsandbytes and a GPU are there
     seed: int = 0
     save_every: int = 0  # optimizer steps between checkpoints (0: only at the end)
+    keep_checkpoints: int = 2  # newest checkpoints kept on disk (0: keep every one)
     log_every: int = 1
     resume: bool = False
     stop_after: int = 0  # stop this invocation after N optimizer steps (0: run to the end)
@@ -87,7 +88,7 @@ class TrainConfig:
             raise ConfigError(f"--context must be between 0 and --max-len / 2 ({self.max_len // 2}); got {self.context}")
         if self.max_len < self.heads + 2:
             raise ConfigError(f"--max-len ({self.max_len}) must exceed --heads + 1 so every head has a target")
-        for name in ("steps", "warmup_steps", "lambda0_warmup", "save_every", "stop_after", "shuffle_buffer"):
+        for name in ("steps", "warmup_steps", "lambda0_warmup", "save_every", "keep_checkpoints", "stop_after", "shuffle_buffer"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 0; got {getattr(self, name)}")
         if self.lr <= 0 or self.heads_lr_ratio <= 0:

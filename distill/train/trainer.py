@@ -348,6 +348,7 @@ class Trainer:
                 if accelerator.is_main_process:
                     ckpt.save_checkpoint(out, step, trainable, optimizer.state_dict(),
                                          {"epoch": epoch, "batches": batches, "config": cfg.run_key(), "optimizer_name": opt_name})
+                    ckpt.prune_checkpoints(out, cfg.keep_checkpoints)
         if bar is not None:
             bar.close()
         if writer is not None:
