@@ -538,8 +538,8 @@ class RunningBatch:
         self._batch, done = self.engine._compact(self._batch)
         return self._finished(done)
 
-    def clear(self) -> list[_Seq]:
-        """Drop every row (after a failed step): -> their sequences."""
-        seqs = self._batch.seqs if self._batch is not None else []
+    def clear(self) -> list:
+        """Drop every row (after a failed step, or when stopping): -> their keys."""
+        keys = [s.index for s in self._batch.seqs] if self._batch is not None else []
         self._batch = None
-        return seqs
+        return keys

@@ -141,7 +141,6 @@ class Scheduler:
         self._waiting: deque[Sequence] = deque()
         self._cond = threading.Condition()
         self._stopping = False
-        self._running: list[Sequence] = []
         self._thread: threading.Thread | None = None
         self._worker: int | None = None  # ident of the thread running the loop
         self._done = threading.Event()  # set when the worker loop has returned
@@ -228,16 +227,15 @@ class Scheduler:
                     self._join(batch, new)
                 if len(batch):
                     self._step(batch)
-            for s in batch.clear():  # stopping: the rows still decoding end here
-                self._finish(s.index, [], "cancelled")
-            self._running = []
+            for key in batch.clear():  # stopping: the rows still decoding end here
+                self._finish(key, [], "cancelled")
         except BaseException as exc:  # noqa: BLE001 - a dead worker must be visible on /health
             self.error = f"{type(exc).__name__}: {exc}"
             log.exception("engine worker died")
             with self._cond:
                 self._stopping = True
                 waiting, self._waiting = list(self._waiting), deque()
-            for s in waiting + self._running:
+            for s in waiting + batch.clear():
                 s.emit(Failed(f"engine failed: {self.error}"))
             raise
         finally:
@@ -263,7 +261,6 @@ class Scheduler:
             log.exception("prefill failed")
             self._fail(new, exc)
             return
-        self._running.extend(new)
         self._report(batch, done)
 
     def _step(self, batch) -> None:
@@ -273,8 +270,7 @@ class Scheduler:
             done = batch.step()
         except Exception as exc:  # noqa: BLE001 - one failed step must not kill the server
             log.exception("decoding step failed")
-            self._fail([row.index for row in batch.clear()], exc)
-            self._running = []
+            self._fail(batch.clear(), exc)
             return
         self._report(batch, done)
 
@@ -288,9 +284,6 @@ class Scheduler:
         """Finish the sequences that left the batch; move the batch's step figures into the metrics."""
         for s, r in done:
             self._finish(s, r.token_ids, r.finish_reason, r.accepted)
-        if done:
-            gone = {id(s) for s, _ in done}
-            self._running = [s for s in self._running if id(s) not in gone]
         stats, batch.stats = batch.stats, type(batch.stats)()
         m = self.metrics
         if m is None:
