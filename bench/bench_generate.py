@@ -1,14 +1,23 @@
-"""Benchmark `distill generate` against a bare `vllm.LLM.generate`, and measure teacher storage.
+"""Benchmark `distill generate` as users run it, against bare vLLM; and its overhead and teacher storage in-process.
 
-One process, one engine: the same first-turn prompts (token ids), the same sampling
-(temperature, top-p, per-request seeds), the same top-k logprobs. Runs alternate
-(bare, distill, bare, distill, ...) and each side's median throughput is kept.
+Part 1, as users run it (``--as-users-run``): whole processes, one after another, alternating
+over ``--repeats``, on the same ShareGPT first-turn prompts (token ids), sampling and top-k:
 
-    python bench/bench_generate.py --conversations 64 --max-new-tokens 128 --repeats 3 --json out/bench-generate.json
+* ``distill generate`` with its defaults (the CLI, nothing set in the environment);
+* ``distill generate`` with other settings (``--dtype bfloat16`` where the CPU has native
+  bf16; vLLM's engine core in its own process, the pre-fix behaviour);
+* a bare ``vllm.LLM(model).generate`` script with vLLM's own defaults (dtype auto, engine
+  core in its own process) and the same script in-process, float32.
 
-Teacher storage is read from the Parquet footers of the shards distill wrote:
-compressed bytes of the teacher columns per generated token, plus the largest
-logprob error against the raw values vLLM returned for the same tokens.
+Throughput is generated tokens over the process's wall clock (start-up included on every
+side). The defaults are compared with bare vLLM's defaults and with the fastest setting.
+
+Part 2, in-process (the overhead row): one process, one engine, the same prompts run
+alternately as a bare ``llm.generate`` call and as a whole ``distill generate`` run (seed
+reading, templating, teacher encoding, Parquet, manifest); plus the teacher storage read
+from the Parquet footers and checked against the raw values vLLM returned.
+
+    python bench/bench_generate.py --conversations 64 --max-new-tokens 128 --repeats 2 --json bench/results/generate.json
 """
 
 from __future__ import annotations
@@ -17,49 +26,163 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+REPO = Path(__file__).resolve().parents[1]
+DISTILL = str(Path(sys.executable).with_name("distill"))
+CLEAN_ENV = {k: v for k, v in os.environ.items() if k not in ("VLLM_ENABLE_V1_MULTIPROCESSING",)}
+
+
+def first_turn_requests(n: int, max_new_tokens: int, topk: int, temperature: float, tokenizer, stop_ids):
+    """The token-id prompts and per-request sampling ``distill generate --mode single-turn`` sends."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from distill.generate import GenerateConfig
+    from distill.generate.runner import ConversationState, _request_seed
+    from distill.generate.templating import ChatFormat
+    from distill.seeds import load_seed
+
+    fmt = ChatFormat(tokenizer, stop_ids)
+    base = GenerateConfig(seed="sharegpt", mode="single-turn", limit=n, max_new_tokens=max_new_tokens, topk=topk,
+                          temperature=temperature, shard_size=n)
+    convs = [c for c in load_seed("sharegpt") if hasattr(c, "messages")][:n]
+    prompts, params = [], []
+    for c in convs:
+        s = ConversationState(c, base)
+        prompts.append(TokensPrompt(prompt_token_ids=fmt.first_prompt(s.messages + [{"role": "user", "content": s.pending_users[0]}])))
+        params.append(SamplingParams(temperature=temperature, top_p=1.0, max_tokens=max_new_tokens, logprobs=topk,
+                                     seed=_request_seed(0, c.id, 0, "assistant"), stop_token_ids=sorted(stop_ids)))
+    return convs, prompts, params
+
+
+def bare_child(args) -> None:
+    """One bare vLLM process: LLM(model) with ``--child-dtype`` (vLLM's defaults unless given), then generate."""
+    t0 = time.perf_counter()
+    from vllm import LLM
+
+    from distill.models import resolve_model, stop_token_ids
+
+    model = resolve_model(None)
+    kwargs = {"model": str(model.path), "max_model_len": 2048, "logprobs_mode": "raw_logprobs", "max_logprobs": args.topk}
+    if args.child_dtype != "auto":
+        kwargs["dtype"] = args.child_dtype
+    llm = LLM(**kwargs)
+    tok = llm.get_tokenizer()
+    _, prompts, params = first_turn_requests(args.conversations, args.max_new_tokens, args.topk, args.temperature, tok,
+                                             stop_token_ids(tok, model.path))
+    t1 = time.perf_counter()
+    out = llm.generate(prompts, params, use_tqdm=False)
+    gen = time.perf_counter() - t1
+    print(json.dumps({"tokens": sum(len(o.outputs[0].token_ids) for o in out), "generate_s": gen, "startup_s": t1 - t0}))
+
+
+def run_process(name: str, cmd: list[str], env: dict, out: Path | None) -> dict:
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
+    wall = time.perf_counter() - t0
+    if r.returncode != 0:
+        raise SystemExit(f"{name} failed ({r.returncode}):\n{r.stderr[-3000:]}")
+    if out is not None:  # distill generate: tokens from the manifest it wrote
+        tokens = json.loads((out / "manifest.json").read_text())["totals"]["generated_tokens"]
+        return {"tokens": tokens, "wall_s": wall}
+    doc = json.loads(r.stdout.strip().splitlines()[-1])
+    return dict(doc, wall_s=wall)
+
+
+def as_users_run(args) -> dict:
+    from distill.runtime import cpu_has_native_bf16, machine
+
+    common = ["--seed", "sharegpt", "--mode", "single-turn", "--limit", str(args.conversations), "--max-new-tokens",
+              str(args.max_new_tokens), "--temperature", str(args.temperature), "--topk", str(args.topk), "-q"]
+    me = [sys.executable, str(Path(__file__).resolve()), "--child", "--conversations", str(args.conversations),
+          "--max-new-tokens", str(args.max_new_tokens), "--topk", str(args.topk), "--temperature", str(args.temperature)]
+    modes = {
+        "distill generate (defaults)": ("distill", [], {}),
+        "distill generate, vLLM engine core in its own process": ("distill", [], {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}),
+        "bare vLLM, vLLM defaults": ("bare", ["--child-dtype", "auto"], {}),
+        "bare vLLM, in-process, float32": ("bare", ["--child-dtype", "float32"], {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}),
+    }
+    if cpu_has_native_bf16():  # emulated bf16 is ~300x slower: not a setting anyone would pick
+        modes["distill generate --dtype bfloat16"] = ("distill", ["--dtype", "bfloat16"], {})
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
+    for rep in range(args.repeats):
+        for name, (kind, extra, env_extra) in modes.items():
+            env = dict(CLEAN_ENV, **env_extra)
+            if kind == "distill":
+                out = Path(tempfile.mkdtemp(prefix="bench-gen-")) / "data"
+                runs[name].append(run_process(name, [DISTILL, "generate", *common, *extra, "--out", str(out)], env, out))
+            else:
+                runs[name].append(run_process(name, me + extra, env, None))
+            r = runs[name][-1]
+            print(f"[{rep + 1}/{args.repeats}] {name}: {r['tokens']} tokens in {r['wall_s']:.1f}s "
+                  f"({r['tokens'] / r['wall_s']:.1f} tok/s wall)", file=sys.stderr, flush=True)
+    table = {}
+    for name, rs in runs.items():
+        tps = [r["tokens"] / r["wall_s"] for r in rs]
+        table[name] = {"wall_tok_s": [round(x, 1) for x in tps], "median_wall_tok_s": round(statistics.median(tps), 1)}
+        if "generate_s" in rs[0]:
+            table[name]["median_generate_only_tok_s"] = round(statistics.median(r["tokens"] / r["generate_s"] for r in rs), 1)
+    default = table["distill generate (defaults)"]["median_wall_tok_s"]
+    fastest = max(table, key=lambda n: table[n]["median_wall_tok_s"])
+    return {
+        "machine": machine("cpu"),
+        "conversations": args.conversations, "max_new_tokens": args.max_new_tokens, "topk": args.topk,
+        "temperature": args.temperature, "repeats": args.repeats,
+        "modes": table,
+        "defaults_vs_bare_vllm_defaults": round(default / table["bare vLLM, vLLM defaults"]["median_wall_tok_s"], 3),
+        "fastest_setting": fastest,
+        "defaults_vs_fastest": round(default / table[fastest]["median_wall_tok_s"], 3),
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--child-dtype", default="auto", help=argparse.SUPPRESS)
+    ap.add_argument("--skip-in-process", action="store_true", help="Only part 1.")
     ap.add_argument("--conversations", type=int, default=64)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--topk", type=int, default=20)
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--dtype", default="float32", help="Part 2's engine dtype.")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
+    if args.child:
+        bare_child(args)
+        return
+    result = {"as_users_run": as_users_run(args)}
+    if not args.skip_in_process:
+        result["in_process"] = in_process(args)
+    print(json.dumps(result, indent=2))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+
+
+def in_process(args) -> dict:
+    """Part 2 (see the module docstring): distill's own overhead on one engine, and the teacher storage."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
     import pyarrow.parquet as pq
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
 
     from distill.generate import GenerateConfig, Generator
     from distill.generate.backends import BackendOptions, VLLMBackend
-    from distill.generate.runner import ConversationState, _request_seed
-    from distill.generate.templating import ChatFormat
     from distill.models import resolve_model
-    from distill.seeds import load_seed
+    from distill.runtime import machine
     from distill.store import TeacherEncoding, decode_topk, iter_rows, load_manifest
 
     model = resolve_model(None)
     backend = VLLMBackend(model.path, BackendOptions(dtype=args.dtype, max_model_len=2048))
-    fmt = ChatFormat(backend.tokenizer, backend.stop_ids)
     base_cfg = dict(seed="sharegpt", mode="single-turn", limit=args.conversations, max_new_tokens=args.max_new_tokens,
                     topk=args.topk, temperature=args.temperature, shard_size=args.conversations, dtype=args.dtype)
-    convs = [c for c in load_seed("sharegpt") if hasattr(c, "messages")][: args.conversations]
-    prompts, params = [], []
-    for c in convs:
-        s = ConversationState(c, GenerateConfig(**base_cfg))
-        prompts.append(TokensPrompt(prompt_token_ids=fmt.first_prompt(s.messages + [{"role": "user", "content": s.pending_users[0]}])))
-        params.append(SamplingParams(temperature=args.temperature, top_p=1.0, max_tokens=args.max_new_tokens, logprobs=args.topk,
-                                     seed=_request_seed(0, c.id, 0, "assistant"), stop_token_ids=sorted(backend.stop_ids)))
+    convs, prompts, params = first_turn_requests(args.conversations, args.max_new_tokens, args.topk, args.temperature,
+                                                 backend.tokenizer, backend.stop_ids)
 
     backend.llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm-up
     bare_tps, distill_tps, bare_out, out_dir = [], [], None, None
@@ -111,8 +234,9 @@ def main() -> None:
             compared += 1
 
     result = {
-        "machine": f"{os.cpu_count()} CPU cores",
+        "machine": machine("cpu"),
         "engine": backend.version,
+        "dtype": backend.dtype,
         "conversations": args.conversations,
         "max_new_tokens": args.max_new_tokens,
         "topk": args.topk,
@@ -129,11 +253,8 @@ def main() -> None:
         "max_logprob_error_nats": round(max_err, 5),
         "positions_compared": compared,
     }
-    print(json.dumps(result, indent=2))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
     backend.close()
+    return result
 
 
 if __name__ == "__main__":

@@ -33,6 +33,9 @@ _state = {"debug": False}
 
 ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="Pipeline YAML (pipelines/NAME.yaml); CLI options override it.")]
 ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="Bundled default (omit), a local HF folder, or a Hub id.")]
+DtypeOpt = Annotated[str, typer.Option("--dtype", help="auto (the heads' teacher dtype, else the model's; bf16 on CPUs only "
+                                     "where native: `distill env` shows the choice) | float32 | bfloat16 | float16.")]
+DeviceOpt = Annotated[str, typer.Option("--device", help="auto (CUDA when available, else CPU) | cpu | cuda | cuda:1 ...")]
 OutOpt = Annotated[Optional[Path], typer.Option("--out", "-o", help="Output folder for shards, manifest.json and rejects.jsonl.")]
 
 
@@ -163,6 +166,21 @@ def model_prepare(
     typer.echo(json.dumps({"name": resolved.name, "path": str(resolved.path), "id": resolved.model_id, "revision": resolved.revision}))
 
 
+@app.command("env")
+def env_cmd(
+    model: ModelOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of the pasteable block.")] = False,
+) -> None:
+    """Versions, hardware and what each stage would pick here (device, dtype, vLLM mode): paste it into a bug report."""
+    from distill.envinfo import collect
+
+    report = collect(model)
+    if as_json:
+        typer.echo(json.dumps(report.to_dict(), indent=2))
+    else:
+        typer.echo("\n".join(report.lines()))
+
+
 @app.command("seeds")
 def seeds_list() -> None:
     """List the registered seed names."""
@@ -229,14 +247,24 @@ def data_stats(
 def data_validate(
     root: DataDirArg,
     checksums: Annotated[bool, typer.Option("--checksums/--no-checksums", help="Verify each shard's SHA-256 against the manifest.")] = True,
+    rescore: Annotated[int, typer.Option("--rescore", help="Also re-score N random rows with the model: top-1 / top-k set agreement "
+                                         "and logprob error of the stored teacher (0: off).")] = 0,
+    rescore_dtype: Annotated[str, typer.Option(help="--rescore: the dtype to score in (auto: the one the engine serves these data in).")] = "auto",
+    device: DeviceOpt = "auto",
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="--rescore: the model (default: the one in the manifest).")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Check schema, checksums, counts, ids and every row's invariants; exit 1 and name each problem if any."""
     from distill.data.validate import validate_dataset
 
     report = validate_dataset(root, checksums=checksums)
+    fidelity = None
+    if rescore and report.ok:
+        from distill.data.rescore import rescore as run_rescore
+
+        fidelity = run_rescore(root, rescore, model=model, dtype=rescore_dtype, device=device)
     if as_json:
-        _echo_json(report.to_dict())
+        _echo_json(dict(report.to_dict(), rescore=fidelity.to_dict() if fidelity else None))
     else:
         for p in report.problems:
             typer.echo(str(p))
@@ -244,6 +272,8 @@ def data_validate(
             typer.echo(f"{key}: {n} more problem(s) of this kind")
         verdict = "OK" if report.ok else f"INVALID: {report.count} problem(s)"
         typer.echo(f"{root}: {report.shards} shards, {report.rows:,} rows, {report.tokens:,} tokens: {verdict}")
+        if fidelity is not None:
+            typer.echo("\n".join(fidelity.lines()))
     if not report.ok:
         raise typer.Exit(1)
 
@@ -366,7 +396,7 @@ def train_heads(
     lora_dropout: Annotated[Optional[float], typer.Option(help="LoRA dropout.")] = None,
     lora_targets: Annotated[Optional[str], typer.Option(help="peft target modules: all-linear or comma-separated names.")] = None,
     merge_adapter: Annotated[Optional[bool], typer.Option("--merge-adapter/--no-merge-adapter", help="Medusa-2: also write the merged backbone to OUT/merged.")] = None,
-    precision: Annotated[Optional[str], typer.Option(help="auto (bf16 on GPU) | fp32 | bf16.")] = None,
+    precision: Annotated[Optional[str], typer.Option(help="auto (the data's teacher dtype; bf16 on CPUs only where native) | fp32 | bf16 (autocast, fp32 master weights).")] = None,
     optimizer: Annotated[Optional[str], typer.Option(help="auto (8-bit AdamW with bitsandbytes on GPU) | adamw | adamw8bit.")] = None,
     shuffle_buffer: Annotated[Optional[int], typer.Option(help="Seeded shuffle buffer in windows (0: shard order).")] = None,
     pack: Annotated[Optional[bool], typer.Option("--pack/--no-pack", help="Lay windows end to end in rows of --max-len (no compute on padding; attention kept inside each window).")] = None,
@@ -410,6 +440,8 @@ def calibrate(
     batch_size: Annotated[Optional[int], typer.Option(help="Windows per forward pass.")] = None,
     max_tokens: Annotated[Optional[int], typer.Option(help="Stop after this many held-out tokens (0: all).")] = None,
     plots: Annotated[Optional[bool], typer.Option("--plots/--no-plots", help="Write tree.png and acceptance.png.")] = None,
+    dtype: Annotated[Optional[str], typer.Option(help="auto (default: the heads' teacher dtype) | float32 | bfloat16 | float16.")] = None,
+    device: Annotated[Optional[str], typer.Option(help="auto (default: CUDA when available, else CPU) | cpu | cuda | cuda:N.")] = None,
 ) -> None:
     """Measure per-head top-i accuracy on held-out data and write the best sparse tree (tree.json)."""
     from distill.train.calibrate import CalibrateConfig
@@ -445,12 +477,11 @@ def export(
 # == serving commands: distill serve, bench (issue 5) ==
 HeadsOpt = Annotated[Optional[Path], typer.Option("--heads", help="Medusa heads folder (from `distill train-heads`).")]
 TreeOpt = Annotated[Optional[str], typer.Option("--tree", help="Verification tree: tree.json path, chain[-K], sparse-N, or Cartesian 3,2,2,1 (default: the heads' tree.json, else sparse-24).")]
-DtypeOpt = Annotated[str, typer.Option("--dtype", help="float32 | bfloat16 | float16.")]
-DeviceOpt = Annotated[str, typer.Option("--device", help="torch device: cpu, cuda, cuda:1, ...")]
 
 
-@app.command()
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def serve(
+    ctx: typer.Context,
     config: ConfigOpt = None,
     model: ModelOpt = None,
     heads: HeadsOpt = None,
@@ -463,7 +494,7 @@ def serve(
     api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="DISTILL_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1/* (env DISTILL_API_KEY).")] = None,
     served_model_name: Annotated[Optional[str], typer.Option(help="Model id clients send (default: the model's name).")] = None,
     queue_size: Annotated[Optional[int], typer.Option(help="Requests that may wait for the engine; more get HTTP 503 (default 64).")] = None,
-    max_batch: Annotated[Optional[int], typer.Option(help="Sequences decoded together (default 8); waiting ones join the running batch as rows free up.")] = None,
+    max_batch: Annotated[Optional[int], typer.Option(help="Sequences decoded together (default 8); waiting ones join the running batch as rows free up. --engine vllm: its --max-num-seqs (default: vLLM's).")] = None,
     max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", help="max_tokens of requests that give none (default 256).")] = None,
     max_model_len: Annotated[Optional[int], typer.Option(help="Context limit for prompt + max_tokens (default: the model's).")] = None,
     tree: TreeOpt = None,
@@ -475,22 +506,40 @@ def serve(
         "--adaptive/--static", help="adaptive (default): the tree size per batch size follows the acceptance and step "
         "times measured while serving, plain decoding when that is faster; static: the calibrated prediction alone.")] = None,
     num_speculative_tokens: Annotated[Optional[int], typer.Option(help="--engine vllm: heads used (default: all).")] = None,
-    dtype: Annotated[Optional[str], typer.Option(help="float32 | bfloat16 | float16 (default float32).")] = None,
-    device: Annotated[Optional[str], typer.Option(help="torch device (default cpu).")] = None,
+    dtype: Annotated[Optional[str], typer.Option(help="auto (default: the heads' teacher dtype, else the model's; bf16 on CPUs only where native) | float32 | bfloat16 | float16.")] = None,
+    device: Annotated[Optional[str], typer.Option(help="auto (default: CUDA when available, else CPU) | cpu | cuda | cuda:N (distill engine).")] = None,
     shutdown_timeout: Annotated[Optional[float], typer.Option(help="Seconds in-flight requests get after SIGTERM (default 10).")] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level: warning | info | debug.")] = "info",
+    print_command: Annotated[bool, typer.Option("--print-command", help="--engine vllm: print the vLLM server command and the "
+                                                "environment distill adds (JSON), and exit.")] = False,
 ) -> None:
-    """Serve the model (with Medusa heads) over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions)."""
+    """Serve the model (with Medusa heads) over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions).
+
+    With --engine vllm, everything after `--` goes to vLLM's server unchanged
+    (e.g. `-- --tensor-parallel-size 2 --gpu-memory-utilization 0.85`).
+    """
     from distill.serve import ServeConfig, serve as run_server
 
-    given = {k: v for k, v in locals().items() if k not in ("config", "log_level", "ServeConfig", "run_server") and v is not None}
+    given = {k: v for k, v in locals().items()
+             if k not in ("ctx", "config", "log_level", "print_command", "ServeConfig", "run_server") and v is not None}
     options = {**load_pipeline(config, "serve"), **{k: str(v) if isinstance(v, Path) else v for k, v in given.items()}}
+    if ctx.args:
+        options["vllm_args"] = list(ctx.args)
     if "max_tokens" in options:
         options["default_max_tokens"] = options.pop("max_tokens")
     try:
         cfg = ServeConfig(**options)
     except TypeError as exc:
         raise ConfigError(f"bad serve option: {exc}") from None
+    if print_command:
+        from distill.serve.server import vllm_command, vllm_env
+
+        if cfg.engine != "vllm":
+            raise ConfigError("--print-command shows the vLLM server command: it needs --engine vllm")
+        env = vllm_env(cfg)
+        added = {k: env[k] for k in sorted(set(env) - set(os.environ)) if k != "VLLM_API_KEY"}
+        typer.echo(json.dumps({"env": added, "command": vllm_command(cfg)}))
+        return
     run_server(cfg, log_level=log_level)
 
 
@@ -509,8 +558,8 @@ def bench(
     sweep_nodes: Annotated[str, typer.Option(help="Tree sizes of the sweep.")] = "1,2,4,8,16,32,64",
     sweep_context: Annotated[int, typer.Option(help="Context length the sweep's steps are timed at.")] = 256,
     sweep_repeats: Annotated[int, typer.Option(help="Timed repeats per tree size (median kept).")] = 10,
-    dtype: DtypeOpt = "float32",
-    device: DeviceOpt = "cpu",
+    dtype: DtypeOpt = "auto",
+    device: DeviceOpt = "auto",
     seed: Annotated[int, typer.Option(help="Sampling seed of the first prompt (prompt i uses seed + i).")] = 0,
     out: Annotated[Path, typer.Option("--out", "-o", help="Folder for bench.json, bench.md, bench.png (and sweep.png, tree.json).")] = Path("out/bench"),
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress lines.")] = False,

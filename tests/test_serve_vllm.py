@@ -59,3 +59,36 @@ def test_serve_cli_reports_a_bad_option_in_one_line(tmp_path):
     assert r.returncode == 2 and r.stderr.strip().splitlines() == ["error: --engine vllm serves the model with Medusa heads: pass --heads DIR"]
     r = subprocess.run([DISTILL, "serve", "--help"], capture_output=True, text=True, timeout=120)
     assert "single" in r.stdout and "chain" in r.stdout and "127.0.0.1" in r.stdout
+
+
+def test_vllm_command_keeps_vllm_defaults_and_appends_what_follows_the_double_dash(heads_dir):
+    cfg = ServeConfig(engine="vllm", heads=str(heads_dir), vllm_args=("--tensor-parallel-size", "2", "--enforce-eager"))
+    cmd = vllm_command(cfg)
+    assert "--max-num-seqs" not in cmd  # vLLM's own default unless --max-batch is given
+    assert cmd[-3:] == ["--tensor-parallel-size", "2", "--enforce-eager"]
+    assert cmd[cmd.index("--dtype") + 1] == "float32"  # the bundled model's dtype, never "auto"
+    with pytest.raises(ConfigError, match="need --engine vllm"):
+        ServeConfig(heads=str(heads_dir), vllm_args=("--enforce-eager",))
+
+
+def test_vllm_command_runs_the_heads_teacher_dtype(heads_dir, monkeypatch):
+    from distill import runtime
+
+    monkeypatch.setattr(runtime, "cpu_has_native_bf16", lambda: True)
+    (heads_dir / "distill-heads.json").write_text(json.dumps({"teacher_dtype": "bfloat16"}))
+    cmd = vllm_command(ServeConfig(engine="vllm", heads=str(heads_dir)))
+    assert cmd[cmd.index("--dtype") + 1] == "bfloat16"
+
+
+def test_serve_cli_passes_arguments_after_the_double_dash_to_vllm(heads_dir):
+    r = subprocess.run([DISTILL, "serve", "--engine", "vllm", "--heads", str(heads_dir), "--print-command", "--",
+                        "--gpu-memory-utilization", "0.85", "--tensor-parallel-size", "1"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    cmd = doc["command"]
+    assert cmd[-4:] == ["--gpu-memory-utilization", "0.85", "--tensor-parallel-size", "1"]
+    assert cmd[cmd.index("--dtype") + 1] == "float32" and "--max-num-seqs" not in cmd
+    assert "VLLM_API_KEY" not in doc["env"]
+    r = subprocess.run([DISTILL, "serve", "--heads", str(heads_dir), "--print-command", "--", "--enforce-eager"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "need --engine vllm" in r.stderr

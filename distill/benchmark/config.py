@@ -40,8 +40,8 @@ class BenchConfig:
     full_tree: bool = False  # always verify the whole tree (policy off); default: the engine's policy decides per step
     typical_epsilon: float = 0.09
     typical_delta: float = 0.3
-    dtype: str = "float32"
-    device: str = "cpu"
+    dtype: str = "auto"  # auto: the heads' teacher dtype, else distill.runtime's rule
+    device: str = "auto"  # auto: CUDA when available, else CPU
     seed: int = 0
     out: str = "out/bench"
     sweep_tree: bool = False

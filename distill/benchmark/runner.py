@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-import os
-import platform
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -24,6 +22,7 @@ from typing import Callable
 from distill.benchmark.config import BenchConfig
 from distill.benchmark.stats import BenchResult, Group, Run
 from distill.errors import ConfigError
+from distill.runtime import machine
 
 log = logging.getLogger("distill.benchmark")
 
@@ -65,16 +64,6 @@ def load_prompts(spec: str, limit: int | None = None) -> list[Prompt]:
 def chat_ids(tokenizer, messages) -> list[int]:
     text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def machine() -> str:
-    cores = os.cpu_count()
-    try:
-        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-        mem_s = f", {mem:.0f} GiB"
-    except (ValueError, OSError, AttributeError):
-        mem_s = ""
-    return f"{cores}-core {platform.machine()} CPU{mem_s}"
 
 
 class BenchRunner:
@@ -128,7 +117,8 @@ class BenchRunner:
         groups = summarize(runs)
         tree = self.engine.tree
         return BenchResult(
-            config=cfg.to_dict(), machine=machine(), date=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            config=dict(cfg.to_dict(), device=str(self.engine.device), dtype=str(self.engine.dtype).removeprefix("torch.")),
+            machine=machine(str(self.engine.device)), date=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             model=self.engine.model_name, heads=str(cfg.heads),
             tree={"nodes": len(tree.paths) if tree else 0, "source": tree.source if tree else None,
                   "nodes_used_at_batch_1": self.engine.tree_size_for(1) if hasattr(self.engine, "tree_size_for") else None},

@@ -28,6 +28,7 @@ hidden state
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -49,10 +50,10 @@ from distill.engine.acceptance import (
 from distill.engine.policy import DEFAULT_COST_RATIO, AdaptivePolicy, choose_tree_size, taus_for
 from distill.engine.tree import ResolvedTree, TreeBuffers, build_buffers, resolve_tree, subtree
 from distill.errors import ConfigError, ModelError
-from distill.heads.model import MedusaHeads
+from distill.heads.model import MedusaHeads, read_distill_meta
+from distill.runtime import canonical_dtype, stage_dtype, torch_dtype
 
 ACCEPTANCE_MODES = ("greedy", "typical", "rejection")
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -85,8 +86,8 @@ class EngineConfig:
     tree: str | None = None  # tree.json path, chain[-K], sparse-N, Cartesian "3,2,2,1"; None = heads' tree.json or sparse-24
     max_batch: int = 8  # largest batch generate() runs at once
     speculate_max_batch: int | None = None  # set: the full tree up to this batch size, plain above; None: the cost model decides
-    dtype: str = "float32"
-    device: str = "cpu"
+    dtype: str = "auto"  # auto: the heads' teacher dtype, else distill.runtime's rule
+    device: str = "auto"  # auto: CUDA when available, else CPU
     step_cost_ratio: float | None = None  # r of the policy's cost model (None: DEFAULT_COST_RATIO of the device type)
     adaptive: bool = False  # correct the policy with measured acceptance and step times (policy.AdaptivePolicy)
 
@@ -99,14 +100,13 @@ class EngineConfig:
             raise ConfigError(f"max_batch must be >= 1, got {self.max_batch}")
         if self.speculate_max_batch is not None and self.speculate_max_batch < 0:
             raise ConfigError(f"speculate_max_batch must be >= 0, got {self.speculate_max_batch}")
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}; got '{self.dtype}'")
+        self.dtype = canonical_dtype(self.dtype)
         if self.step_cost_ratio is not None and self.step_cost_ratio < 0:
             raise ConfigError(f"step_cost_ratio must be >= 0, got {self.step_cost_ratio}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return torch_dtype(self.dtype)
 
 
 @dataclass
@@ -223,6 +223,9 @@ class Engine:
 
         config = config or EngineConfig()
         resolved = resolve_model(model)
+        teacher = read_distill_meta(Path(heads)).get("teacher_dtype") if heads is not None else None
+        where = stage_dtype(resolved.path, config.device, config.dtype, teacher, what=f"the heads in {heads}")
+        config = dataclasses.replace(config, device=where.device, dtype=where.dtype)
         device = torch.device(config.device)
         lm = AutoModelForCausalLM.from_pretrained(resolved.path, dtype=config.torch_dtype).to(device).eval()
         tok = AutoTokenizer.from_pretrained(resolved.path)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -44,7 +43,8 @@ class Completion:
 @dataclass(frozen=True)
 class BackendOptions:
     seed: int = 0
-    dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
+    dtype: str = "float32"  # resolved by distill.runtime ("float32" | "bfloat16" | "float16"), never "auto"
+    device: str = "cpu"  # resolved by distill.runtime; vLLM runs where its build runs (CUDA or CPU)
     max_model_len: int | None = None
     batch_size: int = 16  # hf only: sequences per generate() call
     enforce_eager: bool | None = None  # vllm: None = eager on CPU, CUDA graphs on GPU
@@ -59,6 +59,8 @@ class Backend(Protocol):
     max_model_len: int
     vocab_size: int
     stop_ids: frozenset[int]
+    dtype: str  # the dtype the model runs in (resolved, recorded in the manifest)
+    device: str
 
     def generate(self, requests: list[Request]) -> list[Completion]: ...
 
@@ -112,7 +114,8 @@ class VLLMBackend:
     name = "vllm"
 
     def __init__(self, model_path: Path, opts: BackendOptions):
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        from distill.runtime import canonical_dtype, configure_vllm
+
         try:
             import vllm
             from vllm import LLM
@@ -122,6 +125,11 @@ class VLLMBackend:
         self.version = f"vllm {vllm.__version__}"
         self.opts = opts
         self.on_cpu = current_platform.is_cpu()
+        self.device = "cpu" if self.on_cpu else "cuda"
+        configure_vllm(self.device, offline=True)  # on CPUs: the engine core in this process (see distill.runtime)
+        self.dtype = canonical_dtype(opts.dtype)
+        if self.dtype == "auto":
+            raise BackendError("BackendOptions.dtype must be resolved (distill.runtime.placement), not 'auto'")
         eager = opts.enforce_eager if opts.enforce_eager is not None else self.on_cpu
         kwargs = dict(
             model=str(model_path),
@@ -129,7 +137,7 @@ class VLLMBackend:
             seed=opts.seed,
             enforce_eager=eager,
             logprobs_mode="raw_logprobs",
-            max_logprobs=max(20, 64),
+            max_logprobs=64,  # the largest --topk GenerateConfig accepts
             tensor_parallel_size=opts.tensor_parallel_size,
         )
         if opts.max_model_len:
@@ -214,16 +222,16 @@ class HFBackend:
     name = "hf"
 
     def __init__(self, model_path: Path, opts: BackendOptions):
-        import torch
         import transformers
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.version = f"transformers {transformers.__version__}"
         self.opts = opts
-        self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        dtype = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(opts.dtype)
-        if dtype is None:
-            raise BackendError(f"unknown dtype '{opts.dtype}'")
+        from distill.runtime import torch_dtype
+
+        self.device = opts.device
+        self.dtype = opts.dtype
+        dtype = torch_dtype(opts.dtype)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(model_path)
             self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(self.device).eval()

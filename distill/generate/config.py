@@ -8,6 +8,7 @@ from pathlib import Path
 
 from distill.configs import config_from_options
 from distill.errors import ConfigError
+from distill.runtime import canonical_dtype
 
 MODES = ("multi-turn", "self-talk", "single-turn")
 PROMPTS_DIR = Path(__file__).resolve().parents[2] / "prompts"
@@ -40,7 +41,7 @@ class GenerateConfig:
     end_marker: str = "[END]"  # the simulated user ends the conversation by writing this
     shard_size: int = 1000
     limit: int | None = None  # only the first N seed rows
-    dtype: str = "auto"
+    dtype: str = "auto"  # auto: distill.runtime's rule (the model's dtype; bf16 on CPUs only where native)
     batch_size: int = 16  # hf backend: sequences per generate call
     enforce_eager: bool | None = None
     tensor_parallel_size: int = 1
@@ -64,6 +65,7 @@ class GenerateConfig:
             raise ConfigError(f"--limit must be >= 0; got {self.limit}")
         if self.part is not None:
             self.part_slot  # validates I/N
+        self.dtype = canonical_dtype(self.dtype)
         if self.max_model_len is not None and self.max_model_len <= self.max_new_tokens:
             raise ConfigError(f"--max-model-len ({self.max_model_len}) must exceed --max-new-tokens ({self.max_new_tokens})")
 

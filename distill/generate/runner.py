@@ -27,11 +27,12 @@ import numpy as np
 
 import distill
 from distill.conversation import Conversation, Rejection
-from distill.errors import StoreError
+from distill.errors import ConfigError, StoreError
 from distill.generate.backends import Backend, BackendOptions, Request, make_backend, resolve_backend_name
 from distill.generate.config import GenerateConfig
 from distill.generate.templating import ChatFormat
 from distill.models import ResolvedModel, resolve_model
+from distill.runtime import Placement, canonical_dtype, placement
 from distill.seeds import load_seed
 from distill.store.shards import FORMAT, ShardStore
 from distill.store.teacher import TeacherEncoding, encode_topk
@@ -142,6 +143,7 @@ class Generator:
         model_cfg = AutoConfig.from_pretrained(self.model.path)
         self.vocab_size = int(getattr(model_cfg, "vocab_size", 0) or model_cfg.get_text_config().vocab_size)
         self.enc = TeacherEncoding.for_vocab(cfg.topk, self.vocab_size)
+        self.placement = self._placement(backend)
         self.user_prompt = cfg.user_prompt_path.read_text().strip() if cfg.mode == "self-talk" else None
 
     # -- metadata ---------------------------------------------------------------------------
@@ -165,7 +167,7 @@ class Generator:
             "user_prompt_sha256": hashlib.sha256(self.user_prompt.encode()).hexdigest()[:16] if self.user_prompt else None,
             "end_marker": c.end_marker if c.mode == "self-talk" else None,
             "backend": self.backend_name,
-            "dtype": c.dtype,
+            "dtype": self.placement.dtype,
             **({"part": "%d/%d" % c.part_slot} if c.part is not None else {}),
         }
 
@@ -189,7 +191,8 @@ class Generator:
                 "sampling_seed": self.cfg.sampling_seed,
             },
             "teacher": dict(self.enc.to_dict(), logprob_mode="raw"),
-            "backend": {"name": self.backend_name, "version": _backend_version(self.backend_name), "dtype": self.cfg.dtype},
+            "backend": {"name": self.backend_name, "version": _backend_version(self.backend_name), "dtype": self.placement.dtype,
+                        "device": self.placement.device, "dtype_reason": self.placement.reason},
             "seed": {"spec": self.cfg.seed, "format": self.source.format, "location": self.source.location},
             "generation": {"mode": self.cfg.mode, "turns": self.cfg.turns, "system_prompt": self.cfg.system_prompt,
                            "user_prompt": self.user_prompt, "end_marker": self.cfg.end_marker},
@@ -245,10 +248,19 @@ class Generator:
         )
         return summary
 
+    def _placement(self, backend: Backend | None) -> Placement:
+        """The resolved device and dtype (recorded in the manifest; never 'auto')."""
+        requested = canonical_dtype(self.cfg.dtype)
+        if backend is None:
+            return placement(self.model.path, "auto", requested)
+        if requested not in ("auto", backend.dtype):
+            raise ConfigError(f"--dtype {requested} but the given backend runs {backend.dtype}")
+        return Placement(backend.device, backend.dtype, "the backend's")
+
     def _backend_options(self) -> BackendOptions:
         c = self.cfg
         return BackendOptions(
-            seed=c.sampling_seed, dtype=c.dtype, max_model_len=c.max_model_len,
+            seed=c.sampling_seed, dtype=self.placement.dtype, device=self.placement.device, max_model_len=c.max_model_len,
             batch_size=c.batch_size, enforce_eager=c.enforce_eager, tensor_parallel_size=c.tensor_parallel_size,
         )
 

@@ -6,9 +6,11 @@ import ipaddress
 from dataclasses import asdict, dataclass
 
 from distill.errors import ConfigError
+from distill.runtime import canonical_dtype
 
 ENGINES = ("distill", "vllm")
 ACCEPTANCE = ("greedy", "typical", "rejection")
+DEFAULT_MAX_BATCH = 8
 
 
 @dataclass
@@ -29,19 +31,20 @@ class ServeConfig:
     api_key: str | None = None
     served_model_name: str | None = None  # default: the engine's model name
     queue_size: int = 64
-    max_batch: int = 8
+    max_batch: int | None = None  # distill engine: None = 8; vllm: None = vLLM's own --max-num-seqs
     default_max_tokens: int = 256
     max_model_len: int | None = None  # default: the model's context length
     tree: str | None = None  # tree.json, a named default, or a Cartesian spec "3,2,2,1"
     acceptance: str = "typical"
     typical_epsilon: float = 0.09
     typical_delta: float = 0.3
-    dtype: str = "float32"
-    device: str = "cpu"
+    dtype: str = "auto"  # auto: the heads' teacher dtype, else distill.runtime's rule
+    device: str = "auto"  # auto: CUDA when available, else CPU
     shutdown_timeout: float = 10.0  # seconds in-flight requests get after SIGTERM
     num_speculative_tokens: int | None = None  # vllm engine: default = the heads' num_heads
     step_cost_ratio: float | None = None  # engine cost model r (from `distill bench --sweep-tree`); None = the device default
     adaptive: bool = True  # tree size from measured acceptance and step times (distill.engine.policy.AdaptivePolicy)
+    vllm_args: tuple[str, ...] = ()  # --engine vllm: passed to vLLM's server unchanged (what follows `--`)
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -55,8 +58,12 @@ class ServeConfig:
                 ipaddress.ip_address(self.host)
             except ValueError:
                 raise ConfigError(f"--host must be an IP address (e.g. 127.0.0.1 or 0.0.0.0) or localhost; got '{self.host}'") from None
+        self.dtype = canonical_dtype(self.dtype)
+        self.vllm_args = tuple(self.vllm_args)
+        if self.vllm_args and self.engine != "vllm":
+            raise ConfigError(f"arguments after -- go to vLLM's server: they need --engine vllm (got {' '.join(self.vllm_args)})")
         for name in ("queue_size", "max_batch", "default_max_tokens"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1; got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"--max-model-len must be at least 2; got {self.max_model_len}")
@@ -73,6 +80,11 @@ class ServeConfig:
             raise ConfigError(f"--step-cost-ratio must be >= 0; got {self.step_cost_ratio}")
         if self.num_speculative_tokens is not None and self.num_speculative_tokens < 1:
             raise ConfigError(f"--num-speculative-tokens must be at least 1; got {self.num_speculative_tokens}")
+
+    @property
+    def engine_batch(self) -> int:
+        """Sequences the distill engine decodes together."""
+        return self.max_batch or DEFAULT_MAX_BATCH
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -44,7 +44,7 @@ def build_app(cfg: ServeConfig, worker_thread: bool = True):
     resolved = resolve_model(cfg.model)
     engine_cfg = EngineConfig(
         acceptance=cfg.acceptance, typical_epsilon=cfg.typical_epsilon, typical_delta=cfg.typical_delta,
-        tree=cfg.tree, max_batch=cfg.max_batch, dtype=cfg.dtype, device=cfg.device, step_cost_ratio=cfg.step_cost_ratio,
+        tree=cfg.tree, max_batch=cfg.engine_batch, dtype=cfg.dtype, device=cfg.device, step_cost_ratio=cfg.step_cost_ratio,
         adaptive=cfg.adaptive,
     )
     engine = Engine.from_pretrained(cfg.model, cfg.heads, engine_cfg)
@@ -55,7 +55,7 @@ def build_app(cfg: ServeConfig, worker_thread: bool = True):
         max_model_len=max_len,
         stop_token_ids=tuple(sorted(stop_token_ids(engine.tokenizer, resolved.path))),
         queue_size=cfg.queue_size,
-        max_batch=cfg.max_batch,
+        max_batch=cfg.engine_batch,
         default_max_tokens=cfg.default_max_tokens,
         api_key=cfg.api_key,
         speculative=engine.heads is not None,
@@ -112,10 +112,14 @@ def vllm_command(cfg: ServeConfig, python: str | None = None) -> list[str]:
     """The command that starts vLLM's OpenAI server with the heads as its Medusa speculator.
 
     vLLM proposes one chain (each head's top-1 token) and verifies it; it has no
-    tree attention, so ``--tree`` does not apply.
+    tree attention, so ``--tree`` does not apply. The dtype follows the one rule
+    (:func:`distill.runtime.stage_dtype`: the heads' teacher dtype by default); vLLM's
+    own defaults stand for everything else, and ``cfg.vllm_args`` (what followed ``--``
+    on the command line) are appended unchanged.
     """
-    from distill.heads.model import HeadsConfig
+    from distill.heads.model import HeadsConfig, read_distill_meta
     from distill.models import resolve_model
+    from distill.runtime import stage_dtype
 
     heads = Path(cfg.heads).expanduser().resolve()
     if not (heads / "config.json").is_file():
@@ -128,6 +132,7 @@ def vllm_command(cfg: ServeConfig, python: str | None = None) -> list[str]:
     if k > hcfg.num_heads:
         raise ConfigError(f"--num-speculative-tokens {k} exceeds the {hcfg.num_heads} heads in {heads}")
     resolved = resolve_model(cfg.model)
+    where = stage_dtype(resolved.path, "auto", cfg.dtype, read_distill_meta(heads).get("teacher_dtype"), what=f"the heads in {heads}")
     spec = {"method": "medusa", "model": str(heads), "num_speculative_tokens": k}
     cmd = [
         python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
@@ -135,17 +140,28 @@ def vllm_command(cfg: ServeConfig, python: str | None = None) -> list[str]:
         "--served-model-name", cfg.served_model_name or resolved.name,
         "--host", cfg.host, "--port", str(cfg.port),
         "--speculative-config", json.dumps(spec),
-        "--max-num-seqs", str(cfg.max_batch),
-        "--dtype", cfg.dtype,
+        "--dtype", where.dtype,
     ]
+    if cfg.max_batch is not None:
+        cmd += ["--max-num-seqs", str(cfg.max_batch)]
     if cfg.max_model_len is not None:
         cmd += ["--max-model-len", str(cfg.max_model_len)]
-    return cmd
+    return cmd + list(cfg.vllm_args)
 
 
 def vllm_env(cfg: ServeConfig) -> dict[str, str]:
-    """The environment for vLLM: the API key goes in VLLM_API_KEY, not on the (world-readable) command line."""
+    """The environment for vLLM's server.
+
+    The API key goes in VLLM_API_KEY, not on the (world-readable) command line; on a CPU
+    machine the thread settings of :func:`distill.runtime.vllm_cpu_env` (variables the
+    user set are kept).
+    """
+    from distill.runtime import resolve_device, vllm_cpu_env
+
     env = dict(os.environ)
+    if resolve_device("auto") == "cpu":
+        for key, value in vllm_cpu_env(offline=False).items():
+            env.setdefault(key, value)
     if cfg.api_key is not None:
         env["VLLM_API_KEY"] = cfg.api_key
     return env

@@ -26,6 +26,7 @@ import torch
 
 from distill.errors import ConfigError
 from distill.heads.model import MedusaHeads, read_distill_meta
+from distill.runtime import canonical_dtype, stage_dtype
 from distill.heads.tree import cartesian_tree, expected_acceptance_length, save_tree, sparse_tree
 from distill.store.atomic import atomic_write_bytes
 from distill.train.data import iter_batches
@@ -101,8 +102,11 @@ class CalibrateConfig:
     batch_size: int = 4
     max_tokens: int = 0
     plots: bool = True
+    dtype: str = "auto"  # auto: the heads' teacher dtype (distill.runtime.stage_dtype)
+    device: str = "auto"
 
     def __post_init__(self) -> None:
+        self.dtype = canonical_dtype(self.dtype)
         if self.nodes < 1:
             raise ConfigError(f"--nodes must be >= 1; got {self.nodes}")
         if not 1 <= self.ranks <= 10:
@@ -158,7 +162,6 @@ def calibrate(cfg: CalibrateConfig) -> CalibrationResult:
     from distill.models import resolve_model
 
     heads_dir = Path(cfg.heads)
-    heads = MedusaHeads.load(heads_dir)
     meta = read_distill_meta(heads_dir)
     model = cfg.model
     if model is None:
@@ -170,7 +173,9 @@ def calibrate(cfg: CalibrateConfig) -> CalibrationResult:
         else:
             model = base.get("path") or base.get("id")
     resolved = resolve_model(model)
-    backbone = AutoModelForCausalLM.from_pretrained(resolved.path, dtype=torch.float32).eval()
+    where = stage_dtype(resolved.path, cfg.device, cfg.dtype, meta.get("teacher_dtype"), what=f"the heads in {heads_dir}")
+    heads = MedusaHeads.load(heads_dir, device=where.device, dtype=where.torch_dtype())
+    backbone = AutoModelForCausalLM.from_pretrained(resolved.path, dtype=where.torch_dtype()).to(where.device).eval()
     if backbone.get_output_embeddings().weight.shape[0] != heads.config.vocab_size:
         raise ConfigError(f"the heads have a {heads.config.vocab_size}-token vocabulary but {resolved.name} has another: pass the right --model")
     stats = head_accuracy(backbone, heads, Path(cfg.data), cfg.max_len, cfg.batch_size, cfg.ranks, cfg.max_tokens)
@@ -191,7 +196,8 @@ def calibrate(cfg: CalibrateConfig) -> CalibrationResult:
     save_tree(out / "tree.json", tree, heads.config.num_heads, accuracy=acc, expected_acceptance_length=eal, source="calibrate")
     result = CalibrationResult(out=str(out), nodes=nodes, expected_acceptance_length=eal, cartesian=cart_doc, accuracy=acc,
                                top1=stats.topk(1), positions=stats.counts, curve=curve)
-    doc = {"heads": str(heads_dir), "data": str(cfg.data), "model": resolved.model_id, "config": asdict(cfg),
+    doc = {"heads": str(heads_dir), "data": str(cfg.data), "model": resolved.model_id,
+           "config": dict(asdict(cfg), device=where.device, dtype=where.dtype),
            "ranks": cfg.ranks, "accuracy": acc, "positions": stats.counts, "tokens": stats.tokens,
            "top1": stats.topk(1), "top5": stats.topk(5), "loss": stats.loss, "nodes": nodes,
            "expected_acceptance_length": eal, "cartesian": cart_doc, "curve": curve}

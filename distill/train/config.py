@@ -11,6 +11,7 @@ MODES = ("medusa1", "medusa2")
 TARGETS = ("hard", "soft")
 LAMBDA0_SCHEDULES = ("sine", "two-stage", "constant")
 PRECISIONS = ("auto", "fp32", "bf16")
+PRECISION_DTYPES = {"auto": "auto", "fp32": "float32", "bf16": "bfloat16"}  # --precision -> distill.runtime dtype
 OPTIMIZERS = ("auto", "adamw", "adamw8bit")
 
 # Fields that may differ between a run and its --resume without changing the run.
@@ -58,7 +59,7 @@ class TrainConfig:
     gradient_checkpointing: bool = False  # medusa2: recompute backbone activations
     shuffle_buffer: int = 0  # examples; 0 keeps the shard order
     pack: bool = False  # lay windows end to end in rows of max_len (no padding compute)
-    precision: str = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    precision: str = "auto"  # auto: the data's teacher dtype; bf16 on CPUs only where native (distill.runtime)
     optimizer: str = "auto"  # auto: 8-bit AdamW when bitsandbytes and a GPU are there
     seed: int = 0
     save_every: int = 0  # optimizer steps between checkpoints (0: only at the end)

@@ -36,7 +36,8 @@ from torch import nn
 from distill.errors import ConfigError
 from distill.heads.model import HeadsConfig, MedusaHeads
 from distill.train import checkpoint as ckpt
-from distill.train.config import TrainConfig
+from distill.train.config import PRECISION_DTYPES, TrainConfig
+from distill.runtime import Placement, dataset_dtype, stage_dtype
 from distill.store import manifest_encoding
 from distill.train.data import count_tokens, dataset_meta, iter_batches, iter_examples
 from distill.train.losses import Term, TermStats, chunked_term_losses, head_weights
@@ -210,7 +211,9 @@ class Trainer:
         resolved = resolve_model(cfg.model)
 
         on_gpu = torch.cuda.is_available()
-        bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and on_gpu)
+        # The one dtype rule: the data's teacher dtype, bf16 on CPUs only where native (distill.runtime).
+        where = stage_dtype(resolved.path, "auto", PRECISION_DTYPES[cfg.precision], dataset_dtype(ds_meta), what=f"the data in {data}")
+        bf16 = where.dtype == "bfloat16"
         from accelerate.utils import DistributedDataParallelKwargs
 
         # Medusa-2's two-stage schedule leaves the LoRA parameters without grads in stage 1.
@@ -358,11 +361,12 @@ class Trainer:
                                tokens_per_s=tokens_run / seconds if seconds > 0 else 0.0,
                                peak_memory_mb=_peak_memory_mb(device), final=last, stopped_early=step < total)
         if accelerator.is_main_process and step >= total:
-            self._write_outputs(accelerator.unwrap_model(module), resolved, ds_meta, summary, opt_name)
+            self._write_outputs(accelerator.unwrap_model(module), resolved, ds_meta, summary, opt_name, where)
         accelerator.wait_for_everyone()
         return summary
 
-    def _write_outputs(self, module: HeadsTrainModule, resolved, ds_meta: dict, summary: TrainSummary, opt_name: str) -> None:
+    def _write_outputs(self, module: HeadsTrainModule, resolved, ds_meta: dict, summary: TrainSummary, opt_name: str,
+                       where: Placement) -> None:
         cfg = self.cfg
         out = Path(cfg.out)
         heads = module.heads.float()
@@ -371,6 +375,9 @@ class Trainer:
             "dataset": {"path": str(Path(cfg.data).resolve()), "model": ds_meta.get("model"), "teacher": ds_meta.get("teacher"),
                         **count_tokens(Path(cfg.data))},
             "train_config": cfg.to_dict(),
+            # Later stages (calibrate, bench, serve) run the model in the teacher's dtype by default.
+            "teacher_dtype": dataset_dtype(ds_meta) or where.dtype,
+            "precision": {"device": where.device, "dtype": where.dtype, "reason": where.reason},
             "optimizer": opt_name,
             "metrics": {k: v for k, v in summary.__dict__.items() if k != "out"},
         }
