@@ -278,6 +278,14 @@ def data_validate(
         raise typer.Exit(1)
 
 
+@data_app.command("repair")
+def data_repair(root: DataDirArg) -> None:
+    """Set damaged shards aside (renamed *.corrupt, dropped from the manifest) so a rerun of `distill generate` redoes them."""
+    from distill.data.repair import repair
+
+    _echo_json(repair(root).to_dict())
+
+
 @data_app.command("convert")
 def data_convert(
     source: Annotated[str, typer.Argument(help="A dataset folder; with --to shards, any seed (NAME | PATH | hf:DATASET[:split]).")],

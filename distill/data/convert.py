@@ -133,7 +133,7 @@ def seed_to_shards(seed: str, out: Path | str, model: str | None = None, seed_fo
         "sampling": None,
         "teacher": None,
         "backend": None,
-        "seed": {"spec": seed, "format": source.format, "location": source.location},
+        "seed": source.public_record(),
         "generation": {"mode": "seed-replies", "limit": limit,
                        "note": "assistant turns are the seed's own text, not generated"},
         "derived": {"op": "convert", "tool": f"distill {distill.__version__}", "from": None},

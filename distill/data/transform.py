@@ -49,7 +49,7 @@ class TransformSummary:
 
 def _input_record(ds: Dataset) -> dict:
     m = ds.meta
-    return {"path": str(ds.root), "rows": ds.rows, "model": (m.get("model") or {}).get("id"),
+    return {"path": Path(ds.root).resolve().name, "rows": ds.rows,  # a name, not a local path (datasets are shared) "model": (m.get("model") or {}).get("id"),
             "seed": (m.get("seed") or {}).get("spec"), "sampling": m.get("sampling"), "derived": m.get("derived")}
 
 

@@ -31,7 +31,8 @@ teacher
     distinct per position, and the stored probabilities sum to at most 1 (+ the
     quantisation tolerance).
 rejects
-    ``rejects.jsonl`` is JSON lines with an id and a reason.
+    ``rejects.jsonl`` is JSON lines with an id and a reason, as many per reason as the
+    manifest's ``totals.rejects_by_reason`` counts (a deleted or cut-short file is found).
 """
 
 from __future__ import annotations
@@ -350,7 +351,7 @@ def validate_dataset(root: Path | str, checksums: bool = True) -> ValidationRepo
             out.add(path.name, "checksum", "SHA-256 differs from the manifest (the file was altered or damaged)")
         _check_shard(path, entry, enc, id_dtype, rows, out, report)
 
-    _check_rejects(root, out)
+    _check_rejects(root, totals, out)
     return report
 
 
@@ -395,9 +396,14 @@ def _check_shard(path, entry, enc, id_dtype, rows: _RowChecker, out: _Collector,
                 f"{entry.get('prompt_tokens')} + {entry.get('generated_tokens')}")
 
 
-def _check_rejects(root: Path, out: _Collector) -> None:
+def _check_rejects(root: Path, totals: dict, out: _Collector) -> None:
+    """rejects.jsonl: JSON lines with an id and a reason, as many per reason as the manifest counted."""
     path = root / REJECTS
+    want = totals.get("rejects_by_reason")
+    found: dict[str, int] = {}
     if not path.is_file():
+        if want:
+            out.add(REJECTS, "rejects", f"missing, but the manifest counts {sum(want.values())} rejected rows")
         return
     with open(path, "rb") as f:
         for n, line in enumerate(f, 1):
@@ -409,4 +415,9 @@ def _check_rejects(root: Path, out: _Collector) -> None:
                     raise ValueError("needs 'id' and 'reason'")
             except ValueError as exc:
                 out.add(REJECTS, "rejects", f"line {n} is not a reject record ({exc})")
-
+                continue
+            found[str(r["reason"])] = found.get(str(r["reason"]), 0) + 1
+    if want is not None and found != want:
+        diff = sorted(k for k in set(want) | set(found) if want.get(k, 0) != found.get(k, 0))
+        out.add(REJECTS, "rejects", f"holds {sum(found.values())} records, the manifest counts {sum(want.values())} "
+                f"(differs for: {', '.join(f'{k} {found.get(k, 0)} vs {want.get(k, 0)}' for k in diff)})")

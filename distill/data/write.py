@@ -67,13 +67,12 @@ class ShardWriter:
         """Write the last shard, the manifest (with ``totals``) and rejects; move the folder into place."""
         self.flush()
         self.store.seed_rejects = self.rejects
-        by_reason: dict[str, int] = {}
-        for r in self.rejects:
-            by_reason[r.get("reason", "unknown")] = by_reason.get(r.get("reason", "unknown"), 0) + 1
-        self.store.commit(complete=True, pending=0, rejected=len(self.rejects), rejects_by_reason=by_reason, **totals)
+        self.store.commit(complete=True, pending=0, rejected=len(self.rejects), **totals)
+        self.store.close()
         return self.staged.commit()  # ``out`` was checked empty in __init__
 
     def abort(self) -> None:
+        self.store.close()
         self.staged.abort()
 
     def __enter__(self) -> "ShardWriter":

@@ -144,6 +144,7 @@ class Generator:
         self.vocab_size = int(getattr(model_cfg, "vocab_size", 0) or model_cfg.get_text_config().vocab_size)
         self.enc = TeacherEncoding.for_vocab(cfg.topk, self.vocab_size)
         self.placement = self._placement(backend)
+        self.seed_record = self.source.public_record()  # no local paths in what is stored (datasets are shared)
         self.user_prompt = cfg.user_prompt_path.read_text().strip() if cfg.mode == "self-talk" else None
 
     # -- metadata ---------------------------------------------------------------------------
@@ -153,7 +154,8 @@ class Generator:
         return {
             "model_id": self.model.model_id,
             "model_revision": self.model.revision,
-            "seed": c.seed,
+            "seed": self.seed_record["spec"],
+            "seed_sha256": self.seed_record.get("sha256"),
             "seed_format": self.source.format,
             "mode": c.mode,
             "turns": c.turns,
@@ -193,7 +195,7 @@ class Generator:
             "teacher": dict(self.enc.to_dict(), logprob_mode="raw"),
             "backend": {"name": self.backend_name, "version": _backend_version(self.backend_name), "dtype": self.placement.dtype,
                         "device": self.placement.device, "dtype_reason": self.placement.reason},
-            "seed": {"spec": self.cfg.seed, "format": self.source.format, "location": self.source.location},
+            "seed": self.seed_record,
             "generation": {"mode": self.cfg.mode, "turns": self.cfg.turns, "system_prompt": self.cfg.system_prompt,
                            "user_prompt": self.user_prompt, "end_marker": self.cfg.end_marker},
             "config_key": self.config_key(),
@@ -203,7 +205,11 @@ class Generator:
     def run(self) -> GenerateSummary:
         t0 = time.monotonic()
         cfg = self.cfg
-        store = ShardStore(Path(cfg.out), self.meta(), self.config_key(), self.enc.id_dtype).open()
+        with ShardStore(Path(cfg.out), self.meta(), self.config_key(), self.enc.id_dtype) as store:
+            return self._run(store, t0)
+
+    def _run(self, store: ShardStore, t0: float) -> GenerateSummary:
+        cfg = self.cfg
         done = store.done_ids()
         seed_rejects: list[dict] = []
         todo: list[Conversation] = []
@@ -244,7 +250,6 @@ class Generator:
         store.commit(
             seed_rows=summary.seed_rows, generated=summary.generated, rejected=summary.rejected,
             skipped=summary.skipped, pending=summary.pending, complete=summary.pending == 0,
-            rejects_by_reason=summary.rejects_by_reason,
         )
         return summary
 
@@ -268,9 +273,15 @@ class Generator:
         import pyarrow.parquet as pq
 
         stored: set[str] = set()
+        rows = 0
         for s in store.shards:
             if s.file:
-                stored.update(pq.read_table(store.root / s.file, columns=["id"])["id"].to_pylist())
+                ids = pq.read_table(store.root / s.file, columns=["id"])["id"].to_pylist()
+                stored.update(ids)
+                rows += len(ids)
+        if rows != len(stored):
+            raise StoreError(f"{store.root} holds {rows - len(stored)} rows with an id that another row has too: "
+                             f"run `distill data validate {store.root}` to find them")
         gen_rejected = {r["id"] for r in store.generation_rejects}
         counts = {"generated": 0, "rejected": 0, "skipped": 0, "pending": 0}
         for conv_id, kind in seed_ids:

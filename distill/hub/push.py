@@ -7,7 +7,11 @@ Repo layout (also what ``--dry-run OUT`` writes)::
     data/train/manifest.json         their manifest (checksums, counts, config) and
     data/train/rejects.jsonl         rejected seed rows; data/eval/... the same for an eval split
 
-Every split is validated first; an invalid dataset is never uploaded. The upload
+Every split is validated first; an invalid dataset is never uploaded. Nothing uploaded
+holds a local path: the manifest, the shards' file metadata and the card go through
+:func:`public`, which keeps a path's last component only (new datasets record none; older
+ones recorded the seed file's location). A shard whose metadata had to change is rewritten,
+and its manifest entry gets the new size and checksum. The upload
 goes through ``HfApi.upload_folder``, which (with ``hf_xet``, a dependency of
 ``huggingface_hub``) streams files in batches of commits and resumes an interrupted
 upload when run again: files already on the Hub with the same content are skipped.
@@ -17,6 +21,7 @@ The token comes from ``HF_TOKEN`` or the user's ``hf auth login``; it is passed 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -28,7 +33,10 @@ from distill.data.stats import compute_stats
 from distill.data.validate import validate_dataset
 from distill.errors import ConfigError, PushError
 from distill.hub.card import CardOptions, SplitCard, render_card
-from distill.store.shards import MANIFEST, REJECTS
+from distill.store.shards import MANIFEST, META_KEY, REJECTS, ShardInfo
+
+#: Metadata keys whose values may be a local path (seed file, model folder, input dataset).
+PATH_KEYS = frozenset({"location", "path", "spec", "seed", "name", "id", "model_id"})
 
 HUB_SPLIT = {"train": "train", "eval": "eval"}
 
@@ -47,6 +55,35 @@ class PushSummary:
 
     def to_dict(self) -> dict:
         return self.__dict__.copy()
+
+
+def _local_path(value: object) -> bool:
+    return isinstance(value, str) and (os.path.isabs(value) or value.startswith(("~", "./", "../", ".\\")))
+
+
+def public(obj):
+    """A copy of a metadata tree whose path-like values (under :data:`PATH_KEYS`) keep only their last component."""
+    if isinstance(obj, dict):
+        return {k: (Path(v).name if k in PATH_KEYS and _local_path(v) else public(v)) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [public(v) for v in obj]
+    return obj
+
+
+def _place_shard(src: Path, dst: Path, link: bool) -> ShardInfo | None:
+    """Copy a shard; rewrite it when its file metadata holds a local path -> its new info (None: unchanged)."""
+    import pyarrow.parquet as pq
+
+    raw = (pq.read_schema(src).metadata or {}).get(META_KEY)
+    meta = json.loads(raw) if raw else None
+    if meta is None or public(meta) == meta:
+        _place(src, dst, link)
+        return None
+    table = pq.read_table(src)
+    table = table.replace_schema_metadata({**(table.schema.metadata or {}), META_KEY: json.dumps(public(meta), sort_keys=True).encode()})
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, dst, compression="zstd", compression_level=9, row_group_size=256)
+    return ShardInfo.of_file(dst)
 
 
 def _place(src: Path, dst: Path, link: bool) -> None:
@@ -77,13 +114,17 @@ def stage(root: Path | str, out: Path, opts: CardOptions, link: bool = False) ->
             summary.skipped_splits.append(name)
             continue
         if meta is None:
-            meta, totals = ds.meta, ds.manifest.get("totals")
+            meta, totals = public(ds.meta), ds.manifest.get("totals")
         split = HUB_SPLIT[name]
-        for f in ds.files:
-            _place(f, out / "data" / split / f.name, link)
-        for extra in (MANIFEST, REJECTS):
-            if (folder / extra).is_file():
-                _place(folder / extra, out / "data" / split / extra, link)
+        manifest = public(ds.manifest)
+        for entry in manifest.get("shards", []):
+            if entry.get("file"):
+                rewritten = _place_shard(folder / entry["file"], out / "data" / split / entry["file"], link)
+                if rewritten is not None:
+                    entry.update(bytes=rewritten.bytes, sha256=rewritten.sha256)
+        (out / "data" / split / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        if (folder / REJECTS).is_file():
+            _place(folder / REJECTS, out / "data" / split / REJECTS, link)
         splits.append(SplitCard(split, compute_stats(folder), sum(f.stat().st_size for f in ds.files),
                                 f"data/{split}/*.parquet"))
         summary.rows[split] = ds.rows

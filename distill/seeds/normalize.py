@@ -26,7 +26,8 @@ from distill.conversation import Conversation, Message, Rejection
 
 #: Reason codes of seed rejections (stable strings) -> what each means.
 REASONS: dict[str, str] = {
-    "malformed_json": "a JSONL line that is not valid JSON",
+    "malformed_json": "a JSONL line that is not valid JSON (or nests deeper than the parser allows)",
+    "row_too_large": "a JSON Lines row longer than 16 MiB (rejected unparsed)",
     "invalid_utf8": "text that is not valid UTF-8 (bad bytes, or lone surrogates such as a '\\ud800' escape)",
     "malformed_row": "a row that is not an object, lacks its format's key, or has a field of the wrong type",
     "unknown_role": "a message role that no seed format defines",

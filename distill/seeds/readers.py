@@ -58,6 +58,10 @@ def _unreadable(path: Path, exc: BaseException) -> SeedError:
     return SeedError(f"cannot read seed file '{path}': {reason}; registered seeds: {registered_names()}")
 
 
+#: A JSON Lines row longer than this is rejected (``row_too_large``) instead of parsed: no chat turn needs it.
+MAX_ROW_BYTES = 16 << 20
+
+
 # -- JSON Lines ---------------------------------------------------------------------------------
 class JsonlReader:
     """A JSON Lines file: one row per non-blank line (blank lines are not rows), read line by line as bytes."""
@@ -88,6 +92,9 @@ class JsonlReader:
 
     @staticmethod
     def _decode(raw: bytes, index: int, lineno: int) -> RawRow:
+        if len(raw) > MAX_ROW_BYTES:
+            return RawRow(index, line=lineno, problem=Problem(
+                "row_too_large", f"line {lineno} holds {len(raw):,} bytes (a row may hold {MAX_ROW_BYTES:,})"))
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
@@ -95,8 +102,10 @@ class JsonlReader:
             return RawRow(index, line=lineno, problem=Problem("invalid_utf8", f"line {lineno} is not valid UTF-8 (byte 0x{bad} at offset {exc.start})"))
         try:
             value = json.loads(text)
-        except (ValueError, RecursionError) as exc:
+        except ValueError as exc:
             return RawRow(index, line=lineno, problem=Problem("malformed_json", f"line {lineno} is not valid JSON: {exc}"))
+        except RecursionError:
+            return RawRow(index, line=lineno, problem=Problem("malformed_json", f"line {lineno} nests JSON too deeply to parse"))
         return RawRow(index, value, line=lineno)
 
 
@@ -133,6 +142,9 @@ class JsonReader:
         except json.JSONDecodeError as exc:
             hint = " (it looks like JSON Lines: name it .jsonl)" if exc.msg == "Extra data" else ""
             raise SeedError(f"seed file '{self.path}' is not valid JSON: {exc}{hint}") from exc
+        except RecursionError:
+            raise SeedError(f"seed file '{self.path}' nests JSON deeper than Python's parser allows: "
+                            "not a list of conversations") from None
         if not isinstance(doc, (list, dict)):
             raise SeedError(f"seed file '{self.path}' holds a JSON {type(doc).__name__}; expected a list of rows or an object of rows")
         return doc

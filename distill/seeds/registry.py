@@ -121,6 +121,28 @@ class SeedSource:
     location: str
     _reader: Reader = field(repr=False, compare=False)
 
+    def public_record(self) -> dict:
+        """What metadata records about the seed: no local path (datasets are shared).
+
+        A registered name or ``hf:`` spec is kept; a local file or folder becomes its name,
+        and a file also its SHA-256 (which pins the content wherever the file moves).
+        """
+        record = {"spec": self.spec, "format": self.format}
+        if self.spec in REGISTERED or self.spec.startswith("hf:"):
+            local = Path(self.location)
+        else:
+            local = Path(self.spec).expanduser()
+            record["spec"] = local.resolve().name
+        if not self.location.startswith("hf:") and local.is_file():
+            import hashlib
+
+            h = hashlib.sha256()
+            with open(local, "rb") as f:
+                while block := f.read(1 << 22):
+                    h.update(block)
+            record["sha256"] = h.hexdigest()
+        return record
+
     def __iter__(self) -> Iterator[Conversation | Rejection]:
         fmt = FORMATS[self.format]
         seen: set[str] = set()

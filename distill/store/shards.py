@@ -7,15 +7,22 @@ Layout of a dataset folder::
     rejects.jsonl          every rejected row with its stage and reason
 
 A shard is written to a hidden temporary file, fsynced and renamed into place;
-the manifest is then rewritten the same way. A shard file that is not in the
-manifest (a crash between the two renames) is adopted on the next open if it
-reads back whole, and moved aside as ``*.corrupt`` otherwise. Resume is by ``id``.
+the manifest is then rewritten the same way. Resume is by ``id``. On opening:
+
+- one run at a time: an exclusive lock on ``.distill.lock`` (:mod:`distill.store.lock`);
+- every listed shard must have its recorded size and SHA-256, else the run refuses and
+  names the shard (``distill data repair`` sets damaged shards aside);
+- a shard file that is not in the manifest (a crash between the two renames) is adopted
+  when it reads back whole, was written with this config and holds only new ids; it is
+  moved aside otherwise (``*.corrupt``, logged with the reason);
+- a folder that holds no row yet may be reused with another config (it is reset).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 from dataclasses import dataclass, field
@@ -28,6 +35,9 @@ import pyarrow.parquet as pq
 
 from distill.errors import StoreError
 from distill.store.atomic import atomic_file, atomic_write_bytes
+from distill.store.lock import FolderLock
+
+log = logging.getLogger("distill.store")
 
 FORMAT = "distill-shards/v1"
 META_KEY = b"distill"
@@ -107,6 +117,24 @@ class ShardInfo:
         )
 
 
+def shard_problem(root: Path, info: ShardInfo) -> str | None:
+    """What is wrong with a listed shard file (None: present, with its recorded size, SHA-256 and row count)."""
+    p = Path(root) / info.file
+    if not p.is_file():
+        return "listed in the manifest but missing"
+    if p.stat().st_size != info.bytes:
+        return f"{p.stat().st_size} bytes, the manifest says {info.bytes} (truncated or altered)"
+    if sha256_path(p) != info.sha256:
+        return "SHA-256 differs from the manifest (altered or damaged)"
+    try:
+        rows = pq.ParquetFile(p).metadata.num_rows
+    except Exception as exc:  # noqa: BLE001 - unreadable is the finding
+        return f"not readable Parquet ({exc})"
+    if rows != info.rows:
+        return f"{rows} rows, the manifest says {info.rows}"
+    return None
+
+
 class ShardStore:
     """A dataset folder being written by one run (one config).
 
@@ -122,10 +150,30 @@ class ShardStore:
         self.shards: list[ShardInfo] = []
         self.totals: dict[str, Any] = {}
         self.seed_rejects: list[dict] = []
+        self._lock = FolderLock(self.root)
 
     # -- opening / resuming -------------------------------------------------------------
     def open(self) -> "ShardStore":
-        self.root.mkdir(parents=True, exist_ok=True)
+        """Lock the folder for this run, then check and resume what it holds (see the module docstring)."""
+        self._lock.acquire()
+        try:
+            self._open()
+        except BaseException:
+            self._lock.release()
+            raise
+        return self
+
+    def close(self) -> None:
+        """Release the folder's lock (the manifest is already committed)."""
+        self._lock.release()
+
+    def __enter__(self) -> "ShardStore":
+        return self.open()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _open(self) -> None:
         for stray in self.root.glob(".*.tmp"):
             stray.unlink()
         manifest_path = self.root / MANIFEST
@@ -136,33 +184,33 @@ class ShardStore:
                 raise StoreError(f"{manifest_path} is not valid JSON ({exc}); move the folder aside or fix it") from None
             if manifest.get("format") != FORMAT:
                 raise StoreError(f"{self.root} holds a '{manifest.get('format')}' dataset, not {FORMAT}")
+            shards = [ShardInfo(**s) for s in manifest.get("shards", [])]
             old_key = manifest.get("config_key", {})
             if old_key != self.config_key:
-                diff = sorted(k for k in set(old_key) | set(self.config_key) if old_key.get(k) != self.config_key.get(k))
-                raise StoreError(
-                    f"{self.root} was generated with a different config (differs in: {', '.join(diff)}); "
-                    "use another --out, or the same options to resume"
-                )
-            self.shards = [ShardInfo(**s) for s in manifest.get("shards", [])]
-            self.totals = manifest.get("totals", {})
-        elif any(self.root.glob("shard-*.parquet")):
-            pass  # crash before the first manifest: shards are adopted below
+                if any(s.file or s.rejects for s in shards) or any(self.root.glob("shard-*.parquet")):
+                    diff = sorted(k for k in set(old_key) | set(self.config_key) if old_key.get(k) != self.config_key.get(k))
+                    raise StoreError(
+                        f"{self.root} was generated with a different config (differs in: {', '.join(diff)}); "
+                        "use another --out, or the same options to resume"
+                    )
+                log.warning("%s holds no row yet: reusing it with the new config", self.root)
+                shards = []  # nothing was generated: the folder starts over
+            else:
+                self.totals = manifest.get("totals", {})
+            self.shards = shards
         self._check_listed()
         self._adopt_unlisted()
-        return self
 
     def _check_listed(self) -> None:
+        """Every listed shard is there, whole and unaltered, or the run refuses (see :func:`shard_problem`)."""
         for s in self.shards:
-            if not s.file:
-                continue  # a chunk whose conversations were all rejected
-            p = self.root / s.file
-            if not p.is_file():
-                raise StoreError(f"manifest lists {s.file} but it is missing from {self.root}")
-            if p.stat().st_size != s.bytes:
-                raise StoreError(f"{s.file} has {p.stat().st_size} bytes, manifest says {s.bytes}: the shard is damaged")
+            if s.file and (problem := shard_problem(self.root, s)):
+                raise StoreError(f"{self.root / s.file}: {problem}; run `distill data repair {self.root}` to set damaged "
+                                 "shards aside (their conversations are generated again)")
 
     def _adopt_unlisted(self) -> None:
         listed = {s.file for s in self.shards if s.file}
+        known = self.done_ids()
         changed = False
         for p in sorted(self.root.glob("shard-*.parquet")):
             if p.name in listed or not SHARD_RE.match(p.name):
@@ -170,11 +218,16 @@ class ShardStore:
             try:
                 meta = read_shard_meta(p)
                 if {k: meta.get("config_key", {}).get(k) for k in self.config_key} != self.config_key:
-                    raise StoreError("config differs")
-                pq.read_table(p)  # reads back whole, or raises
+                    raise StoreError("written with another config")
+                ids = pq.read_table(p)["id"].to_pylist()  # reads back whole, or raises
+                if len(set(ids)) != len(ids) or known & set(ids):
+                    raise StoreError("holds ids that are already in the dataset")
                 self.shards.append(ShardInfo.of_file(p, rejects=meta.get("chunk_rejects", [])))
-            except Exception:  # noqa: BLE001 - any unreadable leftover is set aside, never counted
+                known.update(ids)
+                log.warning("%s: adopted %s (written but not yet listed when a run stopped)", self.root, p.name)
+            except Exception as exc:  # noqa: BLE001 - any leftover that cannot count is set aside, never counted
                 os.replace(p, p.with_name(p.name + ".corrupt"))
+                log.warning("%s: set %s aside as %s.corrupt: %s", self.root, p.name, p.name, exc)
             changed = True
         if changed:
             self.shards.sort(key=lambda s: s.file)
@@ -233,6 +286,11 @@ class ShardStore:
             generated_tokens=sum(s.generated_tokens for s in files),
             bytes=sum(s.bytes for s in files),
         )
+        rejects = self.seed_rejects + self.generation_rejects
+        by_reason: dict[str, int] = {}
+        for r in rejects:
+            by_reason[r.get("reason", "unknown")] = by_reason.get(r.get("reason", "unknown"), 0) + 1
+        self.totals.update(rejects=len(rejects), rejects_by_reason=by_reason)  # what rejects.jsonl must hold
         manifest = {
             "format": FORMAT,
             "config_key": self.config_key,
@@ -240,7 +298,6 @@ class ShardStore:
             "shards": [s.__dict__ for s in self.shards],
             "totals": self.totals,
         }
-        rejects = self.seed_rejects + self.generation_rejects
         atomic_write_bytes(self.root / REJECTS, "".join(json.dumps(r) + "\n" for r in rejects).encode())
         atomic_write_bytes(self.root / MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
 

@@ -1,0 +1,177 @@
+"""What a careless or hostile user does to a dataset folder, on real shards: no rerun blesses a bad dataset."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from conftest import DISTILL
+from distill.errors import StoreError
+from distill.store import ShardStore, load_manifest
+from distill.store.lock import LOCK_FILE, FolderLock
+
+HOLD_LOCK = "import sys, time; from distill.store.lock import FolderLock; FolderLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(600)"
+
+
+def _hold(folder):
+    proc = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(folder)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_a_second_run_into_a_locked_folder_refuses_naming_the_holder(tmp_path, cli_env):
+    out = tmp_path / "out"
+    holder = _hold(out)
+    try:
+        r = subprocess.run([DISTILL, "generate", "--backend", "hf", "--limit", "2", "--max-new-tokens", "4", "--out", str(out), "-q"],
+                           capture_output=True, text=True, env=cli_env, timeout=600)
+        assert r.returncode == 2
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and f"pid {holder.pid}" in lines[0] and "being written by another run" in lines[0]
+        assert not (out / "manifest.json").exists()  # nothing written by the refused run
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_the_lock_of_a_killed_run_is_taken_over_with_a_warning(tmp_path, caplog):
+    holder = _hold(tmp_path)
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == holder.pid  # its record is left behind
+    with caplog.at_level("WARNING", logger="distill.store"):
+        lock = FolderLock(tmp_path).acquire()
+    assert f"pid {holder.pid}" in caplog.text and "took over" in caplog.text
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
+    lock.release()
+    assert (tmp_path / LOCK_FILE).read_text() == ""  # released: no holder recorded, nothing to take over next time
+
+
+@pytest.fixture()
+def shards_copy(tmp_path, real_shards):
+    out = tmp_path / "data"
+    shutil.copytree(real_shards, out)
+    (out / LOCK_FILE).unlink(missing_ok=True)
+    return out
+
+
+def _rerun(folder, backend):
+    from distill.generate import GenerateConfig, Generator
+
+    cfg = GenerateConfig(seed="sharegpt", out=str(folder), limit=16, shard_size=6, max_new_tokens=64, temperature=0.7,
+                         dtype="float32", sampling_seed=0)  # the real_shards fixture's config
+    return Generator(cfg, backend=backend).run()
+
+
+def _flip_byte(path, offset):
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_flipped_byte_is_refused_by_a_rerun_and_repair_lets_the_rerun_redo_the_shard(shards_copy, vllm_backend):
+    from distill.data.repair import repair
+    from distill.data.validate import validate_dataset
+
+    shard = shards_copy / "shard-00001.parquet"
+    _flip_byte(shard, 200)  # inside the data pages: the size is unchanged
+    with pytest.raises(StoreError, match="shard-00001.parquet: SHA-256 differs") as err:
+        _rerun(shards_copy, vllm_backend)
+    assert "distill data repair" in str(err.value)
+    report = repair(shards_copy)
+    assert list(report.set_aside) == ["shard-00001.parquet"] and report.rows_dropped == 6
+    assert (shards_copy / "shard-00001.parquet.corrupt").exists()
+    summary = _rerun(shards_copy, vllm_backend)
+    assert summary.generated == 16 and summary.balanced and summary.new_conversations == 6
+    assert validate_dataset(shards_copy).ok
+
+
+def test_an_edited_row_count_is_refused_and_a_stray_shard_copy_is_set_aside(shards_copy, vllm_backend):
+    manifest = load_manifest(shards_copy)
+    edited = json.loads(json.dumps(manifest))
+    edited["shards"][0]["rows"] += 1
+    (shards_copy / "manifest.json").write_text(json.dumps(edited))
+    with pytest.raises(StoreError, match="rows, the manifest says"):
+        _rerun(shards_copy, vllm_backend)
+    (shards_copy / "manifest.json").write_text(json.dumps(manifest))
+    shutil.copy(shards_copy / "shard-00000.parquet", shards_copy / "shard-00007.parquet")  # a stray copy: duplicate ids
+    summary = _rerun(shards_copy, vllm_backend)
+    assert summary.generated == 16 and summary.new_conversations == 0
+    assert (shards_copy / "shard-00007.parquet.corrupt").exists()
+    assert load_manifest(shards_copy)["totals"]["rows"] == 16
+
+
+def test_a_folder_without_rows_may_be_reused_with_another_config(tmp_path):
+    key = {"model_id": "m", "topk": 2}
+    with ShardStore(tmp_path, {"config_key": key}, key, "uint16") as store:
+        store.commit()
+    other = {"model_id": "m", "topk": 3}
+    with ShardStore(tmp_path, {"config_key": other}, other, "uint16") as store:
+        store.commit()
+    assert load_manifest(tmp_path)["config_key"] == other
+
+
+@pytest.fixture()
+def converted_with_rejects(tmp_path):
+    seed = tmp_path / "seed.jsonl"
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    rows = [good, {"messages": [{"role": "user", "content": ""}]}, {"messages": [{"role": "wizard", "content": "x"}]}, good]
+    seed.write_text("\n".join(json.dumps(r) for r in rows) + "\n{not json\n")
+    out = tmp_path / "shards"
+    r = subprocess.run([DISTILL, "data", "convert", str(seed), "--to", "shards", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return seed, out
+
+
+def test_validate_cross_checks_rejects_against_the_manifest(converted_with_rejects):
+    from distill.data.validate import validate_dataset
+
+    _, out = converted_with_rejects
+    counted = load_manifest(out)["totals"]["rejects_by_reason"]
+    assert sum(counted.values()) >= 3 and validate_dataset(out).ok
+    lines = (out / "rejects.jsonl").read_text().splitlines()
+    (out / "rejects.jsonl").write_text("\n".join(lines[:-1]) + "\n")  # cut short
+    report = validate_dataset(out)
+    assert not report.ok and any(p.check == "rejects" and "the manifest counts" in p.detail for p in report.problems)
+    (out / "rejects.jsonl").unlink()
+    report = validate_dataset(out)
+    assert not report.ok and any(p.check == "rejects" and "missing" in p.detail for p in report.problems)
+
+
+def test_a_pushed_dataset_holds_no_local_path(converted_with_rejects, tmp_path):
+    seed, out = converted_with_rejects
+    preview = tmp_path / "preview"
+    r = subprocess.run([DISTILL, "push", str(out), "--repo", "me/x", "--dry-run", str(preview)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    local = str(tmp_path)
+    files = [p for p in preview.rglob("*") if p.is_file()]
+    assert len(files) >= 3
+    for p in files:
+        assert local.encode() not in p.read_bytes(), f"{p.relative_to(preview)} holds a local path"
+    seed_meta = json.loads((preview / "data" / "train" / "manifest.json").read_text())["meta"]["seed"]
+    assert seed_meta["spec"] == "seed.jsonl" and len(seed_meta["sha256"]) == 64
+
+
+def test_pathological_json_becomes_a_rejection_or_a_one_line_error(tmp_path):
+    deep = 100_000
+    jsonl = tmp_path / "deep.jsonl"
+    good = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]})
+    huge = json.dumps({"messages": [{"role": "user", "content": "x" * (17 << 20)}]})
+    jsonl.write_text('{"messages": [{"role": "user", "content": ' + "[" * deep + "]" * deep + "}]}\n" + huge + "\n" + good + "\n")
+    out = tmp_path / "out"
+    r = subprocess.run([DISTILL, "data", "convert", str(jsonl), "--to", "shards", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    reasons = [json.loads(line)["reason"] for line in (out / "rejects.jsonl").read_text().splitlines()]
+    assert reasons == ["malformed_json", "row_too_large"]
+    doc = tmp_path / "deep.json"
+    doc.write_text("[" * deep + "]" * deep)
+    r = subprocess.run([DISTILL, "data", "convert", str(doc), "--to", "shards", "--out", str(tmp_path / "o2")], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"error: seed file '{doc}' nests JSON deeper than Python's parser allows: not a list of conversations"]
