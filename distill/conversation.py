@@ -1,4 +1,4 @@
-"""The Conversation contract (DESIGN.md): a list of ``{role, content}`` messages.
+"""The Conversation contract (docs/architecture.md): a list of ``{role, content}`` messages.
 
 Every seed format is normalized to :class:`Conversation` at the edge
 (``distill.seeds``); a row that cannot be normalized becomes a

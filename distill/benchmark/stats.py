@@ -1,6 +1,6 @@
 """Benchmark statistics as dataclasses (kept apart from the code that runs, prints or plots them).
 
-Terms (DESIGN.md, "Medusa in one page")
+Terms (docs/architecture.md, "Terms")
 -----
 run
     one prompt decoded once in one mode (plain or Medusa) under one acceptance

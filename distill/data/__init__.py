@@ -1,4 +1,4 @@
-"""Dataset tools over shard folders: inspect, stats, validate, convert, merge / dedupe / split (see DESIGN.md).
+"""Dataset tools over shard folders: inspect, stats, validate, convert, merge / dedupe / split (see docs/architecture.md).
 
 Everything streams record batches (``pyarrow.parquet.ParquetFile.iter_batches``), so
 memory does not grow with the dataset; outputs are always new folders, written

@@ -1,4 +1,4 @@
-"""Medusa heads (DESIGN.md, "Medusa in one page").
+"""Medusa heads (docs/architecture.md, "Medusa heads folder").
 
 Terms
 -----

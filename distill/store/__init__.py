@@ -1,4 +1,4 @@
-"""Shard store: Parquet rows with teacher top-k, manifest, resume (see DESIGN.md)."""
+"""Shard store: Parquet rows with teacher top-k, manifest, resume (see docs/architecture.md)."""
 
 from distill.store.shards import (
     MANIFEST,
