@@ -207,7 +207,7 @@ def in_process(args) -> dict:
 
     # Teacher storage: compressed bytes of the teacher columns per generated token.
     manifest = load_manifest(out_dir)
-    enc = TeacherEncoding.from_dict({k: v for k, v in manifest["meta"]["teacher"].items() if k != "logprob_mode"})
+    enc = TeacherEncoding.from_dict(manifest["meta"]["teacher"])
     teacher_bytes = 0
     for s in manifest["shards"]:
         md = pq.ParquetFile(out_dir / s["file"]).metadata

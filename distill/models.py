@@ -50,6 +50,19 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+def model_record(resolved: "ResolvedModel", vocab_size: int, chat_template: str | None) -> dict:
+    """What dataset metadata records about the model (``meta.model``): id, revision, vocabulary, tokenizer and template hashes."""
+    tokenizer = resolved.path / "tokenizer.json"
+    return {
+        "name": resolved.name,
+        "id": resolved.model_id,
+        "revision": resolved.revision,
+        "vocab_size": vocab_size,
+        "tokenizer_sha256": sha256_file(tokenizer)[:16] if tokenizer.is_file() else None,
+        "chat_template_sha256": hashlib.sha256((chat_template or "").encode()).hexdigest()[:16],
+    }
+
+
 def _bundled_gguf() -> Path:
     from importlib import metadata
 

@@ -108,7 +108,7 @@ def assert_teacher_matches_model(root: Path, model, greedy: bool) -> int:
 
     from distill.store import TeacherEncoding, decode_row_dense, iter_rows, load_manifest
 
-    enc = TeacherEncoding.from_dict({k: v for k, v in load_manifest(root)["meta"]["teacher"].items() if k != "logprob_mode"})
+    enc = TeacherEncoding.from_dict(load_manifest(root)["meta"]["teacher"])
     checked = 0
     for row in iter_rows(root):
         ids = torch.tensor(row["input_ids"])[None]  # (1, T)

@@ -42,7 +42,7 @@ def test_stats_match_an_independent_pass_over_real_shards(real_shards):
     totals = manifest["totals"]
     assert (st.conversations, st.shards) == (16, 3)
     assert (st.prompt_tokens, st.generated_tokens) == (totals["prompt_tokens"], totals["generated_tokens"])
-    enc = TeacherEncoding.from_dict({k: v for k, v in manifest["meta"]["teacher"].items() if k != "logprob_mode"})
+    enc = TeacherEncoding.from_dict(manifest["meta"]["teacher"])
     top1, cover, turns, finishes = [], [], 0, {}
     for row in iter_rows(real_shards):
         _, lp = decode_row_dense(row["input_ids"], row["loss_mask"], row["teacher_ids"], row["teacher_lp"], enc)

@@ -24,7 +24,6 @@ as ``trailing_user_turns``), and a conversation with no assistant reply is rejec
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import tempfile
@@ -112,7 +111,7 @@ def seed_to_shards(seed: str, out: Path | str, model: str | None = None, seed_fo
     from transformers import AutoConfig, AutoTokenizer
 
     from distill.generate.templating import ChatFormat
-    from distill.models import resolve_model, stop_token_ids
+    from distill.models import model_record, resolve_model, stop_token_ids
     from distill.seeds import load_seed
 
     out = Path(out)
@@ -123,13 +122,10 @@ def seed_to_shards(seed: str, out: Path | str, model: str | None = None, seed_fo
     cfg = AutoConfig.from_pretrained(resolved.path)
     vocab = int(getattr(cfg, "vocab_size", 0) or cfg.get_text_config().vocab_size)
     fmt = ChatFormat(tokenizer, stop_token_ids(tokenizer, resolved.path))
-    template = getattr(tokenizer, "chat_template", None) or ""
     meta = {
         "format": "distill-shards/v1",
         "tool": f"distill {distill.__version__}",
-        "model": {"name": resolved.name, "id": resolved.model_id, "revision": resolved.revision, "vocab_size": vocab,
-                  "tokenizer_sha256": _file_hash(resolved.path / "tokenizer.json"),
-                  "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest()[:16]},
+        "model": model_record(resolved, vocab, getattr(tokenizer, "chat_template", None)),
         "sampling": None,
         "teacher": None,
         "backend": None,
@@ -158,10 +154,6 @@ def seed_to_shards(seed: str, out: Path | str, model: str | None = None, seed_fo
         w.close()
         summary.rows = w.count
     return summary
-
-
-def _file_hash(path: Path) -> str | None:
-    return hashlib.sha256(path.read_bytes()).hexdigest()[:16] if path.is_file() else None
 
 
 def conversation_row(conv, fmt) -> tuple[dict | None, int]:

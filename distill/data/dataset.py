@@ -12,7 +12,7 @@ teacher-less dataset
     shards made by ``distill data convert --to shards`` from seed data that has no
     teacher: ``meta.teacher`` is ``null`` and every row's ``teacher_ids`` and
     ``teacher_lp`` are empty lists (the shard schema is unchanged, with
-    ``id_dtype`` uint16). :func:`teacher_encoding` returns ``None`` for it; such
+    ``id_dtype`` uint16). :func:`distill.store.manifest_encoding` returns ``None`` for it; such
     data trains with hard targets only.
 """
 
@@ -32,11 +32,6 @@ from distill.store.teacher import TeacherEncoding, manifest_encoding
 
 SPLITS = ("train", "eval")
 BATCH_ROWS = 64  # rows per record batch when streaming (a shard's row group holds 256)
-
-
-def teacher_encoding(meta: dict) -> TeacherEncoding | None:
-    """The teacher encoding recorded in a manifest's ``meta``; ``None`` for a teacher-less dataset."""
-    return manifest_encoding(meta)
 
 
 @dataclass
@@ -65,7 +60,7 @@ class Dataset:
 
     @property
     def encoding(self) -> TeacherEncoding | None:
-        return teacher_encoding(self.meta)
+        return manifest_encoding(self.meta)
 
     @property
     def id_dtype(self) -> str:

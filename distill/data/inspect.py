@@ -13,7 +13,6 @@ sampled probability / rank
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -85,7 +84,7 @@ def load_tokenizer(ds: Dataset, model: str | None):
     """The tokenizer of ``model`` (default: the model recorded in the manifest), checked against the recorded hash."""
     from transformers import AutoTokenizer
 
-    from distill.models import resolve_model
+    from distill.models import resolve_model, sha256_file
 
     recorded = ds.meta.get("model") or {}
     name = model or recorded.get("id")
@@ -97,7 +96,7 @@ def load_tokenizer(ds: Dataset, model: str | None):
         raise ModelError(f"cannot load the tokenizer of {name!r} ({exc}); pass --model with a local folder") from None
     want = recorded.get("tokenizer_sha256")
     tok_file = resolved.path / "tokenizer.json"
-    if want and tok_file.is_file() and hashlib.sha256(tok_file.read_bytes()).hexdigest()[:16] != want:
+    if want and tok_file.is_file() and sha256_file(tok_file)[:16] != want:
         raise ConfigError(f"the tokenizer of {name!r} differs from the one {ds.root} was made with; pass the right --model")
     return AutoTokenizer.from_pretrained(resolved.path)
 

@@ -47,9 +47,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from distill.data.dataset import BATCH_ROWS, teacher_encoding
+from distill.data.dataset import BATCH_ROWS
 from distill.store.shards import FORMAT, MANIFEST, META_KEY, REJECTS, SHARD_RE, sha256_path, shard_schema
-from distill.store.teacher import TeacherEncoding
+from distill.store.teacher import TeacherEncoding, manifest_encoding
 
 MAX_LISTED = 10  # problems listed per (file, check); the rest are counted
 COVERAGE_TOL = 0.01  # stored probabilities may sum to 1 + this (quantisation error is < 0.05% per value)
@@ -319,7 +319,7 @@ def validate_dataset(root: Path | str, checksums: bool = True) -> ValidationRepo
         return report
     meta = manifest.get("meta") or {}
     try:
-        enc = teacher_encoding(meta)
+        enc = manifest_encoding(meta)
     except Exception as exc:  # noqa: BLE001 - reported, not raised
         out.add(MANIFEST, "manifest", str(exc))
         return report
@@ -366,7 +366,7 @@ def _check_shard(path, entry, enc, id_dtype, rows: _RowChecker, out: _Collector,
         out.add(path.name, "metadata", "no 'distill' file metadata: not a distill shard")
     else:
         try:
-            file_teacher = teacher_encoding(json.loads(md[META_KEY]))
+            file_teacher = manifest_encoding(json.loads(md[META_KEY]))
             if file_teacher != enc:
                 out.add(path.name, "metadata", f"teacher encoding {file_teacher} differs from the manifest's {enc}")
         except Exception as exc:  # noqa: BLE001

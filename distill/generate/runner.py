@@ -31,7 +31,7 @@ from distill.errors import ConfigError, StoreError
 from distill.generate.backends import Backend, BackendOptions, Request, make_backend, resolve_backend_name
 from distill.generate.config import GenerateConfig
 from distill.generate.templating import ChatFormat
-from distill.models import ResolvedModel, resolve_model
+from distill.models import ResolvedModel, model_record, resolve_model
 from distill.runtime import Placement, canonical_dtype, placement
 from distill.seeds import load_seed
 from distill.store.shards import FORMAT, ShardStore
@@ -75,10 +75,6 @@ def _backend_version(name: str) -> str:
         except importlib.metadata.PackageNotFoundError:
             continue
     return "unknown"
-
-
-def _file_hash(path: Path) -> str | None:
-    return hashlib.sha256(path.read_bytes()).hexdigest()[:16] if path.is_file() else None
 
 
 class ConversationState:
@@ -174,25 +170,17 @@ class Generator:
         }
 
     def meta(self) -> dict:
-        template = getattr(self.tokenizer, "chat_template", None) or ""
         return {
             "format": FORMAT,
             "tool": f"distill {distill.__version__}",
-            "model": {
-                "name": self.model.name,
-                "id": self.model.model_id,
-                "revision": self.model.revision,
-                "vocab_size": self.vocab_size,
-                "tokenizer_sha256": _file_hash(self.model.path / "tokenizer.json"),
-                "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest()[:16],
-            },
+            "model": model_record(self.model, self.vocab_size, getattr(self.tokenizer, "chat_template", None)),
             "sampling": {
                 "temperature": self.cfg.temperature,
                 "top_p": self.cfg.top_p,
                 "max_new_tokens": self.cfg.max_new_tokens,
                 "sampling_seed": self.cfg.sampling_seed,
             },
-            "teacher": dict(self.enc.to_dict(), logprob_mode="raw"),
+            "teacher": self.enc.to_dict(),
             "backend": {"name": self.backend_name, "version": _backend_version(self.backend_name), "dtype": self.placement.dtype,
                         "device": self.placement.device, "dtype_reason": self.placement.reason},
             "seed": self.seed_record,

@@ -20,7 +20,6 @@ assistant suffix
 
 from __future__ import annotations
 
-import hashlib
 
 from distill.errors import TemplateError
 
@@ -41,7 +40,6 @@ class ChatFormat:
         if _SENTINEL_ASSISTANT not in rendered:
             raise TemplateError("the chat template drops assistant messages; cannot build multi-turn token streams")
         self.assistant_suffix = rendered.split(_SENTINEL_ASSISTANT, 1)[1]
-        self.template_hash = hashlib.sha256(self.template.encode()).hexdigest()[:16]
 
     def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(

@@ -12,7 +12,7 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from distill.data.dataset import teacher_encoding
+from distill.store.teacher import manifest_encoding
 from distill.data.stats import DatasetStats
 from distill.errors import ConfigError
 from distill.store.shards import shard_schema
@@ -110,7 +110,7 @@ def card_data(opts: CardOptions, meta: dict, splits: list[SplitCard]):
     from datasets.splits import SplitDict, SplitInfo
     from huggingface_hub import DatasetCardData
 
-    enc = teacher_encoding(meta)
+    enc = manifest_encoding(meta)
     features = datasets.Features.from_arrow_schema(shard_schema(enc.id_dtype if enc else "uint16"))
     split_dict = SplitDict()
     for s in splits:
@@ -150,7 +150,7 @@ def render_card(opts: CardOptions, meta: dict, splits: list[SplitCard], totals: 
         sampling=meta.get("sampling"),
         generation=meta.get("generation"),
         backend=meta.get("backend"),
-        teacher=meta.get("teacher") if teacher_encoding(meta) else None,
+        teacher=meta.get("teacher") if manifest_encoding(meta) else None,
         tool=meta.get("tool", "distill"),
         reproduce=reproduce_command(meta, totals),
         splits=splits,

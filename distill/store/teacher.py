@@ -55,6 +55,7 @@ class TeacherEncoding:
     name: str = ENCODING_NAME
     version: int = ENCODING_VERSION
     scale: float = SCALE
+    logprob_mode: str = "raw"  # the logprobs are the unmodified model distribution's (before temperature / top-p)
 
     @classmethod
     def for_vocab(cls, k: int, vocab_size: int) -> "TeacherEncoding":
@@ -63,6 +64,8 @@ class TeacherEncoding:
     @classmethod
     def from_dict(cls, d: dict) -> "TeacherEncoding":
         enc = cls(**d)
+        if enc.logprob_mode != "raw":
+            raise ValueError(f"teacher logprob mode {enc.logprob_mode!r}: this distill reads raw (unmodified) logprobs only")
         if enc.name != ENCODING_NAME or enc.version != ENCODING_VERSION:
             raise ValueError(f"unknown teacher encoding {enc.name} v{enc.version}; this distill reads {ENCODING_NAME} v{ENCODING_VERSION}")
         return enc
@@ -135,7 +138,7 @@ def manifest_encoding(meta: dict) -> TeacherEncoding | None:
     if not teacher or not teacher.get("k"):
         return None
     try:
-        return TeacherEncoding.from_dict({k: v for k, v in teacher.items() if k != "logprob_mode"})
+        return TeacherEncoding.from_dict(teacher)
     except (TypeError, ValueError) as exc:
         from distill.errors import StoreError
 
