@@ -71,7 +71,7 @@ def generate(
     model: ModelOpt = None,
     backend: Annotated[Optional[str], typer.Option(help="auto (vLLM when installed) | vllm | hf.")] = None,
     mode: Annotated[Optional[str], typer.Option(help="multi-turn | self-talk | single-turn.")] = None,
-    turns: Annotated[Optional[int], typer.Option(help="self-talk: max assistant turns; multi-turn: replay at most N user turns (0 = all).")] = None,
+    turns: Annotated[Optional[int], typer.Option(help="self-talk: max assistant turns (default 4); multi-turn: replay at most N user turns (default 0 = all).")] = None,
     temperature: Annotated[Optional[float], typer.Option(help="Sampling temperature (0 = greedy).")] = None,
     top_p: Annotated[Optional[float], typer.Option(help="Nucleus sampling threshold.")] = None,
     max_new_tokens: Annotated[Optional[int], typer.Option(help="Max new tokens per turn.")] = None,
@@ -289,7 +289,7 @@ def data_repair(root: DataDirArg) -> None:
 @data_app.command("convert")
 def data_convert(
     source: Annotated[str, typer.Argument(help="A dataset folder; with --to shards, any seed (NAME | PATH | hf:DATASET[:split]).")],
-    to: Annotated[str, typer.Option("--to", help="sharegpt (JSON) | openai (JSONL) | hf (save_to_disk folder) | shards (seed -> teacher-less shards).")],
+    to: Annotated[str, typer.Option("--to", help="sharegpt (JSON) | openai (JSONL) | specforge (JSONL) | hf (save_to_disk folder) | trl (Parquet folder, teacher top-k as lists) | shards (seed -> teacher-less shards).")],
     out: Annotated[Path, typer.Option("--out", "-o", help="The new file (sharegpt, openai) or folder (hf, shards).")],
     model: ModelOpt = None,
     seed_format: Annotated[Optional[str], typer.Option(help="--to shards: force the seed format instead of detecting it.")] = None,

@@ -94,3 +94,39 @@ def test_seed_conversion_drops_trailing_user_turns_and_rejects_reply_less_rows(t
     assert validate_dataset(tmp_path / "out").ok
     reasons = {json.loads(line)["reason"] for line in (tmp_path / "out" / "rejects.jsonl").read_text().splitlines()}
     assert reasons == {"no_assistant_turn", "empty_text"}
+
+
+def test_trl_export_decodes_the_teacher_into_lists_aligned_with_input_ids(real_shards, tmp_path):
+    import datasets
+    import numpy as np
+
+    from distill.store import TeacherEncoding, decode_row_dense
+
+    out = tmp_path / "trl"
+    assert export(real_shards, "trl", out).rows == 16
+    ds = datasets.load_dataset("parquet", data_dir=str(out), split="train")
+    assert ds.column_names == ["id", "messages", "input_ids", "assistant_masks", "teacher_topk_ids", "teacher_topk_logprobs"]
+    enc = TeacherEncoding.from_dict(load_manifest(real_shards)["meta"]["teacher"])
+    stored = {r["id"]: r for r in iter_rows(real_shards)}
+    for row in ds:
+        src = stored[row["id"]]
+        assert row["input_ids"] == src["input_ids"] and row["messages"] == src["messages"]
+        assert row["assistant_masks"] == [int(m) for m in src["loss_mask"]]
+        ids, lps = decode_row_dense(src["input_ids"], src["loss_mask"], src["teacher_ids"], src["teacher_lp"], enc)
+        for t, generated in enumerate(src["loss_mask"]):
+            if generated:
+                assert row["teacher_topk_ids"][t] == ids[t].tolist()
+                assert np.allclose(row["teacher_topk_logprobs"][t], lps[t])
+            else:
+                assert row["teacher_topk_ids"][t] == [] and row["teacher_topk_logprobs"][t] == []
+
+
+def test_specforge_export_is_its_conversation_jsonl(real_shards, tmp_path):
+    out = tmp_path / "sf.jsonl"
+    assert export(real_shards, "specforge", out).rows == 16
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    stored = {r["id"]: r["messages"] for r in iter_rows(real_shards)}
+    assert {line["id"] for line in lines} == set(stored)
+    for line in lines:
+        assert set(line) == {"id", "conversations"} and line["conversations"] == stored[line["id"]]
+        assert all(set(m) == {"role", "content"} and m["role"] in ("system", "user", "assistant") for m in line["conversations"])

@@ -145,3 +145,22 @@ def test_parts_split_the_seed_rows_between_processes_and_merge_into_the_whole(vl
     assert load_manifest(tmp_path / "part1")["config_key"]["part"] == "1/2"
     with pytest.raises(Exception, match="--part takes I/N"):
         GenerateConfig(out=str(tmp_path / "x"), part="2/2")
+
+
+def test_multi_turn_replays_every_user_turn_by_default_and_marks_a_turns_cut(tmp_path, hf_backend):
+    from distill.generate import GenerateConfig, Generator
+
+    seed = tmp_path / "three.jsonl"
+    turns = [{"role": r, "content": c} for r, c in [("user", "Name a colour."), ("assistant", "Blue."), ("user", "Another?"),
+                                                     ("assistant", "Red."), ("user", "One more?"), ("assistant", "Green.")]]
+    seed.write_text(json.dumps({"id": "c1", "messages": turns}) + "\n")
+    rows = {}
+    for name, turns_opt in (("all", None), ("cut", 2)):
+        cfg = GenerateConfig(seed=str(seed), out=str(tmp_path / name), turns=turns_opt, max_new_tokens=6, temperature=0.0,
+                             dtype="float32")
+        assert Generator(cfg, backend=hf_backend).run().generated == 1
+        rows[name] = next(iter_rows(tmp_path / name))
+    assert [m["content"] for m in rows["all"]["messages"] if m["role"] == "user"] == ["Name a colour.", "Another?", "One more?"]
+    assert rows["all"]["stop_reason"] == "completed"
+    assert [m["content"] for m in rows["cut"]["messages"] if m["role"] == "user"] == ["Name a colour.", "Another?"]
+    assert rows["cut"]["stop_reason"] == "truncated_turns"

@@ -9,6 +9,16 @@ Exports (``to``)
     extra ``id`` keeps the resume key and is read back by ``distill generate --seed``).
 ``hf``
     a ``datasets`` dataset saved with ``save_to_disk`` (every column, teacher included).
+``trl``
+    a folder of Parquet files (one per shard, ``datasets.load_dataset("parquet", data_dir=OUT)``)
+    in the shape TRL's trainers read: ``messages`` (conversational), ``input_ids``,
+    ``assistant_masks`` (1 where the model generated the token, TRL's name for the loss mask)
+    and the teacher top-k decoded into plain nested lists aligned with ``input_ids``:
+    ``teacher_topk_ids[t]`` / ``teacher_topk_logprobs[t]`` are the K candidates of the
+    distribution token t was drawn from (empty lists where the token was not generated).
+``specforge``
+    JSON lines of ``{"id", "conversations": [{"role", "content"}]}``, the conversation
+    format SpecForge's EAGLE-3 scripts read.
 
 Import (``to="shards"``)
 ------------------------
@@ -25,7 +35,6 @@ as ``trailing_user_turns``), and a conversation with no assistant reply is rejec
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,10 +43,10 @@ import distill
 from distill.conversation import Rejection
 from distill.data.dataset import Dataset
 from distill.data.write import DEFAULT_SHARD_ROWS, ShardWriter, check_new_output
-from distill.store.atomic import StagedFolder, public_mode
+from distill.store.atomic import StagedFolder, atomic_file
 from distill.errors import ConfigError
 
-EXPORTS = ("sharegpt", "openai", "hf")
+EXPORTS = ("sharegpt", "openai", "hf", "trl", "specforge")
 SHAREGPT_ROLE = {"system": "system", "user": "human", "assistant": "gpt"}
 
 
@@ -53,12 +62,6 @@ class ConvertSummary:
         return self.__dict__.copy()
 
 
-def _atomic_text_writer(out: Path):
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-    return os.fdopen(fd, "w", encoding="utf-8"), tmp
-
-
 def export(inp: Path | str, to: str, out: Path | str) -> ConvertSummary:
     """Write the dataset ``inp`` as ``to`` (see the module's exports) at ``out``, streaming row batches."""
     if to not in EXPORTS:
@@ -69,27 +72,56 @@ def export(inp: Path | str, to: str, out: Path | str) -> ConvertSummary:
     summary = ConvertSummary(to, str(out))
     if to == "hf":
         return _export_hf(d, out, summary)
-    f, tmp = _atomic_text_writer(out)
-    try:
-        with f:
+    if to == "trl":
+        return _export_trl(d, out, summary)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_file(out) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        if to == "sharegpt":
+            f.write("[\n")
+        for row in d.iter_rows(["id", "messages"]):
             if to == "sharegpt":
-                f.write("[\n")
-            for row in d.iter_rows(["id", "messages"]):
-                if to == "sharegpt":
-                    conv = [{"from": SHAREGPT_ROLE[m["role"]], "value": m["content"]} for m in row["messages"]]
-                    f.write((",\n" if summary.rows else "") + json.dumps({"id": row["id"], "conversations": conv}, ensure_ascii=False))
-                else:
-                    f.write(json.dumps({"id": row["id"], "messages": row["messages"]}, ensure_ascii=False) + "\n")
-                summary.rows += 1
-            if to == "sharegpt":
-                f.write("\n]\n")
-            f.flush()
-            os.fsync(f.fileno())
-        public_mode(Path(tmp))
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+                conv = [{"from": SHAREGPT_ROLE[m["role"]], "value": m["content"]} for m in row["messages"]]
+                f.write((",\n" if summary.rows else "") + json.dumps({"id": row["id"], "conversations": conv}, ensure_ascii=False))
+            elif to == "specforge":
+                f.write(json.dumps({"id": row["id"], "conversations": row["messages"]}, ensure_ascii=False) + "\n")
+            else:
+                f.write(json.dumps({"id": row["id"], "messages": row["messages"]}, ensure_ascii=False) + "\n")
+            summary.rows += 1
+        if to == "sharegpt":
+            f.write("\n]\n")
+    return summary
+
+
+def _export_trl(d: Dataset, out: Path, summary: ConvertSummary) -> ConvertSummary:
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from distill.store.teacher import decode_row_dense
+
+    enc = d.encoding
+    message = pa.struct([("role", pa.string()), ("content", pa.string())])
+    schema = pa.schema([("id", pa.string()), ("messages", pa.list_(message)), ("input_ids", pa.list_(pa.int32())),
+                        ("assistant_masks", pa.list_(pa.int8())), ("teacher_topk_ids", pa.list_(pa.list_(pa.int32()))),
+                        ("teacher_topk_logprobs", pa.list_(pa.list_(pa.float32())))])
+    cols = ["id", "messages", "input_ids", "loss_mask", "teacher_ids", "teacher_lp"]
+    with StagedFolder(out) as stage:
+        for n, path in enumerate(d.files):
+            rows = []
+            for batch in pq.ParquetFile(path).iter_batches(columns=cols):
+                for row in batch.to_pylist():
+                    mask = np.asarray(row["loss_mask"], dtype=bool)  # (T,)
+                    ids = lps = [[] for _ in mask]
+                    if enc is not None:
+                        dense_ids, dense_lp = decode_row_dense(row["input_ids"], row["loss_mask"], row["teacher_ids"],
+                                                               row["teacher_lp"], enc)  # (T, K) each
+                        ids = [r.tolist() if m else [] for r, m in zip(dense_ids, mask)]
+                        lps = [r.tolist() if m else [] for r, m in zip(dense_lp, mask)]
+                    rows.append({"id": row["id"], "messages": row["messages"], "input_ids": row["input_ids"],
+                                 "assistant_masks": mask.astype(np.int8).tolist(), "teacher_topk_ids": ids,
+                                 "teacher_topk_logprobs": lps})
+            pq.write_table(pa.Table.from_pylist(rows, schema=schema), stage.path / f"train-{n:05d}.parquet", compression="zstd")
+            summary.rows += len(rows)
     return summary
 
 

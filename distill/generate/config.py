@@ -13,6 +13,7 @@ from distill.runtime import canonical_dtype
 MODES = ("multi-turn", "self-talk", "single-turn")
 PROMPTS_DIR = Path(__file__).resolve().parents[2] / "prompts"
 DEFAULT_USER_PROMPT = "selftalk_user.md"
+DEFAULT_SELFTALK_TURNS = 4
 
 
 @dataclass
@@ -29,7 +30,7 @@ class GenerateConfig:
     model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
     backend: str = "auto"  # auto | vllm | hf
     mode: str = "multi-turn"
-    turns: int = 4  # self-talk: at most this many assistant turns; multi-turn: 0 = all seed turns
+    turns: int | None = None  # self-talk: at most this many assistant turns (default 4); multi-turn: at most N user turns (default 0 = all)
     temperature: float = 0.7
     top_p: float = 1.0
     max_new_tokens: int = 512  # per assistant turn (and per simulated user turn)
@@ -59,6 +60,8 @@ class GenerateConfig:
         for name in ("max_new_tokens", "shard_size", "batch_size", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(self, name)}")
+        if self.turns is None:
+            self.turns = DEFAULT_SELFTALK_TURNS if self.mode == "self-talk" else 0
         if self.turns < 0 or (self.mode == "self-talk" and self.turns < 1):
             raise ConfigError(f"--turns must be >= 1 in self-talk mode (>= 0 otherwise); got {self.turns}")
         if self.limit is not None and self.limit < 0:

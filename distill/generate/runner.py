@@ -89,6 +89,8 @@ class ConversationState:
             users = users[:1]
         elif cfg.turns:
             users = users[: cfg.turns]
+        #: --turns cut user turns off this conversation (multi-turn): it ends as ``truncated_turns``, not ``completed``.
+        self.truncated = cfg.mode == "multi-turn" and len(users) < len(conv.user_turns)
         self.pending_users = list(users)
         self.ids: list[int] = []
         self.mask: list[bool] = []
@@ -310,7 +312,7 @@ class Generator:
                 if not s.active or s.needs_user_simulation:
                     continue
                 if not s.pending_users:
-                    s.stop_reason = "completed" if cfg.mode != "self-talk" else "max_turns"
+                    s.stop_reason = "max_turns" if cfg.mode == "self-talk" else "truncated_turns" if s.truncated else "completed"
                     continue
                 user = s.pending_users[0]
                 delta = fmt.first_prompt(s.messages + [{"role": "user", "content": user}]) if not s.ids else fmt.next_user(s.messages, user)
