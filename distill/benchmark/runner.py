@@ -68,13 +68,24 @@ def chat_ids(tokenizer, messages) -> list[int]:
 
 
 def machine() -> str:
+    """The CPU by name (``model name``, family and model from /proc/cpuinfo where there is one), cores and memory."""
     cores = os.cpu_count()
     try:
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
         mem_s = f", {mem:.0f} GiB"
     except (ValueError, OSError, AttributeError):
         mem_s = ""
-    return f"{cores}-core {platform.machine()} CPU{mem_s}"
+    info: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            info.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    name = info.get("model name", "")
+    if name and "cpu family" in info:
+        name += f" (family {info['cpu family']}, model {info.get('model', '?')})"
+    return f"{name + ', ' if name else ''}{cores}-core {platform.machine()} CPU{mem_s}"
 
 
 class BenchRunner:
