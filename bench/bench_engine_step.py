@@ -55,6 +55,7 @@ import torch  # noqa: E402
 from distill.benchmark.runner import machine  # noqa: E402
 from distill.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from distill.seeds import load_seed  # noqa: E402
+from distill.store.atomic import atomic_write_bytes  # noqa: E402
 
 MATMUL = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "mkl::", "mkldnn::")
 ATTENTION = ("scaled_dot_product", "flash_attention", "aten::_efficient_attention", "aten::baddbmm", "aten::softmax")
@@ -63,6 +64,13 @@ CACHE = ("aten::scatter_", "aten::index_copy_", "aten::cat")
 
 def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def rss_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 def mt_bench_prompts(tokenizer, n: int) -> list[list[int]]:
@@ -283,7 +291,7 @@ def main() -> None:
     ap.add_argument("--no-vllm", action="store_true")
     ap.add_argument("--compile", action="store_true", help="EngineConfig(compile=True)")
     ap.add_argument("--label", default="", help="a name for this run in the JSON (e.g. before / after)")
-    ap.add_argument("--out", default="bench/results/engine_step.json")
+    ap.add_argument("--out", default="bench/results/engine_step.json", help="JSON file of runs by --label (the entry is replaced)")
     args = ap.parse_args()
 
     result: dict = {"label": args.label, "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -295,11 +303,14 @@ def main() -> None:
     prompts = mt_bench_prompts(engine.tokenizer, max(args.prompts, args.batch))
     one, many = prompts[: args.prompts], prompts[: args.batch]
     ours(engine, one[:1], args.max_tokens, 1)  # warm-up
+    kv_mib = None
     if args.batch:
-        ours(engine, many, args.max_tokens, args.batch)
+        _, st = engine.generate(many, SamplingParams(max_tokens=args.max_tokens), speculative=False)
+        kv_mib = getattr(st, "kv_bytes", 0) / 2**20 or None
     rss1 = peak_rss_mib()
-    memory = {"ours_peak_rss_growth_mib": rss1 - rss0, "weights_mib": sum(
-        {id(p): p.numel() * p.element_size() for p in engine.model.parameters()}.values()) / 2**20}
+    memory = {"ours_peak_rss_growth_mib": rss1 - rss0, "ours_rss_mib": rss_mib(), "weights_mib": sum(
+        {id(p): p.numel() * p.element_size() for p in engine.model.parameters()}.values()) / 2**20,
+        f"ours_kv_cache_mib_batch_{args.batch}": kv_mib}
     if hasattr(engine, "kv_shape"):
         memory["kv_bytes_per_token"] = engine.kv_shape.slot_bytes
     llm = None
@@ -310,6 +321,7 @@ def main() -> None:
         if args.batch:
             vllm(llm, many, args.max_tokens, args.batch, stop)
         memory["vllm_peak_rss_growth_mib"] = peak_rss_mib() - rss1
+        memory["rss_with_both_mib"] = rss_mib()
         memory["vllm_kv_cache_space_gib"] = float(os.environ["VLLM_CPU_KVCACHE_SPACE"])
     result["memory"] = memory
 
@@ -347,9 +359,12 @@ def main() -> None:
             print(json.dumps(p))
     result["load_average_end"] = os.getloadavg()
     result["python"] = platform.python_version()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1, default=str) + "\n")
-    print("wrote", args.out)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    runs = json.loads(out.read_text()) if out.is_file() else {}
+    runs[args.label or "run"] = result  # one file, one entry per label (before / after / ...)
+    atomic_write_bytes(out, (json.dumps(runs, indent=1, default=str) + "\n").encode())
+    print("wrote", out, "entry", args.label or "run")
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ import torch
 from torch.profiler import record_function
 
 from distill.engine import cache as kv
+from distill.engine.attention import use_gqa_sdpa
 from distill.engine.acceptance import (
     TYPICAL_DELTA,
     TYPICAL_EPSILON,
@@ -139,6 +140,7 @@ class StepStats:
     batch_size: int = 0  # largest batch run at once
     tree_nodes: int = 0  # largest tree used (0: plain decoding throughout)
     tree_nodes_per_step: list[int] = field(default_factory=list)
+    kv_bytes: int = 0  # largest KV cache (slot cache storage) held at once
 
 
 class _Seq:
@@ -192,6 +194,7 @@ class Engine:
         self.model = model.eval()
         # the model's own weights, re-laid out in place (values unchanged) where the rule says it decodes faster
         self.relaid_bytes = output_major(model) if self.config.weight_layout == "auto" else 0
+        use_gqa_sdpa(model)  # sdpa without copying shared key/value heads under the engine's masks (same outputs)
         self.tokenizer = tokenizer
         self.model_name = model_name or getattr(model.config, "_name_or_path", "") or "model"
         self.device = next(model.parameters()).device
@@ -440,6 +443,7 @@ class _Batch:
             s.emit([tok], on_tokens)
         h = hidden[rows, torch.tensor(lengths, device=dev) - 1]  # (B, H)
         stats.prefill_seconds += time.perf_counter() - t0
+        stats.kv_bytes = max(stats.kv_bytes, cache.nbytes)
         return cls(engine, list(seqs), cache, lengths, root, h)
 
     def compact(self) -> list[_Seq]:
@@ -564,6 +568,7 @@ class RunningBatch:
                 self._batch = new
             else:
                 self._batch.join(new)
+                self.stats.kv_bytes = max(self.stats.kv_bytes, self._batch.cache.nbytes)
         return self._finished(done)
 
     @torch.inference_mode()
