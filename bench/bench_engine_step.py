@@ -277,6 +277,41 @@ def profile_steps(engine: Engine, prompt: list[int], nodes: int, steps: int) -> 
             "phases_ms": dict(phases), "forward_ms": dict(inside), "unlabelled_ms": max(mean_ms - sum(phases.values()), 0.0)}
 
 
+def report(runs: dict) -> str:
+    """Markdown tables of the runs in a results file (one column per label)."""
+    labels = list(runs)
+    lines = ["| | " + " | ".join(labels) + " |", "| --- |" + " --- |" * len(labels)]
+
+    def row(name, get):
+        cells = []
+        for lab in labels:
+            try:
+                cells.append(get(runs[lab]))
+            except (KeyError, IndexError, TypeError, StopIteration):
+                cells.append("-")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+
+    for i, setting in enumerate(("batch 1", "batch 8")):
+        row(f"{setting}: vLLM tok/s", lambda r, i=i: f"{r['plain'][i]['vllm_tok_s']:.1f}")
+        row(f"{setting}: ours tok/s", lambda r, i=i: f"{r['plain'][i]['ours_tok_s']:.1f}")
+        row(f"{setting}: ours / vLLM (median of rounds)", lambda r, i=i: f"**{r['plain'][i]['ratio_median']:.2f}x** "
+            f"({min(x['ratio'] for x in r['plain'][i]['rounds']):.2f}-{max(x['ratio'] for x in r['plain'][i]['rounds']):.2f})")
+    nodes = sorted({int(n) for r in runs.values() for n in r.get("step_cost", {}).get("step_ms", {})})
+    for n in nodes:
+        row(f"step ms, {n} nodes" if n else "step ms, plain", lambda r, n=n: f"{r['step_cost']['step_ms'][str(n)]:.1f}")
+    for n in nodes:
+        if n:
+            row(f"verification / plain step, {n} nodes", lambda r, n=n: f"{r['step_cost']['ratio'][str(n)]:.2f}x")
+    lines.append("")
+    for lab in labels:
+        for prof in runs[lab].get("profile", []):
+            lines.append(f"{lab}, {prof['nodes']} nodes: step {prof['step_ms_mean']:.1f} ms = "
+                         + ", ".join(f"{k} {v:.2f}" for k, v in sorted(prof["phases_ms"].items(), key=lambda kv: -kv[1]))
+                         + f", unlabelled {prof['unlabelled_ms']:.2f}; forward = "
+                         + ", ".join(f"{k} {v:.2f}" for k, v in sorted(prof["forward_ms"].items(), key=lambda kv: -kv[1])))
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
@@ -292,7 +327,11 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="EngineConfig(compile=True)")
     ap.add_argument("--label", default="", help="a name for this run in the JSON (e.g. before / after)")
     ap.add_argument("--out", default="bench/results/engine_step.json", help="JSON file of runs by --label (the entry is replaced)")
+    ap.add_argument("--report", metavar="JSON", help="print markdown tables of a results file and exit")
     args = ap.parse_args()
+    if args.report:
+        print(report(json.loads(Path(args.report).read_text())))
+        return
 
     result: dict = {"label": args.label, "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                     "cpu": cpu_description(), "load_average_start": os.getloadavg(), "args": vars(args)}

@@ -55,7 +55,7 @@ from distill.engine.acceptance import (
 from distill.engine.medusa import Medusa
 from distill.engine.policy import DEFAULT_COST_RATIO, AdaptivePolicy, choose_tree_size, taus_for
 from distill.engine.tree import ResolvedTree, TreeBuffers, build_buffers, resolve_tree
-from distill.engine.weights import output_major
+from distill.engine.weights import prepare_linears
 from distill.errors import ConfigError, ModelError
 from distill.heads.model import MedusaHeads
 
@@ -98,7 +98,7 @@ class EngineConfig:
     device: str = "cpu"
     step_cost_ratio: float | None = None  # r of the policy's cost model (None: DEFAULT_COST_RATIO of the device type)
     adaptive: bool = False  # correct the policy with measured acceptance and step times (policy.AdaptivePolicy)
-    weight_layout: str = "auto"  # "auto": CPU float32 weights re-laid out where it streams faster (engine.weights); "as-loaded"
+    weight_layout: str = "auto"  # "auto": CPU float32 linears re-laid out and packed (engine.weights); "as-loaded"
 
     def __post_init__(self) -> None:
         if self.acceptance not in ACCEPTANCE_MODES:
@@ -179,7 +179,12 @@ class _Seq:
 
 
 class Engine:
-    """Plain and Medusa decoding (see the module docstring). One generate() at a time per instance."""
+    """Plain and Medusa decoding (see the module docstring). One generate() at a time per instance.
+
+    The engine prepares the model (and heads) it is given, in place, values unchanged: weights
+    re-laid out per ``EngineConfig.weight_layout`` (:mod:`distill.engine.weights`) and ``sdpa``
+    attention switched to ``distill_sdpa`` (:mod:`distill.engine.attention`).
+    """
 
     def __init__(
         self,
@@ -192,8 +197,8 @@ class Engine:
     ):
         self.config = config or EngineConfig()
         self.model = model.eval()
-        # the model's own weights, re-laid out in place (values unchanged) where the rule says it decodes faster
-        self.relaid_bytes = output_major(model) if self.config.weight_layout == "auto" else 0
+        # the model's linear layers, prepared in place (values unchanged) where the rule says they multiply faster
+        self.linear_bytes = prepare_linears(model) if self.config.weight_layout == "auto" else {}
         use_gqa_sdpa(model)  # sdpa without copying shared key/value heads under the engine's masks (same outputs)
         self.tokenizer = tokenizer
         self.model_name = model_name or getattr(model.config, "_name_or_path", "") or "model"
@@ -217,7 +222,8 @@ class Engine:
             if hc.vocab_size != model.get_output_embeddings().weight.shape[0]:
                 raise ModelError(f"heads vocab_size {hc.vocab_size} != model's {model.get_output_embeddings().weight.shape[0]}")
             if self.config.weight_layout == "auto":
-                self.relaid_bytes += output_major(heads)
+                for k, v in prepare_linears(heads).items():
+                    self.linear_bytes[k] = self.linear_bytes.get(k, 0) + v
             self.proposer = Medusa(heads, tree or resolve_tree(self.config.tree, hc.num_heads), self.device)
             self._taus = taus_for(self.proposer.tree.paths, self.proposer.tree.accuracy)
             forward = self._forward_weights()
