@@ -28,15 +28,18 @@ def measure_cost(engine, context: int = 128, sizes=(1, 2, 4, 8, 16, 32, 64), rep
         for m in sizes:
             best = float("inf")
             for _ in range(repeats):
-                cache = kv.new_cache()
+                cache = kv.SlotCache(engine.kv_shape, 1, context + m)
                 ids = torch.randint(0, 1000, (1, context), device=dev)
-                valid, pos, allowed = kv.prefill_layout([context], dev)
-                engine._forward(ids, pos, allowed, cache, last_only=True)
+                slots = torch.arange(context, device=dev)[None]
+                cache.prepare(slots, context)
+                engine._forward(ids, slots, kv.attention_bias(kv.prefill_allowed(context, dev), engine.dtype), cache, keep=1)
                 tree = torch.ones(m, m, dtype=torch.bool, device=dev).tril()
                 step_ids = torch.randint(0, 1000, (1, m), device=dev)
                 step_pos = context + torch.arange(m, device=dev)[None]
                 t0 = time.perf_counter()
-                engine._forward(step_ids, step_pos, kv.step_mask(valid, tree), cache)
+                cache.prepare(step_pos, context + m)
+                bias = kv.attention_bias(kv.step_allowed(torch.tensor([context], device=dev), tree, context + m), engine.dtype)
+                engine._forward(step_ids, step_pos, bias, cache)
                 best = min(best, time.perf_counter() - t0)
             out[m] = best
     # least-squares slope over the tree-sized forwards (m <= 32), relative to the one-token forward

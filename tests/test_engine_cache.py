@@ -1,65 +1,122 @@
-"""Cache bookkeeping on synthetic tensors: prefill layout, step masks, commit and batch selection."""
+"""The slot cache on tiny synthetic tensors: attention masks, in-place writes, compaction, rows leaving and joining."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from distill.engine import cache as kv
+from distill.errors import ModelError
+
+CPU = torch.device("cpu")
 
 
-def _cache_with(values: torch.Tensor, layers: int = 2):
-    """A DynamicCache whose keys/values (B, 1, S, 1) hold ``values`` (B, S) in every layer."""
-    c = kv.new_cache()
-    for i in range(layers):
-        x = values[:, None, :, None].float()
-        c.update(x.clone(), x.clone(), i)
-    return c
+def shape(layers: int = 2, heads: int = 1, key_dim: int = 1, value_dim: int = 1) -> kv.KVShape:
+    return kv.KVShape(layers, heads, key_dim, value_dim, torch.float32, CPU)
 
 
-def test_prefill_layout_left_pads_and_never_leaves_a_row_empty():
-    valid, pos, allowed = kv.prefill_layout([3, 1], torch.device("cpu"))
-    assert valid.tolist() == [[True, True, True], [False, False, True]]
-    assert pos.tolist() == [[0, 1, 2], [0, 0, 0]]
-    assert allowed[1, 0].tolist() == [[True, False, False], [False, True, False], [False, False, True]]
+def write(cache: kv.SlotCache, values: torch.Tensor, slots: torch.Tensor, window: int) -> list:
+    """One forward's writes: ``values`` (B, T) at ``slots`` (B, T) in every layer (keys = values, values = -values)."""
+    cache.prepare(slots, window)
+    out = []
+    for layer in range(cache.shape.layers):
+        x = values[:, None, :, None].float()  # (B, 1, T, 1)
+        out.append(cache.update(x + layer, -x, layer))
+    return out
+
+
+def keys(cache: kv.SlotCache, layer: int = 0) -> list[list[float]]:
+    """Row-major (B, S) keys of one layer (head 0, dim 0) of the rows in use."""
+    return cache.keys[layer, : cache.rows, 0, :, 0].tolist()
+
+
+def test_prefill_is_causal_for_every_right_padded_row():
+    allowed = kv.prefill_allowed(3, CPU)
+    assert allowed.shape == (1, 1, 3, 3)
     assert allowed[0, 0].tolist() == [[True, False, False], [True, True, False], [True, True, True]]
     bias = kv.attention_bias(allowed, torch.float32)
     assert bias[0, 0, 0, 0] == 0 and bias[0, 0, 0, 1] == torch.finfo(torch.float32).min
 
 
-def test_step_mask_joins_the_cache_validity_and_the_tree_mask():
-    valid = torch.tensor([[True, True, False], [False, True, True]])
-    tree = torch.tensor([[True, False], [True, True]])
-    m = kv.step_mask(valid, tree)
-    assert m.shape == (2, 1, 2, 5)
-    assert m[0, 0].tolist() == [[True, True, False, True, False], [True, True, False, True, True]]
-    assert m[1, 0, 0].tolist() == [False, True, True, True, False]
+def test_step_mask_sees_each_rows_own_committed_slots_and_tree_ancestors():
+    # row 0 has 3 committed slots, row 1 has 1; a tree root -> a (child) and root -> b: T = 3
+    tree = torch.tensor([[True, False, False], [True, True, False], [True, False, True]])
+    m = kv.step_allowed(torch.tensor([3, 1]), tree, window=6)
+    assert m.shape == (2, 1, 3, 6)
+    assert m[0, 0].tolist() == [
+        [True, True, True, True, False, False],  # root at slot 3
+        [True, True, True, True, True, False],  # a at slot 4 sees the root
+        [True, True, True, True, False, True],  # b at slot 5 sees the root, not a
+    ]
+    assert m[1, 0].tolist() == [
+        [True, True, False, False, False, False],  # root at slot 1; slots 4, 5 are outside this row's tree
+        [True, True, True, False, False, False],
+        [True, True, False, True, False, False],
+    ]
 
 
-def test_commit_moves_each_sequences_accepted_entries_after_its_own_tokens():
-    # S = 3 committed slots; sequence 1 has a hole at slot 2 (end = 2); tree of T = 4 appended (slots 3..6)
-    values = torch.tensor([[10, 11, 12, 100, 101, 102, 103], [20, 21, -1, 200, 201, 202, 203]])
-    c = _cache_with(values)
-    valid = torch.tensor([[True, True, True], [True, True, False]])
-    end = torch.tensor([3, 2])
-    keep = torch.tensor([[0, 2, 3], [0, 1, 0]])  # tree positions root, a1, a2 (row 1 keeps only root + 1)
-    new_valid, new_end = kv.commit(c, valid, end, keep, torch.tensor([3, 2]))
-    assert new_end.tolist() == [6, 4]
-    for layer in c.layers:
-        got = layer.keys[:, 0, :, 0]
-        assert got.shape == (2, 6)
-        assert got[0].tolist() == [10, 11, 12, 100, 102, 103]
-        assert got[1, :4].tolist() == [20, 21, 200, 201]
-        assert torch.equal(layer.keys, layer.values)
-    assert new_valid.tolist() == [[True] * 6, [True, True, True, True, False, False]]
+def test_plain_step_mask_is_everything_up_to_the_row_end():
+    m = kv.step_allowed(torch.tensor([2, 4]), torch.ones(1, 1, dtype=torch.bool), window=5)
+    assert m[:, 0, 0].tolist() == [[True, True, True, False, False], [True, True, True, True, True]]
 
 
-def test_commit_in_place_fast_path_and_select():
-    values = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])  # S = 2, T = 2
-    c = _cache_with(values)
-    valid = torch.ones(2, 2, dtype=torch.bool)
-    new_valid, new_end = kv.commit(c, valid, torch.tensor([2, 2]), torch.tensor([[0, 1], [0, 1]]), torch.tensor([2, 1]))
-    assert new_end.tolist() == [4, 3] and c.layers[0].keys[:, 0, :, 0].tolist() == [[1, 2, 3, 4], [5, 6, 7, 8]]
-    assert new_valid.tolist() == [[True] * 4, [True, True, True, False]]
-    sel_valid, sel_end = kv.select(c, new_valid, new_end, torch.tensor([1]))
-    assert sel_end.tolist() == [3] and sel_valid.tolist() == [[True, True, True]]
-    assert c.layers[1].keys[:, 0, :, 0].tolist() == [[5, 6, 7]]
+def test_update_writes_in_place_at_each_rows_slots_and_returns_the_window():
+    cache = kv.SlotCache(shape(), rows=2, slots=8)
+    storage = cache.keys.data_ptr()
+    write(cache, torch.tensor([[10, 11, 12], [20, 21, 0]]), torch.arange(3)[None].expand(2, 3), window=3)  # prefill
+    out = write(cache, torch.tensor([[13, 14], [22, 23]]), torch.tensor([[3, 4], [2, 3]]), window=5)  # per-row ends 3, 2
+    assert cache.keys.data_ptr() == storage  # no reallocation, no growing copies
+    k, v = out[1]
+    assert k.shape == (2, 1, 5, 1) and k.data_ptr() == cache.keys[1].data_ptr()  # views of the storage
+    assert keys(cache)[0][:5] == [10, 11, 12, 13, 14]
+    assert keys(cache)[1][:4] == [20, 21, 22, 23]
+    assert keys(cache, layer=1)[0][:5] == [11, 12, 13, 14, 15] and torch.equal(cache.values[0], -cache.keys[0])
+    with pytest.raises(ValueError, match="window"):
+        cache.prepare(torch.zeros(2, 1, dtype=torch.long), 9)
+    with pytest.raises(ValueError, match="rows"):
+        cache.prepare(torch.zeros(1, 1, dtype=torch.long), 2)
+
+
+def test_compaction_moves_accepted_tree_slots_behind_the_root():
+    cache = kv.SlotCache(shape(), rows=2, slots=10)
+    write(cache, torch.tensor([[1, 2], [5, 0]]), torch.arange(2)[None].expand(2, 2), window=2)
+    end = torch.tensor([2, 1])
+    tree = torch.tensor([[100, 101, 102, 103], [200, 201, 202, 203]])  # tree positions 0..3 at end + 0..3
+    write(cache, tree, end[:, None] + torch.arange(4)[None], window=6)
+    path = torch.tensor([[0, 2, 3], [0, 1, 0]])  # row 0 accepts positions 2, 3; row 1 accepts 1 (then don't-care)
+    cache.move(end[:, None] + path, end[:, None] + torch.arange(3)[None])
+    assert keys(cache)[0][:5] == [1, 2, 100, 102, 103]
+    assert keys(cache)[1][:3] == [5, 200, 201]
+    assert keys(cache, layer=1)[0][:5] == [2, 3, 101, 103, 104]
+    assert torch.equal(cache.values[:, :, :, :5], -(cache.keys[:, :, :, :5] - torch.arange(2).view(2, 1, 1, 1, 1)))  # values moved too
+
+
+def test_rows_leave_to_the_front_and_rows_join_with_growth():
+    cache = kv.SlotCache(shape(), rows=3, slots=4)
+    write(cache, torch.tensor([[1, 2], [3, 4], [5, 6]]), torch.arange(2)[None].expand(3, 2), window=2)
+    cache.keep_rows([0, 2], used=2)
+    assert cache.rows == 2 and keys(cache)[1][:2] == [5, 6] and keys(cache)[0][:2] == [1, 2]
+    with pytest.raises(ValueError, match="ascend"):
+        cache.keep_rows([1, 0], used=2)
+
+    other = kv.SlotCache(shape(), rows=2, slots=6)
+    write(other, torch.tensor([[7, 8, 9], [10, 11, 12]]), torch.arange(3)[None].expand(2, 3), window=3)
+    cache.append(other, used=3)
+    assert cache.rows == 4 and cache.capacity_rows >= 4 and cache.slots >= 6  # grown: 3 rows of 4 slots were too few
+    assert [r[:2] for r in keys(cache)[:2]] == [[1, 2], [5, 6]]  # kept through the growth
+    assert [r[:3] for r in keys(cache)[2:]] == [[7, 8, 9], [10, 11, 12]]
+    assert keys(cache, layer=1)[3][:3] == [11, 12, 13]
+    write(cache, torch.tensor([[3], [7], [10], [13]]), torch.tensor([[2], [2], [3], [3]]), window=4)  # one step of all rows
+    assert [r[:4] for r in keys(cache)] == [[1, 2, 3, 0], [5, 6, 7, 0], [7, 8, 9, 10], [10, 11, 12, 13]]
+
+
+def test_kv_shape_probe_reads_the_models_layers_and_refuses_sliding_windows():
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+    small = dict(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64)
+    s = kv.KVShape.of(LlamaForCausalLM(LlamaConfig(**small)).eval())
+    assert (s.layers, s.heads, s.key_dim, s.value_dim) == (2, 2, 4, 4)
+    assert s.slot_bytes == 2 * 2 * (4 + 4) * 4
+    with pytest.raises(ModelError, match="full-attention"):
+        kv.KVShape.of(MistralForCausalLM(MistralConfig(**small, sliding_window=8)).eval())

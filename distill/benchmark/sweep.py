@@ -2,12 +2,12 @@
 
 Method
 ------
-1. Prefill ``context`` tokens into a ``DynamicCache`` (a realistic KV length for the
+1. Prefill ``context`` tokens into the engine's slot cache (a realistic KV length for the
    attention part of a step).
 2. For every tree size N (0 = plain decoding) time one decoding step: the heads'
    top-I proposal from one hidden state (N > 0), then one forward of the N + 1 tree
    tokens with the tree attention mask and per-depth position ids, logits for every
-   tree token; the cache is cropped back to ``context`` afterwards. Sizes are timed
+   tree token, written at the slots after the context (the next step overwrites them). Sizes are timed
    round-robin (so machine noise spreads evenly over them), after one untimed round,
    and the median of ``repeats`` rounds is kept.
 3. ``overhead(N) = t(N) / t(0)``; ``tau(N)`` = expected acceptance length of the
@@ -48,9 +48,7 @@ def max_nodes(accuracy: Sequence[Sequence[float]]) -> int:
 @torch.inference_mode()
 def time_tree_steps(model, heads, trees: dict[int, list[tuple[int, ...]]], context: int, repeats: int, seed: int = 0) -> dict[int, float]:
     """Median seconds of one decoding step per tree size (0 = plain), see the module docstring."""
-    from transformers import DynamicCache
-
-    from distill.engine.cache import attention_bias, step_mask
+    from distill.engine.cache import KVShape, SlotCache, attention_bias, prefill_allowed, step_allowed
     from distill.engine.tree import build_buffers
 
     device = next(model.parameters()).device
@@ -59,11 +57,14 @@ def time_tree_steps(model, heads, trees: dict[int, list[tuple[int, ...]]], conte
     vocab = model.get_output_embeddings().weight.shape[0]
     gen = torch.Generator().manual_seed(seed)
     ctx = torch.randint(0, vocab, (1, context), generator=gen).to(device)  # (1, C)
-    cache = DynamicCache()
-    out = model(input_ids=ctx, past_key_values=cache, use_cache=True, output_hidden_states=True, logits_to_keep=1)
-    hidden = out.hidden_states[-1][:, -1]  # (1, H)
-    valid = torch.ones(1, context, dtype=torch.bool, device=device)  # (1, C)
     buffers = {n: build_buffers(paths).to(device) for n, paths in trees.items()}
+    cache = SlotCache(KVShape.of(model), 1, context + max(b.size for b in buffers.values()))
+    slots = torch.arange(context, device=device)[None]  # (1, C)
+    cache.prepare(slots, context)
+    out = model(input_ids=ctx, position_ids=slots, attention_mask=attention_bias(prefill_allowed(context, device), dtype),
+                past_key_values=cache, use_cache=True, output_hidden_states=True, logits_to_keep=1)
+    hidden = out.hidden_states[-1][:, -1]  # (1, H)
+    end = torch.tensor([context], device=device)  # (1,)
     times: dict[int, list[float]] = {n: [] for n in trees}
     for rnd in range(repeats + 1):
         for n, buf in buffers.items():
@@ -75,11 +76,11 @@ def time_tree_steps(model, heads, trees: dict[int, list[tuple[int, ...]]], conte
             else:
                 tokens = ctx[:, -buf.size:]  # (1, T)
             positions = context + buf.depth[None]  # (1, T)
-            mask = attention_bias(step_mask(valid, buf.mask), dtype)  # (1, 1, T, C + T)
+            cache.prepare(context + torch.arange(buf.size, device=device)[None], context + buf.size)  # the tree after the context
+            mask = attention_bias(step_allowed(end, buf.mask, context + buf.size), dtype)  # (1, 1, T, C + T)
             model(input_ids=tokens, position_ids=positions, attention_mask=mask, past_key_values=cache, use_cache=True)
             sync()
             elapsed = time.perf_counter() - t0
-            cache.crop(-buf.size)  # drop the tree tokens again
             if rnd:  # round 0 warms up kernels and allocators
                 times[n].append(elapsed)
     return {n: statistics.median(ts) for n, ts in times.items()}

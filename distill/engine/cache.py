@@ -1,34 +1,86 @@
-"""The KV cache of a batch of sequences with different lengths, on transformers' ``DynamicCache``.
+"""The KV cache of a batch of sequences with different lengths: preallocated slots, written in place.
 
 Terms
 -----
 slot
-    an index along the cache's sequence axis, shared by the whole batch.
-valid (B, S)
-    which slots hold a token of sequence b. Prompts are left-padded, so sequence b's
-    tokens occupy slots ``start_b .. end_b - 1``; slots from ``end_b`` up to the cache
-    length S are holes (other sequences accepted more tokens) and are masked out.
+    an index along the cache's sequence axis. Row b's committed tokens occupy slots
+    ``0 .. end_b - 1`` and slot = position id: prompts are right-padded in the prefill,
+    so no row has holes. Slots from ``end_b`` on are free (whatever they hold is never
+    attended to before it is written again).
 end (B,)
-    the slot where sequence b's next committed token goes.
-position (B,)
-    sequence b's next position id (its committed token count).
-commit
-    after a verification forward the cache holds ``S + T`` slots (the tree appended);
-    each sequence keeps its root and accepted nodes: they are gathered from the tree
-    slots into ``end_b, end_b + 1, ...``, the rest is dropped and the cache is cropped
-    to the longest sequence.
+    row b's committed length: the slot and position id of its next committed token.
+write slots (B, T)
+    where one forward's T tokens go, per row: ``end_b + t`` for tree position t in a
+    decoding step, the token's own index in the prefill.
+window
+    the slots one forward's queries may attend to, ``0 .. window - 1`` for every row (the
+    longest row's ``end + T``); the attention reads ``window`` keys, the mask hides the
+    ones a row must not see.
+attention bias (B or 1, 1, T, window)
+    the additive float mask handed to the model: 0 where a query may attend, the dtype's
+    minimum elsewhere (:func:`attention_bias`).
+compaction
+    after a verification forward, each row's accepted tree nodes are moved from their tree
+    slots ``end_b + path_k`` to ``end_b + k`` (:meth:`SlotCache.move`); the root is already
+    at ``end_b``. One gather and one scatter over all layers, in place.
+capacity
+    the storage's rows and slots. Rows and slots beyond what is in use are spare; joining
+    rows or longer sequences grow the storage (a copy, geometric growth), never a step.
+
+:class:`SlotCache` is a transformers :class:`~transformers.Cache` built on the public
+cache-layer API: the model's attention calls ``update(keys, values, layer)``, which writes
+the new keys and values at the write slots and returns the first ``window`` slots.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
+
+from distill.errors import ModelError
 
 
-def new_cache() -> DynamicCache:
-    """A cache of plain full-attention layers (the engine builds every attention mask itself)."""
-    return DynamicCache()
+@dataclass(frozen=True)
+class KVShape:
+    """What one slot of the model's cache holds: per layer, ``heads`` keys of ``key_dim`` and values of ``value_dim``."""
+
+    layers: int
+    heads: int
+    key_dim: int
+    value_dim: int
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes one slot of one row takes over all layers (keys and values)."""
+        return self.layers * self.heads * (self.key_dim + self.value_dim) * torch.finfo(self.dtype).bits // 8
+
+    @classmethod
+    @torch.inference_mode()
+    def of(cls, model) -> "KVShape":
+        """Probe ``model`` with a one-token forward into a ``DynamicCache`` and read its layers' shapes.
+
+        The slot cache needs the same plain full-attention layer everywhere; anything else
+        (sliding-window, linear-attention or differently shaped layers) is a clear error.
+        """
+        p = next(model.parameters())
+        cache = DynamicCache(config=model.config)  # the layer types the model asks for
+        model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=p.device), past_key_values=cache, use_cache=True)
+        shapes = set()
+        for i, layer in enumerate(cache.layers):
+            if type(layer) is not DynamicLayer or getattr(layer, "is_sliding", False):
+                raise ModelError(f"layer {i} caches with {type(layer).__name__}: the engine needs plain full-attention layers "
+                                 "(sliding-window and linear-attention models are not supported)")
+            shapes.add((layer.keys.shape[1], layer.keys.shape[3], layer.values.shape[3], layer.keys.dtype))
+        if len(shapes) != 1:
+            raise ModelError(f"the model's attention layers cache different shapes {sorted(map(str, shapes))}: "
+                             "the engine's slot cache needs one shape for all layers")
+        heads, kd, vd, dtype = shapes.pop()
+        return cls(len(cache.layers), heads, kd, vd, dtype, p.device)
 
 
 def attention_bias(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -37,90 +89,158 @@ def attention_bias(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return bias.masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
-def prefill_layout(lengths: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Left-padded prompt layout: (valid (B, P) bool, positions (B, P) long, allowed (B, 1, P, P) bool).
+def prefill_allowed(length: int, device: torch.device) -> torch.Tensor:
+    """Right-padded prompts of ``length`` tokens: causal (1, 1, P, P), the same for every row.
 
-    A padding query attends to itself only, so no attention row is empty.
+    A real query j sees slots 0..j, all its own prompt's; a padding query sees real and padding
+    slots (its output is never read), so no attention row is empty.
     """
-    P = max(lengths)
-    lens = torch.tensor(lengths, device=device)
-    slots = torch.arange(P, device=device)
-    start = (P - lens)[:, None]  # (B, 1)
-    valid = slots[None, :] >= start  # (B, P)
-    positions = (slots[None, :] - start).clamp(min=0)  # (B, P)
-    causal = slots[None, :] <= slots[:, None]  # (P, P) key <= query
-    allowed = (causal[None] & valid[:, None, :]) | torch.eye(P, dtype=torch.bool, device=device)[None]
-    return valid, positions, allowed[:, None]
+    slots = torch.arange(length, device=device)
+    return (slots[None, :] <= slots[:, None])[None, None]
 
 
-def step_mask(valid: torch.Tensor, tree_mask: torch.Tensor) -> torch.Tensor:
-    """valid (B, S) and tree mask (T, T) -> allowed (B, 1, T, S + T) for one verification forward."""
-    B, S = valid.shape
+def step_allowed(end: torch.Tensor, tree_mask: torch.Tensor, window: int) -> torch.Tensor:
+    """end (B,), tree mask (T, T) -> allowed (B, 1, T, window) of one decoding step.
+
+    Tree position i of row b (at slot ``end_b + i``) sees the row's committed slots
+    ``0 .. end_b - 1`` and the slots ``end_b + j`` of its tree ancestors-or-self j.
+    """
     T = tree_mask.shape[0]
-    past = valid[:, None, None, :].expand(B, 1, T, S)
-    tree = tree_mask[None, None].expand(B, 1, T, T)
-    return torch.cat([past, tree], dim=-1)
+    rel = torch.arange(window, device=end.device)[None, :] - end[:, None]  # (B, W): slot - end_b
+    in_tree = (rel >= 0) & (rel < T)  # (B, W)
+    tree = tree_mask[:, rel.clamp(0, T - 1)].transpose(0, 1) & in_tree[:, None, :]  # (B, T, W)
+    return (tree | (rel < 0)[:, None, :])[:, None]  # (B, 1, T, W)
 
 
-def commit(
-    cache: DynamicCache, valid: torch.Tensor, end: torch.Tensor, keep: torch.Tensor, keep_len: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keep each sequence's accepted tree slots, drop the rest (see the module docstring).
+class SlotLayer(CacheLayerMixin):
+    """One attention layer of a :class:`SlotCache`: views of its storage (the model's attention calls the cache)."""
 
-    cache: S + T slots; valid (B, S); end (B,); keep (B, M) tree positions to keep in order
-    (root first), of which the first ``keep_len`` (B,) are real. Returns the new (valid, end).
+    is_compileable = True
+    is_sliding = False
+
+    def __init__(self, cache: "SlotCache", index: int):
+        super().__init__()
+        self.cache = cache
+        self.index = index
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        raise RuntimeError("a SlotCache is allocated up front")
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cache.update(key_states, value_states, self.index)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cache.window, 0
+
+    def get_seq_length(self) -> int:
+        return self.cache.window
+
+    def get_max_length(self) -> int:
+        return self.cache.slots
+
+
+class SlotCache(Cache):
+    """Preallocated keys and values for ``rows`` sequences of up to ``slots`` tokens (see the module docstring).
+
+    Storage: ``keys`` (layers, R, heads, S, key_dim) and ``values`` (layers, R, heads, S, value_dim);
+    the batch is rows ``0 .. rows - 1``. Before each forward, :meth:`prepare` sets the write
+    slots and the window; the model's attention then calls :meth:`update` once per layer.
     """
-    B, S = valid.shape
-    M = keep.shape[1]
-    dev = valid.device
-    new_end = end + keep_len  # (B,)
-    new_len = int(new_end.max())
-    offs = torch.arange(M, device=dev)
-    in_place = bool((end == S).all()) and bool((keep == offs[None]).all())
-    if not in_place:
-        src = (S + keep)[:, None, :, None]  # (B, 1, M, 1)
-        dst = (end[:, None] + offs[None])[:, None, :, None]  # (B, 1, M, 1)
-        for layer in cache.layers:
-            if not isinstance(layer, DynamicLayer) or getattr(layer, "is_sliding", False):
-                raise TypeError(f"the engine needs full-attention dynamic cache layers, got {type(layer).__name__}")
-            for name in ("keys", "values"):
-                x = getattr(layer, name)  # (B, heads, S + T, d)
-                shape = (B, x.shape[1], M, x.shape[3])
-                moved = x.gather(2, src.expand(shape))  # (B, heads, M, d)
-                x.scatter_(2, dst.expand(shape), moved)
-    for layer in cache.layers:
-        layer.keys = layer.keys[:, :, :new_len]
-        layer.values = layer.values[:, :, :new_len]
-    slots = torch.arange(new_len, device=dev)
-    grown = torch.zeros(B, new_len, dtype=torch.bool, device=dev)
-    grown[:, : min(S, new_len)] = valid[:, : min(S, new_len)]
-    grown |= (slots[None] >= end[:, None]) & (slots[None] < new_end[:, None])
-    return grown, new_end
+
+    def __init__(self, shape: KVShape, rows: int, slots: int):
+        self.shape = shape
+        self.keys, self.values = self._alloc(rows, slots)
+        self.rows = rows  # rows in use (the batch)
+        self.window = 0
+        self._index_k: torch.Tensor | None = None  # (B, heads, T, key_dim) write slots, expanded
+        self._index_v: torch.Tensor | None = None
+        super().__init__(layers=[SlotLayer(self, i) for i in range(shape.layers)])
+
+    def _alloc(self, rows: int, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.shape
+        keys = torch.zeros(s.layers, rows, s.heads, slots, s.key_dim, dtype=s.dtype, device=s.device)
+        values = torch.zeros(s.layers, rows, s.heads, slots, s.value_dim, dtype=s.dtype, device=s.device)
+        return keys, values
+
+    @property
+    def capacity_rows(self) -> int:
+        return self.keys.shape[1]
+
+    @property
+    def slots(self) -> int:
+        return self.keys.shape[3]
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+
+    # -- one forward ---------------------------------------------------------------------------
+    def prepare(self, write: torch.Tensor, window: int) -> None:
+        """The next forward writes its (B, T) tokens at ``write`` (B, T) slots and attends over ``window`` slots."""
+        B, T = write.shape
+        if B != self.rows:
+            raise ValueError(f"the forward has {B} rows but the cache holds {self.rows}")
+        if window > self.slots:
+            raise ValueError(f"window {window} exceeds the cache's {self.slots} slots")
+        s = self.shape
+        self._index_k = write[:, None, :, None].expand(B, s.heads, T, s.key_dim)
+        self._index_v = self._index_k if s.value_dim == s.key_dim else write[:, None, :, None].expand(B, s.heads, T, s.value_dim)
+        self.window = window
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Write (B, heads, T, d) keys/values at the prepared slots; -> this layer's first ``window`` slots (views)."""
+        keys = self.keys[layer_idx, : self.rows]  # (B, heads, S, key_dim)
+        values = self.values[layer_idx, : self.rows]
+        keys.scatter_(2, self._index_k, key_states)
+        values.scatter_(2, self._index_v, value_states)
+        return keys[:, :, : self.window], values[:, :, : self.window]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.window
+
+    # -- between forwards ------------------------------------------------------------------------
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Per row b, copy slots ``src[b]`` to ``dst[b]`` (B, M) in every layer (all sources are read first)."""
+        B, M = src.shape
+        for store in (self.keys, self.values):
+            L, _, H, _, d = store.shape
+            rows = store[:, :B]  # (L, B, H, S, d)
+            moved = rows.gather(3, src[None, :, None, :, None].expand(L, B, H, M, d))  # (L, B, H, M, d)
+            rows.scatter_(3, dst[None, :, None, :, None].expand(L, B, H, M, d), moved)
+
+    def keep_rows(self, rows: list[int], used: int) -> None:
+        """Keep batch rows ``rows`` (ascending), moved to the front in order; only the first ``used`` slots are copied."""
+        if any(b <= a for a, b in zip(rows, rows[1:])) or (rows and not (0 <= rows[0] and rows[-1] < self.rows)):
+            raise ValueError(f"rows {rows} must ascend within 0..{self.rows - 1}")
+        first = next((i for i, r in enumerate(rows) if r != i), len(rows))  # rows before it stay where they are
+        if first < len(rows):
+            src = torch.tensor(rows[first:], device=self.keys.device)
+            for store in (self.keys, self.values):
+                store[:, first : len(rows), :, :used] = store[:, src, :, :used]
+        self.rows = len(rows)
+
+    def append(self, other: "SlotCache", used: int) -> None:
+        """Add ``other``'s rows after this cache's (their first ``used`` slots); grows the storage if needed."""
+        if other.shape != self.shape:
+            raise ValueError("caches of different shapes cannot be joined")
+        B, B2 = self.rows, other.rows
+        self.reserve(B + B2, max(other.slots, used))
+        self.keys[:, B : B + B2, :, :used] = other.keys[:, :B2, :, :used]
+        self.values[:, B : B + B2, :, :used] = other.values[:, :B2, :, :used]
+        self.rows = B + B2
+
+    def reserve(self, rows: int, slots: int) -> None:
+        """Make room for ``rows`` rows of ``slots`` slots; growing copies the rows in use (at least doubling what grows)."""
+        R, S = self.capacity_rows, self.slots
+        if rows <= R and slots <= S:
+            return
+        R2 = max(rows, 2 * R) if rows > R else R
+        S2 = max(slots, 2 * S) if slots > S else S
+        keys, values = self._alloc(R2, S2)
+        keys[:, : self.rows, :, :S] = self.keys[:, : self.rows]
+        values[:, : self.rows, :, :S] = self.values[:, : self.rows]
+        self.keys, self.values = keys, values
 
 
-def select(cache: DynamicCache, valid: torch.Tensor, end: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keep only batch rows ``rows`` (long) of the cache, cropped to the longest kept sequence; new (valid, end)."""
-    cache.batch_select_indices(rows)
-    end = end[rows]
-    length = int(end.max())
-    for layer in cache.layers:
-        layer.keys = layer.keys[:, :, :length]
-        layer.values = layer.values[:, :, :length]
-    return valid[rows, :length], end
-
-
-def join(cache: DynamicCache, valid: torch.Tensor, other: DynamicCache, other_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Append ``other``'s rows to ``cache`` (batch axis); the shorter side gets hole slots on the right.
-
-    Returns both valid masks padded to the common length (concatenate them for the joined batch).
-    Every row keeps its ``end``: slots past it are holes either way.
-    """
-    S, S2 = valid.shape[1], other_valid.shape[1]
-    L = max(S, S2)
-    for layer, layer2 in zip(cache.layers, other.layers, strict=True):
-        for name in ("keys", "values"):
-            a, b = getattr(layer, name), getattr(layer2, name)
-            a = torch.nn.functional.pad(a, (0, 0, 0, L - S))  # (B, heads, L, d)
-            b = torch.nn.functional.pad(b, (0, 0, 0, L - S2))
-            setattr(layer, name, torch.cat([a, b]))
-    return torch.nn.functional.pad(valid, (0, L - S)), torch.nn.functional.pad(other_valid, (0, L - S2))
+__all__ = ["KVShape", "SlotCache", "attention_bias", "prefill_allowed", "step_allowed"]

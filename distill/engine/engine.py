@@ -1,22 +1,22 @@
-"""The decoding engine: plain and Medusa decoding of a batch, on any transformers decoder-only model.
+"""The decoding engine: plain and speculative (Medusa) decoding of a batch, on any transformers decoder-only model.
 
 Terms
 -----
 prefill
-    one forward over the left-padded prompts; its last logits give each sequence's
-    first token (emitted) and its last hidden state.
+    one forward over the right-padded prompts into a fresh :class:`~distill.engine.cache.SlotCache`;
+    each row's logits at its last prompt token give its first token (emitted) and its hidden state.
 root
     the next token of a sequence, decided but not yet in the KV cache.
 step
-    one forward after the prefill. Medusa: the heads read the hidden state of the
-    last accepted token and propose their top-I tokens; the tree (root + candidates,
-    :class:`~distill.engine.tree.TreeBuffers`) is verified in one forward with a tree
-    attention mask and per-depth position ids; the acceptance rule
-    (:mod:`distill.engine.acceptance`) picks the accepted path; the root and the
-    accepted nodes stay in the cache (:func:`distill.engine.cache.commit`), the next
-    token becomes the new root, and the hidden state of the last accepted node feeds
-    the heads next step. Plain decoding is the same step with the root alone (a tree
-    of no nodes): the same mask, cache and acceptance code.
+    one forward after the prefill. The proposer (:class:`~distill.engine.medusa.Medusa`) turns
+    the hidden state of each row's last committed token into tree tokens (root + candidates,
+    :class:`~distill.engine.tree.TreeBuffers`); the tree is written at each row's next slots
+    and verified in one forward with a tree attention bias and per-depth position ids; the
+    acceptance rule (:mod:`distill.engine.acceptance`) picks the accepted path; the accepted
+    nodes are compacted behind the root in the cache (:meth:`SlotCache.move`), the next token
+    becomes the new root, and the hidden state of the last accepted node is kept for the next
+    proposal. Plain decoding is the same step with the root alone (a tree of no nodes): the
+    same bias, cache and acceptance code, and nothing to compact.
 emitted tokens
     per step: the accepted candidates and the next token, ``L + 1`` tokens
     (``GenerationResult.accepted``); the prefill emits the first token.
@@ -24,6 +24,10 @@ hidden state
     the backbone's last hidden state after the final norm (what the LM head reads):
     the decoder's (``model.get_decoder()``) ``last_hidden_state``, equal to
     ``hidden_states[-1]`` of the model's output.
+host state
+    per step, one transfer from the device brings the emitted tokens and accepted lengths
+    to the host; each row's committed length (``end``) lives there and is sent back with
+    the next step's inputs. Nothing else in a step waits for the device.
 """
 
 from __future__ import annotations
@@ -36,8 +40,10 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from torch.profiler import record_function
 
 from distill.engine import cache as kv
+from distill.engine.attention import use_gqa_sdpa
 from distill.engine.acceptance import (
     TYPICAL_DELTA,
     TYPICAL_EPSILON,
@@ -47,13 +53,16 @@ from distill.engine.acceptance import (
     typical_accept,
     warp,
 )
+from distill.engine.medusa import Medusa
 from distill.engine.policy import DEFAULT_COST_RATIO, AdaptivePolicy, choose_tree_size, taus_for
-from distill.engine.tree import ResolvedTree, TreeBuffers, build_buffers, resolve_tree, subtree
+from distill.engine.tree import ResolvedTree, TreeBuffers, build_buffers, resolve_tree
+from distill.engine.weights import prepare_linears
 from distill.errors import ConfigError, ModelError
 from distill.heads.model import MedusaHeads, read_distill_meta
 from distill.runtime import canonical_dtype, stage_dtype, torch_dtype
 
 ACCEPTANCE_MODES = ("greedy", "typical", "rejection")
+WEIGHT_LAYOUTS = ("auto", "as-loaded")
 
 
 @dataclass
@@ -78,7 +87,7 @@ class SamplingParams:
 
 @dataclass
 class EngineConfig:
-    """Engine settings (see README-engine.md)."""
+    """Engine settings (see docs/architecture.md)."""
 
     acceptance: str = "typical"  # what sampled (temperature > 0) requests use; temperature 0 always uses greedy
     typical_epsilon: float = TYPICAL_EPSILON
@@ -90,6 +99,7 @@ class EngineConfig:
     device: str = "auto"  # auto: CUDA when available, else CPU
     step_cost_ratio: float | None = None  # r of the policy's cost model (None: DEFAULT_COST_RATIO of the device type)
     adaptive: bool = False  # correct the policy with measured acceptance and step times (policy.AdaptivePolicy)
+    weight_layout: str = "auto"  # "auto": CPU float32 linears re-laid out and packed (engine.weights); "as-loaded"
 
     def __post_init__(self) -> None:
         if self.acceptance not in ACCEPTANCE_MODES:
@@ -101,6 +111,8 @@ class EngineConfig:
         if self.speculate_max_batch is not None and self.speculate_max_batch < 0:
             raise ConfigError(f"speculate_max_batch must be >= 0, got {self.speculate_max_batch}")
         self.dtype = canonical_dtype(self.dtype)
+        if self.weight_layout not in WEIGHT_LAYOUTS:
+            raise ConfigError(f"weight_layout must be one of {', '.join(WEIGHT_LAYOUTS)}; got '{self.weight_layout}'")
         if self.step_cost_ratio is not None and self.step_cost_ratio < 0:
             raise ConfigError(f"step_cost_ratio must be >= 0, got {self.step_cost_ratio}")
 
@@ -128,6 +140,7 @@ class StepStats:
     batch_size: int = 0  # largest batch run at once
     tree_nodes: int = 0  # largest tree used (0: plain decoding throughout)
     tree_nodes_per_step: list[int] = field(default_factory=list)
+    kv_bytes: int = 0  # largest KV cache (slot cache storage) held at once
 
 
 class _Seq:
@@ -166,7 +179,12 @@ class _Seq:
 
 
 class Engine:
-    """Plain and Medusa decoding (see the module docstring). One generate() at a time per instance."""
+    """Plain and Medusa decoding (see the module docstring). One generate() at a time per instance.
+
+    The engine prepares the model (and heads) it is given, in place, values unchanged: weights
+    re-laid out per ``EngineConfig.weight_layout`` (:mod:`distill.engine.weights`) and ``sdpa``
+    attention switched to ``distill_sdpa`` (:mod:`distill.engine.attention`).
+    """
 
     def __init__(
         self,
@@ -179,21 +197,23 @@ class Engine:
     ):
         self.config = config or EngineConfig()
         self.model = model.eval()
+        # the model's linear layers, prepared in place (values unchanged) where the rule says they multiply faster
+        self.linear_bytes = prepare_linears(model) if self.config.weight_layout == "auto" else {}
+        use_gqa_sdpa(model)  # sdpa without copying shared key/value heads under the engine's masks (same outputs)
         self.tokenizer = tokenizer
-        self.heads = heads.eval() if heads is not None else None
         self.model_name = model_name or getattr(model.config, "_name_or_path", "") or "model"
         self.device = next(model.parameters()).device
         self._decoder = model.get_decoder()  # its output's last_hidden_state is what the LM head reads
         self.dtype = next(model.parameters()).dtype
         self.stop_ids = self._eos_ids()
+        self.kv_shape = kv.KVShape.of(model)
         self._plain = build_buffers([]).to(self.device)
-        self._buffers: dict[int, TreeBuffers] = {}
-        self.tree: ResolvedTree | None = None
+        self.proposer: Medusa | None = None
         self._taus: dict[int, float] = {}
         self._proposal: dict[int, float] = {}
-        if self.heads is not None:
-            hc = self.heads.config
-            hp = next(self.heads.parameters())
+        if heads is not None:
+            hc = heads.config
+            hp = next(heads.parameters())
             if hp.dtype != self.dtype or hp.device != self.device:
                 raise ModelError(f"heads are {hp.dtype} on {hp.device} but the model is {self.dtype} on {self.device}: "
                                  "load both with the same dtype and device")
@@ -201,17 +221,34 @@ class Engine:
                 raise ModelError(f"heads hidden_size {hc.hidden_size} != model's {model.config.get_text_config().hidden_size}")
             if hc.vocab_size != model.get_output_embeddings().weight.shape[0]:
                 raise ModelError(f"heads vocab_size {hc.vocab_size} != model's {model.get_output_embeddings().weight.shape[0]}")
-            self.tree = tree or resolve_tree(self.config.tree, hc.num_heads)
-            self._taus = taus_for(self.tree.paths, self.tree.accuracy)
-            self._proposal = {n: self._proposal_cost(n) for n in self._taus}
+            if self.config.weight_layout == "auto":
+                for k, v in prepare_linears(heads).items():
+                    self.linear_bytes[k] = self.linear_bytes.get(k, 0) + v
+            self.proposer = Medusa(heads, tree or resolve_tree(self.config.tree, hc.num_heads), self.device)
+            self._taus = taus_for(self.proposer.tree.paths, self.proposer.tree.accuracy)
+            forward = self._forward_weights()
+            self._proposal = {n: self.proposer.proposal_cost(n, forward) for n in self._taus}
         self.policy: AdaptivePolicy | None = None
-        if self.heads is not None and self.config.adaptive and self.config.speculate_max_batch is None:
+        if self.proposer is not None and self.config.adaptive and self.config.speculate_max_batch is None:
             self.policy = AdaptivePolicy(self._taus, self._cost_ratio(), self._proposal)
         window = getattr(model.config.get_text_config(), "sliding_window", None)
         self._max_len = min(
             getattr(model.config.get_text_config(), "max_position_embeddings", None) or 1 << 30,
             window if isinstance(window, int) and window > 0 else 1 << 30,
         )
+
+    @property
+    def heads(self) -> MedusaHeads | None:
+        return self.proposer.heads if self.proposer is not None else None
+
+    @property
+    def tree(self) -> ResolvedTree | None:
+        return self.proposer.tree if self.proposer is not None else None
+
+    @property
+    def max_tree_size(self) -> int:
+        """T of the largest step: the root and the full tree's nodes (1 without a proposer)."""
+        return 1 + (self.proposer.max_nodes if self.proposer is not None else 0)
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
@@ -244,6 +281,14 @@ class Engine:
                 ids.update(int(x) for x in src)
         return ids
 
+    def _forward_weights(self) -> int:
+        """Weights one forward reads: every parameter once, an untied input embedding not at all (it is looked up)."""
+        forward = sum({id(p): p.numel() for p in self.model.parameters()}.values())
+        emb_in, emb_out = self.model.get_input_embeddings().weight, self.model.get_output_embeddings().weight
+        if emb_in is not emb_out:
+            forward -= emb_in.numel()
+        return forward
+
     # -- policy ------------------------------------------------------------------------------
     def _cost_ratio(self) -> float:
         ratio = self.config.step_cost_ratio
@@ -253,42 +298,26 @@ class Engine:
 
     def tree_size_for(self, batch: int) -> int:
         """Tree nodes the policy would use now for a batch of ``batch`` sequences (0 = plain decoding)."""
-        if self.heads is None or self.tree is None:
+        if self.proposer is None:
             return 0
-        if self.config.speculate_max_batch is not None:  # the user decides: the full tree up to that batch size
-            return len(self.tree.paths) if batch <= self.config.speculate_max_batch else 0
+        if self.config.speculate_max_batch is not None:  # the user decides: the full tree up to this batch size
+            return self.proposer.max_nodes if batch <= self.config.speculate_max_batch else 0
         if self.policy is not None:
             return self.policy.best(batch)
         return choose_tree_size(batch, self._taus, self._cost_ratio(), None, self._proposal)
 
-    def _proposal_cost(self, nodes: int) -> float:
-        """h of the policy: weights the heads read for a tree of ``nodes`` nodes / weights a forward reads."""
-        assert self.heads is not None and self.tree is not None
-        depth = max(len(p) for p in subtree(self.tree.paths, self.tree.accuracy, nodes))
-        unique = {id(p): p.numel() for p in self.model.parameters()}
-        forward = sum(unique.values())
-        emb_in, emb_out = self.model.get_input_embeddings().weight, self.model.get_output_embeddings().weight
-        if emb_in is not emb_out:  # an untied input embedding is looked up, not read whole
-            forward -= emb_in.numel()
-        hc = self.heads.config
-        block = hc.num_layers * (hc.hidden_size**2 + (hc.hidden_size if hc.bias else 0))
-        lm = hc.vocab_size * hc.hidden_size
-        heads = depth * block + (1 if hc.share_lm_head else depth) * lm
-        return heads / forward
-
     def buffers(self, nodes: int) -> TreeBuffers:
-        """Buffers of the tree's ``nodes`` most probable nodes (built once per size)."""
+        """Buffers of the tree's ``nodes`` most probable nodes (built once per size); 0: plain decoding."""
         if nodes <= 0:
             return self._plain
-        if nodes not in self._buffers:
-            assert self.tree is not None
-            self._buffers[nodes] = build_buffers(subtree(self.tree.paths, self.tree.accuracy, nodes)).to(self.device)
-        return self._buffers[nodes]
+        assert self.proposer is not None
+        return self.proposer.buffers(nodes)
 
     # -- model calls -------------------------------------------------------------------------
-    def _forward(self, ids, positions, allowed, cache, last_only: bool = False):
-        """ids/positions (B, n), allowed (B, 1, n, S + n) -> logits (B, n', V) float32, hidden (B, n', H).
+    def _forward(self, ids, positions, bias, cache: kv.SlotCache, keep: int | torch.Tensor = 0):
+        """ids/positions (B, T), bias (B or 1, 1, T, window) -> logits (B, T', V) float32, hidden (B, T, H).
 
+        ``keep``: which positions get logits (0: all; a tensor: those indices, ``logits_to_keep``).
         The hidden state is the decoder's ``last_hidden_state`` (after the final norm), taken with a
         forward hook for the duration of the call, so no other layer's states are kept.
         """
@@ -299,35 +328,11 @@ class Engine:
 
         handle = self._decoder.register_forward_hook(grab)
         try:
-            out = self.model(
-                input_ids=ids,
-                position_ids=positions,
-                attention_mask=kv.attention_bias(allowed, self.dtype),
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=1 if last_only else 0,
-            )
+            out = self.model(input_ids=ids, position_ids=positions, attention_mask=bias, past_key_values=cache,
+                             use_cache=True, logits_to_keep=keep)
         finally:
             handle.remove()
-        hidden = captured["hidden"]
-        if last_only:
-            hidden = hidden[:, -1:]
-        return out.logits.float(), hidden
-
-    def _propose(self, hidden: torch.Tensor, root: torch.Tensor, buf: TreeBuffers) -> torch.Tensor:
-        """Heads' top-I tokens laid out as the tree: hidden (B, H), root (B,) -> tokens (B, T)."""
-        assert self.heads is not None
-        D = buf.num_heads_used
-        if self.heads.config.share_lm_head:  # one LM head: one matmul for all heads
-            states = torch.stack([self.heads.blocks[k](hidden) for k in range(D)], dim=1)  # (B, D, H)
-            top = self.heads.lm_head(0)(states).topk(buf.max_rank, dim=-1).indices  # (B, D, I)
-            flat = top.flatten(1)  # (B, D * I)
-        else:
-            tops = [self.heads.head_logits(hidden, k).topk(buf.max_rank, dim=-1).indices for k in range(D)]
-            flat = torch.cat(tops, dim=-1)  # (B, D * I)
-        tokens = flat[:, buf.cand_index]  # (B, T)
-        tokens[:, 0] = root
-        return tokens
+        return out.logits.float(), captured["hidden"]
 
     def _accept(self, tokens, logits, buf: TreeBuffers, seqs: list[_Seq]) -> Acceptance:
         """Greedy rows with greedy_accept, sampled rows with the configured rule; merged per row."""
@@ -383,115 +388,151 @@ class Engine:
         seqs = [_Seq(i, sp, self.stop_ids, self.device) for i, sp in enumerate(params)]
         stats = StepStats()
         B = self.config.max_batch
-        speculative = speculative and self.heads is not None
+        speculative = speculative and self.proposer is not None
         for lo in range(0, len(prompts), B):
-            batch: _Batch | None = self._prefill(prompts[lo : lo + B], seqs[lo : lo + B], on_tokens, stats)
-            while (batch := self._compact(batch)[0]) is not None:
-                self._step(batch, speculative, on_tokens, stats)
+            batch = _Batch.prefill(self, prompts[lo : lo + B], seqs[lo : lo + B], on_tokens, stats)
+            batch.compact()
+            while len(batch):
+                batch.step(speculative, on_tokens, stats)
+                batch.compact()
         stats.tokens = sum(len(s.tokens) for s in seqs)
         return [s.result() for s in seqs], stats
 
     def running_batch(self, speculative: bool = True, on_tokens: Callable[[object, list[int]], bool] | None = None) -> "RunningBatch":
         """A batch that sequences join between steps (continuous batching; see :class:`RunningBatch`)."""
-        return RunningBatch(self, speculative and self.heads is not None, on_tokens)
+        return RunningBatch(self, speculative and self.proposer is not None, on_tokens)
 
-    def _prefill(self, prompts, seqs: list[_Seq], on_tokens, stats: StepStats) -> "_Batch":
-        """One forward over the left-padded prompts; emits each sequence's first token."""
-        dev = self.device
+
+class _Batch:
+    """The rows decoding together: their sequences, KV cache and per-row state (see engine.cache).
+
+    Row b's state: ``ends[b]`` its committed length (host), ``root[b]`` its next token and
+    ``hidden[b]`` the hidden state of its last committed token (device).
+    """
+
+    def __init__(self, engine: Engine, seqs: list[_Seq], cache: kv.SlotCache, ends: list[int], root: torch.Tensor,
+                 hidden: torch.Tensor):
+        self.engine = engine
+        self.seqs = seqs
+        self.cache = cache
+        self.ends = ends
+        self.root = root  # (B,)
+        self.hidden = hidden  # (B, H)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    @classmethod
+    def prefill(cls, engine: Engine, prompts: list[list[int]], seqs: list[_Seq], on_tokens, stats: StepStats) -> "_Batch":
+        """One forward over the right-padded prompts into a fresh cache; emits each sequence's first token."""
+        with record_function("distill.prefill"):
+            return cls._prefill(engine, prompts, seqs, on_tokens, stats)
+
+    @classmethod
+    def _prefill(cls, engine: Engine, prompts: list[list[int]], seqs: list[_Seq], on_tokens, stats: StepStats) -> "_Batch":
+        dev = engine.device
         t0 = time.perf_counter()
-        cache = kv.new_cache()
         lengths = [len(p) for p in prompts]
         P = max(lengths)
-        ids = torch.tensor([[0] * (P - len(p)) + list(p) for p in prompts], dtype=torch.long, device=dev)
-        valid, positions, allowed = kv.prefill_layout(lengths, dev)
-        logits, hidden = self._forward(ids, positions, allowed, cache, last_only=True)
-        first = self._accept(torch.zeros(len(seqs), 1, dtype=torch.long, device=dev), logits, self._plain, seqs)
+        slots = max(n + s.params.max_tokens for n, s in zip(lengths, seqs)) + engine.max_tree_size
+        cache = kv.SlotCache(engine.kv_shape, len(prompts), -(-slots // SLOT_ROUND) * SLOT_ROUND)
+        ids = torch.tensor([list(p) + [0] * (P - len(p)) for p in prompts], dtype=torch.long, device=dev)  # (B, P)
+        positions = torch.arange(P, device=dev)[None].expand(len(prompts), P)  # (B, P)
+        cache.prepare(positions, P)
+        last = sorted(set(n - 1 for n in lengths))  # the positions whose logits are needed
+        keep = torch.tensor(last, dtype=torch.long, device=dev)
+        bias = kv.attention_bias(kv.prefill_allowed(P, dev), engine.dtype)  # (1, 1, P, P)
+        logits, hidden = engine._forward(ids, positions, bias, cache, keep)  # (B, U, V), (B, P, H)
+        rows = torch.arange(len(prompts), device=dev)
+        col = torch.tensor([last.index(n - 1) for n in lengths], device=dev)
+        first = engine._accept(torch.zeros(len(seqs), 1, dtype=torch.long, device=dev), logits[rows, col][:, None],
+                               engine._plain, seqs)
         root = first.next_token  # (B,)
-        end = torch.full((len(seqs),), P, dtype=torch.long, device=dev)
-        pos = torch.tensor(lengths, dtype=torch.long, device=dev)
         for s, tok in zip(seqs, root.tolist()):
             s.emit([tok], on_tokens)
+        h = hidden[rows, torch.tensor(lengths, device=dev) - 1]  # (B, H)
         stats.prefill_seconds += time.perf_counter() - t0
-        return _Batch(list(seqs), cache, valid, end, pos, root, hidden[:, -1])
+        stats.kv_bytes = max(stats.kv_bytes, cache.nbytes)
+        return cls(engine, list(seqs), cache, lengths, root, h)
 
-    def _compact(self, batch: "_Batch | None") -> tuple["_Batch | None", list[_Seq]]:
-        """Drop the finished rows -> (the rest or None when none is left, the finished sequences)."""
-        if batch is None:
-            return None, []
-        keep = [i for i, s in enumerate(batch.seqs) if s.finish is None]
-        done = [s for s in batch.seqs if s.finish is not None]
-        if not keep:
-            return None, done
-        if len(keep) < len(batch.seqs):
-            rows = torch.tensor(keep, dtype=torch.long, device=self.device)
-            batch.valid, batch.end = kv.select(batch.cache, batch.valid, batch.end, rows)
-            batch.pos, batch.root, batch.hidden = batch.pos[rows], batch.root[rows], batch.hidden[rows]
-            batch.seqs = [batch.seqs[i] for i in keep]
-        return batch, done
+    def compact(self) -> list[_Seq]:
+        """Drop the finished rows (the cache keeps the others, moved to the front); -> the finished sequences."""
+        keep = [i for i, s in enumerate(self.seqs) if s.finish is None]
+        done = [s for s in self.seqs if s.finish is not None]
+        if done:
+            self.cache.keep_rows(keep, max((self.ends[i] for i in keep), default=0))
+            rows = torch.tensor(keep, dtype=torch.long, device=self.root.device)
+            self.root, self.hidden = self.root[rows], self.hidden[rows]
+            self.ends = [self.ends[i] for i in keep]
+            self.seqs = [self.seqs[i] for i in keep]
+        return done
 
-    def _step(self, batch: "_Batch", speculative: bool, on_tokens, stats: StepStats) -> None:
-        """One decoding step of every row (all unfinished): propose, verify, accept, commit, emit."""
-        active = batch.seqs
-        stats.batch_size = max(stats.batch_size, len(active))
+    def join(self, other: "_Batch") -> None:
+        """Append ``other``'s rows (their cache included) after this batch's."""
+        self.cache.append(other.cache, max(other.ends))
+        self.ends = self.ends + other.ends
+        self.root, self.hidden = torch.cat([self.root, other.root]), torch.cat([self.hidden, other.hidden])
+        self.seqs = self.seqs + other.seqs
+
+    def step(self, speculative: bool, on_tokens, stats: StepStats) -> None:
+        """One decoding step of every row (all unfinished): propose, verify, accept, compact, emit."""
+        e = self.engine
+        active = self.seqs
+        B = len(active)
+        stats.batch_size = max(stats.batch_size, B)
         t0 = time.perf_counter()
         if not speculative:
             nodes = 0
-        elif self.policy is not None:
-            nodes = self.policy.next_size(len(active))
+        elif e.policy is not None:
+            nodes = e.policy.next_size(B)
         else:
-            nodes = self.tree_size_for(len(active))
-        buf = self.buffers(nodes)
-        if buf.nodes:
-            tokens = self._propose(batch.hidden, batch.root, buf)  # (B, T)
-        else:
-            tokens = batch.root[:, None]
-        step_pos = batch.pos[:, None] + buf.depth[None]  # (B, T)
-        allowed = kv.step_mask(batch.valid, buf.mask)
-        logits, tree_hidden = self._forward(tokens, step_pos, allowed, batch.cache)
-        acc = self._accept(tokens, logits, buf, active)
-        M = int(acc.length.max()) + 1
-        batch.valid, batch.end = kv.commit(batch.cache, batch.valid, batch.end, acc.path[:, :M], acc.length + 1)
-        batch.pos = batch.pos + acc.length + 1
-        rows = torch.arange(len(active), device=self.device)
-        batch.hidden = tree_hidden[rows, acc.last]  # (B, H)
-        batch.root = acc.next_token
-        root = batch.root
-        emitted = torch.cat([tokens.gather(1, acc.path[:, 1:M]), root[:, None]], dim=1).tolist() if M > 1 else root[:, None].tolist()
-        lengths_acc = acc.length.tolist()
+            nodes = e.tree_size_for(B)
+        buf = e.buffers(nodes)
+        T = buf.size
+        end = torch.tensor(self.ends, dtype=torch.long, device=e.device)  # (B,)
+        with record_function("distill.propose"):
+            if buf.nodes:
+                assert e.proposer is not None
+                tokens = e.proposer.propose(self.hidden, self.root, buf)  # (B, T)
+            else:
+                tokens = self.root[:, None]  # (B, 1)
+        with record_function("distill.mask"):
+            offsets = torch.arange(T, device=e.device)
+            window = max(self.ends) + T  # the longest row's committed slots and its tree
+            self.cache.prepare(end[:, None] + offsets[None], window)
+            bias = kv.attention_bias(kv.step_allowed(end, buf.mask, window), e.dtype)  # (B, 1, T, W)
+        with record_function("distill.forward"):
+            logits, tree_hidden = e._forward(tokens, end[:, None] + buf.depth[None], bias, self.cache)
+        with record_function("distill.accept"):
+            acc = e._accept(tokens, logits, buf, active)
+        with record_function("distill.compact"):
+            if buf.nodes:  # the accepted nodes follow the root: tree slot end + path_k -> end + k
+                self.cache.move(end[:, None] + acc.path, end[:, None] + offsets[None, : acc.path.shape[1]])
+            rows = torch.arange(B, device=e.device)
+            self.hidden = tree_hidden[rows, acc.last]  # (B, H)
+            self.root = acc.next_token
+        with record_function("distill.host"):  # the one transfer of the step: accepted candidates, next token, length
+            host = torch.cat([tokens.gather(1, acc.path[:, 1:]), self.root[:, None], acc.length[:, None]], dim=1).tolist()
         stats.steps += 1
         stats.tree_nodes = max(stats.tree_nodes, buf.nodes)
         stats.tree_nodes_per_step.append(buf.nodes)
-        for s, row, L in zip(active, emitted, lengths_acc):
-            new = row[:L] + [row[-1]] if M > 1 else row
+        lengths_acc = []
+        for b, (s, row) in enumerate(zip(active, host)):
+            L = row[-1]
+            new = row[:L] + [row[-2]]
+            self.ends[b] += L + 1
+            lengths_acc.append(L)
             s.steps += 1
             s.accepted.append(len(new))
             s.emit(new, on_tokens)
         seconds = time.perf_counter() - t0
         stats.step_seconds.append(seconds)
-        if self.policy is not None and speculative:
-            self.policy.observe(len(active), buf.nodes, seconds, lengths_acc)
+        if e.policy is not None and speculative:
+            e.policy.observe(B, buf.nodes, seconds, lengths_acc)
 
 
-@dataclass
-class _Batch:
-    """The rows decoding together: their sequences, KV cache and per-row state (see engine.cache)."""
-
-    seqs: list[_Seq]
-    cache: object  # DynamicCache
-    valid: torch.Tensor  # (B, S) bool
-    end: torch.Tensor  # (B,) next cache slot
-    pos: torch.Tensor  # (B,) next position id
-    root: torch.Tensor  # (B,) next token, not yet in the cache
-    hidden: torch.Tensor  # (B, H) hidden state of the last committed token
-
-    def join(self, other: "_Batch") -> "_Batch":
-        """This batch's rows followed by ``other``'s in one cache (the shorter is padded with holes)."""
-        self.valid, other.valid = kv.join(self.cache, self.valid, other.cache, other.valid)
-        self.valid = torch.cat([self.valid, other.valid])
-        self.end, self.pos = torch.cat([self.end, other.end]), torch.cat([self.pos, other.pos])
-        self.root, self.hidden = torch.cat([self.root, other.root]), torch.cat([self.hidden, other.hidden])
-        self.seqs = self.seqs + other.seqs
-        return self
+#: Slot capacities are rounded up to a multiple of this (fewer distinct shapes, some room for joins).
+SLOT_ROUND = 64
 
 
 class RunningBatch:
@@ -513,10 +554,12 @@ class RunningBatch:
         self._batch: _Batch | None = None
 
     def __len__(self) -> int:
-        return len(self._batch.seqs) if self._batch is not None else 0
+        return len(self._batch) if self._batch is not None else 0
 
     def _finished(self, done: list[_Seq]) -> list[tuple[object, GenerationResult]]:
         self.stats.tokens += sum(len(s.tokens) for s in done)
+        if self._batch is not None and not len(self._batch):
+            self._batch = None
         return [(s.index, s.result()) for s in done]
 
     @torch.inference_mode()
@@ -527,9 +570,14 @@ class RunningBatch:
         if len(keys) != len(prompts):
             raise ConfigError(f"{len(prompts)} prompts but {len(keys)} keys")
         seqs = [_Seq(k, sp, e.stop_ids, e.device) for k, sp in zip(keys, params)]
-        new, done = e._compact(e._prefill(prompts, seqs, self.on_tokens, self.stats))
-        if new is not None:
-            self._batch = new if self._batch is None else self._batch.join(new)
+        new = _Batch.prefill(e, prompts, seqs, self.on_tokens, self.stats)
+        done = new.compact()
+        if len(new):
+            if self._batch is None:
+                self._batch = new
+            else:
+                self._batch.join(new)
+                self.stats.kv_bytes = max(self.stats.kv_bytes, self._batch.cache.nbytes)
         return self._finished(done)
 
     @torch.inference_mode()
@@ -537,9 +585,8 @@ class RunningBatch:
         """One decoding step of every row; -> the sequences that finished in it."""
         if self._batch is None:
             return []
-        self.engine._step(self._batch, self.speculative, self.on_tokens, self.stats)
-        self._batch, done = self.engine._compact(self._batch)
-        return self._finished(done)
+        self._batch.step(self.speculative, self.on_tokens, self.stats)
+        return self._finished(self._batch.compact())
 
     def clear(self) -> list:
         """Drop every row (after a failed step, or when stopping): -> their keys."""

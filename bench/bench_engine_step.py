@@ -1,0 +1,410 @@
+"""The engine's own step against bare vLLM: plain decoding tok/s side by side, verification step cost, profile.
+
+    OMP_NUM_THREADS=2 .venv/bin/python bench/bench_engine_step.py --out bench/results/engine_step.json
+
+One process, one machine (named in the output), float32, greedy, the bundled model unless --model:
+
+plain decoding
+    the first ``--prompts`` MT-Bench first turns (chat template) at batch 1, one request after
+    the other, and the first ``--batch`` turns in one batch, ``--max-tokens`` new tokens each,
+    decoded by ``distill.engine.Engine`` (``speculative=False``) and by bare vLLM
+    (``vllm.LLM``: in-process engine core, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``enforce_eager``,
+    ``detokenize=False``, the same prompt token ids and max tokens). The two engines alternate
+    for ``--rounds`` rounds (vLLM first in even rounds, ours first in odd ones), so machine
+    noise hits both alike; tok/s = generated tokens / wall seconds of the whole call (prefill
+    included); the ratio is ours / vLLM per round, and its median is reported.
+verification step cost
+    the engine's step with a tree of N nodes (``--nodes``; N = 0 is the plain step) over the
+    first prompt, its proposal replaced by fixed tokens so that only verification is timed
+    (tree bias, one forward over N + 1 tokens, acceptance, compaction, the host transfer).
+    Sizes run round-robin for ``--rounds`` rounds; median step seconds per size; ratio = t(N) / t(0).
+    The Medusa heads' proposal (4 random heads with a shared LM head) is timed on its own.
+profile (``--profile``)
+    torch.profiler over ``--profile-steps`` plain and 16- and 64-node verification steps: CPU
+    milliseconds per step in the engine's labelled phases (``distill.*`` record_function
+    ranges: propose, mask, forward, accept, compact, host) and, inside the model forward,
+    matrix multiplies, attention, cache writes, other ops and the Python left over.
+memory
+    the process's peak RSS growth while our engine loads and runs (measured first), then
+    while vLLM loads and runs; the engine's KV bytes per token.
+
+``--no-vllm`` skips vLLM (step costs and profile only). ``--compile`` runs the engine compiled
+(see ``EngineConfig.compile``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import time
+from collections import defaultdict
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+from distill.runtime import machine  # noqa: E402
+from distill.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
+from distill.seeds import load_seed  # noqa: E402
+from distill.store.atomic import atomic_write_bytes  # noqa: E402
+
+MATMUL = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "mkl::", "mkldnn::")
+ATTENTION = ("scaled_dot_product", "flash_attention", "aten::_efficient_attention", "aten::baddbmm", "aten::softmax")
+CACHE = ("aten::scatter_", "aten::index_copy_", "aten::cat")
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def rss_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def mt_bench_prompts(tokenizer, n: int) -> list[list[int]]:
+    out = []
+    for conv in load_seed("mt-bench"):
+        first = next((m for m in getattr(conv, "messages", []) if m.role == "user"), None)
+        if first is None:
+            continue
+        out.append(list(tokenizer.apply_chat_template([{"role": "user", "content": first.content}], add_generation_prompt=True,
+                                                      tokenize=True, return_dict=True)["input_ids"]))
+        if len(out) == n:
+            break
+    return out
+
+
+def cpu_description() -> dict:
+    info = {"machine": machine(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        for line in lscpu.splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in ("Model name", "CPU family", "Model", "CPU(s)", "L3"):
+                info[key.strip()] = value.strip()
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    import transformers
+
+    info["transformers"] = transformers.__version__
+    return info
+
+
+# -- plain decoding, ours and vLLM's ------------------------------------------------------------------
+def ours(engine: Engine, prompts: list[list[int]], max_tokens: int, batch: int) -> tuple[int, float, list[list[int]]]:
+    sp = SamplingParams(max_tokens=max_tokens)
+    t0 = time.perf_counter()
+    outs = []
+    for lo in range(0, len(prompts), batch):
+        res, _ = engine.generate(prompts[lo : lo + batch], sp, speculative=False)
+        outs += [r.token_ids for r in res]
+    return sum(map(len, outs)), time.perf_counter() - t0, outs
+
+
+def vllm_llm(model_path: str):
+    from vllm import LLM
+
+    return LLM(model=model_path, dtype="float32", enforce_eager=True, seed=0, max_model_len=2048)
+
+
+def vllm(llm, prompts: list[list[int]], max_tokens: int, batch: int, stop_ids: list[int]) -> tuple[int, float, list[list[int]]]:
+    from vllm import SamplingParams as VSP
+    from vllm.inputs import TokensPrompt
+
+    sp = VSP(temperature=0.0, max_tokens=max_tokens, detokenize=False, stop_token_ids=stop_ids)
+    t0 = time.perf_counter()
+    outs = []
+    for lo in range(0, len(prompts), batch):
+        res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts[lo : lo + batch]], sp, use_tqdm=False)
+        outs += [list(r.outputs[0].token_ids) for r in res]
+    return sum(map(len, outs)), time.perf_counter() - t0, outs
+
+
+def same_prefix(a: list[list[int]], b: list[list[int]]) -> list[int]:
+    """Per sequence: how many leading tokens two greedy decodings share."""
+    out = []
+    for x, y in zip(a, b):
+        n = 0
+        while n < min(len(x), len(y)) and x[n] == y[n]:
+            n += 1
+        out.append(n)
+    return out
+
+
+# -- verification steps --------------------------------------------------------------------------------
+def fixed_proposal(engine: Engine) -> None:
+    """Replace the proposer's work by fixed tokens (root, then ids 1..N): only verification is left to time."""
+
+    def propose(hidden, root, buf):
+        tokens = torch.arange(buf.size, device=root.device)[None].repeat(root.shape[0], 1)  # (B, T)
+        tokens[:, 0] = root
+        return tokens
+
+    if hasattr(engine, "proposer"):
+        engine.proposer.propose = propose
+    else:  # the engine before the proposer interface
+        engine._propose = propose
+
+
+def label_old_engine(engine: Engine) -> None:
+    """The engine before this benchmark had no distill.* ranges: wrap its phases in them (profile only)."""
+    from torch.profiler import record_function
+
+    from distill.engine import cache as kv
+
+    def wrap(fn, name):
+        def run(*a, **k):
+            with record_function(name):
+                return fn(*a, **k)
+        return run
+
+    engine._prefill = wrap(engine._prefill, "distill.prefill")
+    engine._forward = wrap(engine._forward, "distill.forward")
+    engine._accept = wrap(engine._accept, "distill.accept")
+    engine._propose = wrap(engine._propose, "distill.propose")
+    if not getattr(kv, "_labelled", False):
+        kv.step_mask = wrap(kv.step_mask, "distill.mask")
+        kv.commit = wrap(kv.commit, "distill.compact")
+        kv._labelled = True
+
+
+def random_heads(model, num_heads: int = 4):
+    from distill.heads import HeadsConfig, MedusaHeads
+
+    lm = model.get_output_embeddings().weight.detach()
+    torch.manual_seed(0)
+    heads = MedusaHeads(HeadsConfig(lm.shape[1], lm.shape[0], num_heads=num_heads, share_lm_head=True), lm_head_weight=lm)
+    return heads.to(dtype=lm.dtype).eval()
+
+
+def tree_engines(base: Engine, nodes: list[int], heads, compile_: bool) -> dict[int, Engine]:
+    """One engine per tree size, all forced to use their whole tree (sparse-N under the default accuracy)."""
+    out = {0: base}
+    for n in nodes:
+        cfg = EngineConfig(tree=f"sparse-{n}", speculate_max_batch=1, max_batch=1, **({"compile": True} if compile_ else {}))
+        out[n] = Engine(base.model, base.tokenizer, heads, cfg, model_name=base.model_name)
+        fixed_proposal(out[n])
+    return out
+
+
+def step_costs(engines: dict[int, Engine], prompt: list[int], steps: int, rounds: int) -> dict[int, float]:
+    times: dict[int, list[float]] = defaultdict(list)
+    sp = SamplingParams(max_tokens=steps + 1)
+    for r in range(rounds + 1):
+        for n, eng in engines.items():
+            _, st = eng.generate([prompt], sp, speculative=n > 0)
+            assert st.tree_nodes == n, (n, st.tree_nodes)
+            if r:  # round 0 warms up
+                times[n] += st.step_seconds[1:]
+    return {n: statistics.median(ts) for n, ts in times.items()}
+
+
+def proposal_ms(engines: dict[int, Engine], heads, rounds: int = 20) -> dict[int, float]:
+    """Median milliseconds of the heads' proposal alone per tree size (batch 1)."""
+    from distill.engine.medusa import Medusa
+
+    out = {}
+    H = heads.config.hidden_size
+    hidden = torch.randn(1, H, dtype=next(heads.parameters()).dtype)
+    root = torch.zeros(1, dtype=torch.long)
+    with torch.inference_mode():
+        for n, eng in engines.items():
+            if not n:
+                continue
+            med = Medusa(heads, eng.tree, eng.device)
+            buf = med.buffers(n)
+            ts = []
+            for _ in range(rounds):
+                t0 = time.perf_counter()
+                med.propose(hidden, root, buf)
+                ts.append(time.perf_counter() - t0)
+            out[n] = 1000 * statistics.median(ts)
+    return out
+
+
+# -- profile --------------------------------------------------------------------------------------------
+def op_kind(name: str) -> str:
+    if any(name.startswith(p) or p in name for p in MATMUL):
+        return "matmul"
+    if any(p in name for p in ATTENTION):
+        return "attention"
+    if any(name.startswith(p) for p in CACHE):
+        return "cache write"
+    return "other ops"
+
+
+def profile_steps(engine: Engine, prompt: list[int], nodes: int, steps: int) -> dict:
+    """CPU ms per step by phase (distill.* ranges) and, inside the forward, by kind of op."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sp = SamplingParams(max_tokens=steps + 1)
+    if not hasattr(engine, "proposer"):
+        label_old_engine(engine)
+    engine.generate([prompt], sp, speculative=nodes > 0)  # warm
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        _, st = engine.generate([prompt], sp, speculative=nodes > 0)
+    n = st.steps
+    phases: dict[str, float] = defaultdict(float)
+    inside: dict[str, float] = defaultdict(float)
+    for ev in prof.events():
+        labels, p = [], ev.cpu_parent
+        while p is not None:
+            if p.name.startswith("distill."):
+                labels.append(p.name)
+            p = p.cpu_parent
+        if "distill.prefill" in labels or ev.name == "distill.prefill":
+            continue
+        if ev.name.startswith("distill."):
+            if not labels:  # outermost phase ranges only
+                phases[ev.name[len("distill."):]] += ev.cpu_time_total / 1000 / n
+        elif labels and labels[0] == "distill.forward":
+            inside[op_kind(ev.name)] += ev.self_cpu_time_total / 1000 / n  # self time: nested ops are not counted twice
+    inside["python and dispatch"] = max(phases.get("forward", 0.0) - sum(inside.values()), 0.0)
+    mean_ms = 1000 * sum(st.step_seconds) / n
+    return {"nodes": nodes, "steps": n, "step_ms_median": 1000 * statistics.median(st.step_seconds), "step_ms_mean": mean_ms,
+            "phases_ms": dict(phases), "forward_ms": dict(inside), "unlabelled_ms": max(mean_ms - sum(phases.values()), 0.0)}
+
+
+def report(runs: dict) -> str:
+    """Markdown tables of the runs in a results file (one column per label)."""
+    labels = list(runs)
+    lines = ["| | " + " | ".join(labels) + " |", "| --- |" + " --- |" * len(labels)]
+
+    def row(name, get):
+        cells = []
+        for lab in labels:
+            try:
+                cells.append(get(runs[lab]))
+            except (KeyError, IndexError, TypeError, StopIteration):
+                cells.append("-")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+
+    for i, setting in enumerate(("batch 1", "batch 8")):
+        row(f"{setting}: vLLM tok/s", lambda r, i=i: f"{r['plain'][i]['vllm_tok_s']:.1f}")
+        row(f"{setting}: ours tok/s", lambda r, i=i: f"{r['plain'][i]['ours_tok_s']:.1f}")
+        row(f"{setting}: ours / vLLM (median of rounds)", lambda r, i=i: f"**{r['plain'][i]['ratio_median']:.2f}x** "
+            f"({min(x['ratio'] for x in r['plain'][i]['rounds']):.2f}-{max(x['ratio'] for x in r['plain'][i]['rounds']):.2f})")
+    nodes = sorted({int(n) for r in runs.values() for n in r.get("step_cost", {}).get("step_ms", {})})
+    for n in nodes:
+        row(f"step ms, {n} nodes" if n else "step ms, plain", lambda r, n=n: f"{r['step_cost']['step_ms'][str(n)]:.1f}")
+    for n in nodes:
+        if n:
+            row(f"verification / plain step, {n} nodes", lambda r, n=n: f"{r['step_cost']['ratio'][str(n)]:.2f}x")
+    lines.append("")
+    for lab in labels:
+        for prof in runs[lab].get("profile", []):
+            lines.append(f"{lab}, {prof['nodes']} nodes: step {prof['step_ms_mean']:.1f} ms = "
+                         + ", ".join(f"{k} {v:.2f}" for k, v in sorted(prof["phases_ms"].items(), key=lambda kv: -kv[1]))
+                         + f", unlabelled {prof['unlabelled_ms']:.2f}; forward = "
+                         + ", ".join(f"{k} {v:.2f}" for k, v in sorted(prof["forward_ms"].items(), key=lambda kv: -kv[1])))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--prompts", type=int, default=3, help="batch-1 prompts (MT-Bench first turns)")
+    ap.add_argument("--batch", type=int, default=8, help="the batched run's batch size (0: skip it)")
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--nodes", type=int, nargs="*", default=[2, 16, 64])
+    ap.add_argument("--steps", type=int, default=12, help="steps per verification timing run")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--profile-steps", type=int, default=8)
+    ap.add_argument("--no-vllm", action="store_true")
+    ap.add_argument("--compile", action="store_true", help="EngineConfig(compile=True)")
+    ap.add_argument("--label", default="", help="a name for this run in the JSON (e.g. before / after)")
+    ap.add_argument("--out", default="bench/results/engine_step.json", help="JSON file of runs by --label (the entry is replaced)")
+    ap.add_argument("--report", metavar="JSON", help="print markdown tables of a results file and exit")
+    args = ap.parse_args()
+    if args.report:
+        print(report(json.loads(Path(args.report).read_text())))
+        return
+
+    result: dict = {"label": args.label, "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                    "cpu": cpu_description(), "load_average_start": os.getloadavg(), "args": vars(args)}
+    print(json.dumps(result["cpu"]))
+    rss0 = peak_rss_mib()
+    extra = {"compile": True} if args.compile else {}
+    engine = Engine.from_pretrained(args.model, None, EngineConfig(max_batch=max(args.batch, 1), **extra))
+    prompts = mt_bench_prompts(engine.tokenizer, max(args.prompts, args.batch))
+    one, many = prompts[: args.prompts], prompts[: args.batch]
+    ours(engine, one[:1], args.max_tokens, 1)  # warm-up
+    kv_mib = None
+    if args.batch:
+        _, st = engine.generate(many, SamplingParams(max_tokens=args.max_tokens), speculative=False)
+        kv_mib = getattr(st, "kv_bytes", 0) / 2**20 or None
+    rss1 = peak_rss_mib()
+    memory = {"ours_peak_rss_growth_mib": rss1 - rss0, "ours_rss_mib": rss_mib(), "weights_mib": sum(
+        {id(p): p.numel() * p.element_size() for p in engine.model.parameters()}.values()) / 2**20,
+        f"ours_kv_cache_mib_batch_{args.batch}": kv_mib}
+    if hasattr(engine, "kv_shape"):
+        memory["kv_bytes_per_token"] = engine.kv_shape.slot_bytes
+    llm = None
+    if not args.no_vllm:
+        llm = vllm_llm(str(engine.model.config._name_or_path))
+        stop = sorted(engine.stop_ids)
+        vllm(llm, one[:1], args.max_tokens, 1, stop)
+        if args.batch:
+            vllm(llm, many, args.max_tokens, args.batch, stop)
+        memory["vllm_peak_rss_growth_mib"] = peak_rss_mib() - rss1
+        memory["rss_with_both_mib"] = rss_mib()
+        memory["vllm_kv_cache_space_gib"] = float(os.environ["VLLM_CPU_KVCACHE_SPACE"])
+    result["memory"] = memory
+
+    runs = []
+    settings = [("batch 1", one, 1)] + ([(f"batch {args.batch}", many, args.batch)] if args.batch else [])
+    if llm is not None:
+        for name, ps, b in settings:
+            rows = []
+            for r in range(args.rounds):
+                order = ("vllm", "ours") if r % 2 == 0 else ("ours", "vllm")
+                got = {}
+                for who in order:
+                    got[who] = (vllm(llm, ps, args.max_tokens, b, stop) if who == "vllm" else ours(engine, ps, args.max_tokens, b))
+                (tv, sv, ov), (to, so, oo) = got["vllm"], got["ours"]
+                rows.append({"vllm_tok_s": tv / sv, "ours_tok_s": to / so, "ratio": (to / so) / (tv / sv),
+                             "vllm_tokens": tv, "ours_tokens": to, "same_prefix": same_prefix(oo, ov)})
+                print(name, f"round {r}", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in rows[-1].items()})
+            runs.append({"setting": name, "batch": b, "prompts": len(ps), "rounds": rows,
+                         "vllm_tok_s": statistics.median(x["vllm_tok_s"] for x in rows),
+                         "ours_tok_s": statistics.median(x["ours_tok_s"] for x in rows),
+                         "ratio_median": statistics.median(x["ratio"] for x in rows)})
+            print(name, "median ratio ours/vLLM", round(runs[-1]["ratio_median"], 3))
+    result["plain"] = runs
+
+    heads = random_heads(engine.model)
+    engines = tree_engines(engine, args.nodes, heads, args.compile)
+    secs = step_costs(engines, one[0], args.steps, args.rounds)
+    result["step_cost"] = {"step_ms": {n: 1000 * s for n, s in secs.items()},
+                           "ratio": {n: s / secs[0] for n, s in secs.items()},
+                           "proposal_ms": proposal_ms(engines, heads) if hasattr(engine, "proposer") else None}
+    print("step ms", {n: round(1000 * s, 2) for n, s in secs.items()}, "ratio", {n: round(s / secs[0], 3) for n, s in secs.items()})
+    if args.profile:
+        result["profile"] = [profile_steps(engines[n], one[0], n, args.profile_steps) for n in [0] + [n for n in (16, 64) if n in engines]]
+        for p in result["profile"]:
+            print(json.dumps(p))
+    result["load_average_end"] = os.getloadavg()
+    result["python"] = platform.python_version()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    runs = json.loads(out.read_text()) if out.is_file() else {}
+    runs[args.label or "run"] = result  # one file, one entry per label (before / after / ...)
+    atomic_write_bytes(out, (json.dumps(runs, indent=1, default=str) + "\n").encode())
+    print("wrote", out, "entry", args.label or "run")
+
+
+if __name__ == "__main__":
+    main()
