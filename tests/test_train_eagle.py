@@ -55,6 +55,24 @@ def test_drafter_reads_2h_into_qkv_fuses_three_layers_and_scores_the_draft_vocab
     }
 
 
+def test_a_fresh_drafter_starts_as_the_targets_tempered_logit_lens_at_its_highest_aux_layer():
+    from distill.heads.eagle import INIT_LENS_TEMPERATURE
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(_tiny_target()).double().eval()
+    vocab = DraftVocab.from_target_ids([3, 4, 9, 30], V)
+    d = EagleDrafter(DrafterConfig.for_target(target.config.to_dict(), [1, 2, 3], vocab.size), vocab).double()
+    d.init_from_target(target.get_output_embeddings().weight, target.model.norm.weight)
+    ids = torch.randint(0, V, (2, 6))
+    with torch.no_grad():
+        hs = target.model(input_ids=ids, output_hidden_states=True).hidden_states
+        aux = torch.cat([hs[i] for i in (1, 2, 3)], -1)
+        out = d(target.model.embed_tokens(ids), d.fuse(aux), torch.arange(6).expand(2, 6))
+        lens = target.lm_head(target.model.norm(hs[3]))[..., vocab.target_ids] / INIT_LENS_TEMPERATURE
+    assert torch.allclose(d.logits(out), lens, atol=1e-10)
+
+
 def test_drafter_output_is_causal_in_its_positions():
     d = _tiny_drafter()
     B, T = 1, 6

@@ -194,8 +194,6 @@ def build_eagle_module(backbone, cfg: TrainConfig, vocab: DraftVocab, report: Dr
     conf = backbone.config
     aux = parse_aux_layers(cfg.aux_layers, conf.num_hidden_layers)
     dconf = DrafterConfig.for_target(conf.to_dict(), aux, vocab.size)
-    if dconf.vocab_size != vocab.vocab_size:
-        raise ValueError(f"draft vocabulary of a {vocab.vocab_size}-token target for a {dconf.vocab_size}-token model")
     drafter = EagleDrafter(dconf, vocab)
     drafter.init_from_target(backbone.get_output_embeddings().weight.detach().float(),
                              backbone.get_decoder().norm.weight.detach().float())
