@@ -378,10 +378,15 @@ HeadsDirOpt = Annotated[Path, typer.Option("--heads", help="Heads folder made by
 def train_heads(
     config: ConfigOpt = None,
     data: DataOpt = None,
-    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Heads folder (vLLM Medusa format) + checkpoints/ + metrics.jsonl.")] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Heads folder (vLLM Medusa or EAGLE-3 format) + checkpoints/ + metrics.jsonl.")] = None,
     model: ModelOpt = None,
+    arch: Annotated[Optional[str], typer.Option(help="medusa (heads on the last hidden state) | eagle3 (one drafter layer on fused target features).")] = None,
     mode: Annotated[Optional[str], typer.Option(help="medusa1 (frozen backbone) | medusa2 (LoRA backbone + heads).")] = None,
     targets: Annotated[Optional[str], typer.Option(help="hard (sampled token) | soft (stored teacher top-k + tail bucket).")] = None,
+    ttt_steps: Annotated[Optional[int], typer.Option(help="eagle3: training-time-test steps unrolled (draft depths trained).")] = None,
+    draft_vocab: Annotated[Optional[str], typer.Option(help="eagle3: auto (covers >= 99% of generated tokens) | N most frequent generated tokens | 0 (full vocabulary); special tokens always.")] = None,
+    aux_layers: Annotated[Optional[str], typer.Option(help="eagle3: target layers fused into the feature: auto (2, N/2, N-3) or ids like 2,15,27.")] = None,
+    feature_loss: Annotated[Optional[float], typer.Option(help="eagle3: weight of EAGLE-1's smooth-L1 feature loss (0: off).")] = None,
     heads: Annotated[Optional[int], typer.Option(help="Number of Medusa heads K.")] = None,
     layers: Annotated[Optional[int], typer.Option(help="Residual blocks per head.")] = None,
     share_lm_head: Annotated[Optional[bool], typer.Option("--share-lm-head/--no-share-lm-head", help="Read every head through the base LM head (vLLM original_lm_head); only the blocks train.")] = None,
@@ -416,7 +421,7 @@ def train_heads(
     resume: Annotated[bool, typer.Option("--resume", help="Continue the run in OUT from its latest checkpoint.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
 ) -> None:
-    """Train Medusa heads (Medusa-1 or Medusa-2) on self-distilled shards; write a vLLM heads folder."""
+    """Train Medusa heads (Medusa-1 or Medusa-2) or an EAGLE-3 drafter on self-distilled shards; write a vLLM-loadable folder."""
     from distill.train import TrainConfig, train
 
     given = {k: v for k, v in locals().items() if k not in ("config", "quiet", "resume", "TrainConfig", "train") and v is not None}
@@ -427,12 +432,17 @@ def train_heads(
     if int(os.environ.get("RANK", "0")) != 0:  # under `accelerate launch`: the main process reports
         return
     final = s.final
-    heads_top1 = " ".join(f"{final.get(f'head{k}_top1', 0):.3f}" for k in range(1, cfg.heads + 1))
+    what, n = ("head", cfg.heads) if cfg.arch == "medusa" else ("step", cfg.ttt_steps)
+    top1 = " ".join(f"{final.get(f'{what}{k}_top1', 0):.3f}" for k in range(1, n + 1))
     typer.echo(f"{s.out}: {s.steps} steps, {s.tokens:,} tokens in {s.seconds:.1f}s ({s.tokens_per_s:.1f} tok/s), "
                f"peak memory {s.peak_memory_mb:.0f} MiB")
-    typer.echo(f"  last step: loss {final.get('loss', float('nan')):.4f}, head top-1 {heads_top1}")
+    typer.echo(f"  last step: loss {final.get('loss', float('nan')):.4f}, {what} top-1 {top1}")
+    if s.draft_vocab:
+        v = s.draft_vocab
+        typer.echo(f"  draft vocabulary: {v['size']:,} of {v['target_vocab']:,} tokens ({v['frequent']:,} most frequent + "
+                   f"{v['special_added']} special), covering {v['coverage']:.2%} of {v['generated_tokens']:,} generated tokens")
     typer.echo(f"  stopped after {s.steps} steps: continue with --resume" if s.stopped_early
-               else f"  heads: {s.out} (config.json + model.safetensors), metrics: {s.out}/metrics.jsonl")
+               else f"  {'heads' if cfg.arch == 'medusa' else 'drafter'}: {s.out} (config.json + model.safetensors), metrics: {s.out}/metrics.jsonl")
 
 
 @app.command()
@@ -473,10 +483,10 @@ def calibrate(
 def export(
     heads: HeadsDirOpt,
     out: Annotated[Path, typer.Option("--out", "-o", help="New folder to write.")],
-    format: Annotated[str, typer.Option("--format", "-f", help="medusa-repo (FasterDecoding/Medusa layout) | vllm.")] = "medusa-repo",
+    format: Annotated[str, typer.Option("--format", "-f", help="medusa-repo (FasterDecoding/Medusa layout) | vllm (Medusa heads) | vllm-eagle3 (an EAGLE-3 drafter).")] = "medusa-repo",
     base_model: Annotated[Optional[str], typer.Option(help="Base model id for medusa-repo's config (default: the one recorded).")] = None,
 ) -> None:
-    """Write a heads folder in another layout."""
+    """Write a heads or drafter folder in another layout."""
     from distill.heads.export import export_heads
 
     typer.echo(str(export_heads(heads, out, format, base_model)))

@@ -12,6 +12,11 @@ Formats
     blocks and an output layer: keys ``{h}.{l}.linear.weight|bias`` and
     ``{h}.{L}.weight``. A shared LM head is written out once per head (that layout
     has no sharing).
+``vllm-eagle3``
+    a clean copy of an EAGLE-3 drafter folder in vLLM's ``llama_eagle3`` layout
+    (``config.json`` + ``model.safetensors`` with ``fc``, ``midlayer.*``, ``norm``,
+    ``lm_head``, ``d2t``, ``t2d``), loaded and re-written so a bad folder fails here,
+    plus our side files (``distill-heads.json``, ``draft-vocab.json``, ...).
 """
 
 from __future__ import annotations
@@ -21,11 +26,12 @@ import shutil
 from pathlib import Path
 
 from distill.errors import ConfigError
+from distill.heads.eagle import EagleDrafter, is_eagle3_folder
 from distill.heads.model import DISTILL_HEADS_FILE, MedusaHeads, read_distill_meta
 from distill.store.atomic import StagedFolder
 
-FORMATS = ("vllm", "medusa-repo")
-SIDE_FILES = (DISTILL_HEADS_FILE, "tree.json", "calibration.json", "tree.png", "acceptance.png", "metrics.jsonl")
+FORMATS = ("vllm", "medusa-repo", "vllm-eagle3")
+SIDE_FILES = (DISTILL_HEADS_FILE, "tree.json", "calibration.json", "tree.png", "acceptance.png", "metrics.jsonl", "draft-vocab.json")
 
 
 def medusa_repo_state_dict(heads: MedusaHeads) -> dict:
@@ -41,7 +47,7 @@ def medusa_repo_state_dict(heads: MedusaHeads) -> dict:
 
 
 def export_heads(heads_dir: Path, out: Path, fmt: str = "medusa-repo", base_model: str | None = None) -> Path:
-    """Write ``heads_dir`` to ``out`` in ``fmt`` (atomically: a temp folder renamed into place)."""
+    """Write ``heads_dir`` (Medusa heads or an EAGLE-3 drafter) to ``out`` in ``fmt`` (atomically: a temp folder renamed into place)."""
     from safetensors.torch import save_file
 
     if fmt not in FORMATS:
@@ -49,11 +55,15 @@ def export_heads(heads_dir: Path, out: Path, fmt: str = "medusa-repo", base_mode
     heads_dir, out = Path(heads_dir), Path(out)
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"{out} exists and is not empty: choose a new --out")
-    heads = MedusaHeads.load(heads_dir)
+    eagle = is_eagle3_folder(heads_dir)
+    if eagle != (fmt == "vllm-eagle3"):
+        raise ConfigError(f"{heads_dir} holds {'an EAGLE-3 drafter' if eagle else 'Medusa heads'}: "
+                          + ("use --format vllm-eagle3" if eagle else f"--format {fmt} is for EAGLE-3 drafters (use vllm or medusa-repo)"))
+    heads = EagleDrafter.load(heads_dir) if eagle else MedusaHeads.load(heads_dir)
     meta = read_distill_meta(heads_dir)
     with StagedFolder(out) as stage:
         tmp = stage.path
-        if fmt == "vllm":
+        if fmt in ("vllm", "vllm-eagle3"):
             heads.save(tmp)
         else:
             base = base_model or meta.get("base_model", {}).get("id")

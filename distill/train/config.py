@@ -6,7 +6,10 @@ from dataclasses import asdict, dataclass
 
 from distill.configs import config_from_options
 from distill.errors import ConfigError
+from distill.heads.eagle import parse_aux_layers_spec
+from distill.train.draft_vocab import parse_draft_vocab
 
+ARCHS = ("medusa", "eagle3")
 MODES = ("medusa1", "medusa2")
 TARGETS = ("hard", "soft")
 LAMBDA0_SCHEDULES = ("sine", "two-stage", "constant")
@@ -22,6 +25,11 @@ RESUME_FREE = ("resume", "stop_after", "progress", "save_every", "keep_checkpoin
 class TrainConfig:
     """Everything ``distill train-heads`` does is decided here.
 
+    ``arch`` picks what trains: ``medusa`` (heads; ``mode``, ``heads``, ``layers``,
+    ``share_lm_head`` and the LoRA options apply) or ``eagle3`` (one drafter layer;
+    ``ttt_steps``, ``draft_vocab``, ``aux_layers`` and ``feature_loss`` apply). ``decay``
+    weighs Medusa head k by decay^k and EAGLE-3 step j (0-based) by decay^j.
+
     ``steps`` is the number of optimizer steps of the whole run (0: one pass over the
     data, ``epochs`` times); ``stop_after`` ends this invocation early (a checkpoint is
     written) so a later ``resume`` continues the same run.
@@ -30,6 +38,7 @@ class TrainConfig:
     data: str = ""
     out: str = "out/heads"
     model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
+    arch: str = "medusa"  # medusa | eagle3
     mode: str = "medusa1"
     targets: str = "hard"
     heads: int = 4
@@ -46,7 +55,11 @@ class TrainConfig:
     weight_decay: float = 0.0
     warmup_steps: int = 0
     max_grad_norm: float = 1.0
-    decay: float = 0.8  # Medusa-1 head weight decay^k
+    decay: float = 0.8  # Medusa-1 head weight decay^k; EAGLE-3 step weight decay^j
+    ttt_steps: int = 3  # eagle3: training-time-test steps unrolled (draft depths trained)
+    draft_vocab: str = "auto"  # eagle3: auto (>= 99% of generated tokens) | N most frequent | 0 (full vocabulary)
+    aux_layers: str = "auto"  # eagle3: target layers fused (auto: 2, N//2, N-3) or ids like "2,15,27"
+    feature_loss: float = 0.0  # eagle3: weight of EAGLE-1's smooth-L1 feature loss (0: off, as EAGLE-3)
     loss_chunk: int = 128  # time positions per loss chunk (memory grows with it, not with T)
     lambda0: float = 0.2
     lambda0_schedule: str = "sine"
@@ -72,6 +85,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if not self.data:
             raise ConfigError("--data is required: a dataset folder made by `distill generate`")
+        if self.arch not in ARCHS:
+            raise ConfigError(f"--arch must be one of {', '.join(ARCHS)}; got '{self.arch}'")
         if self.mode not in MODES:
             raise ConfigError(f"--mode must be one of {', '.join(MODES)}; got '{self.mode}'")
         if self.targets not in TARGETS:
@@ -82,13 +97,16 @@ class TrainConfig:
             raise ConfigError(f"--precision must be one of {', '.join(PRECISIONS)}; got '{self.precision}'")
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}; got '{self.optimizer}'")
-        for name in ("heads", "layers", "batch_size", "grad_accum", "epochs", "loss_chunk", "log_every", "lora_r"):
+        self._check_arch_options()
+        for name in ("heads", "layers", "batch_size", "grad_accum", "epochs", "loss_chunk", "log_every", "lora_r", "ttt_steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(self, name)}")
         if not 0 <= self.context <= self.max_len // 2:
             raise ConfigError(f"--context must be between 0 and --max-len / 2 ({self.max_len // 2}); got {self.context}")
-        if self.max_len < self.heads + 2:
-            raise ConfigError(f"--max-len ({self.max_len}) must exceed --heads + 1 so every head has a target")
+        ahead = self.heads if self.arch == "medusa" else self.ttt_steps
+        if self.max_len < ahead + 2:
+            what = "--heads" if self.arch == "medusa" else "--ttt-steps"
+            raise ConfigError(f"--max-len ({self.max_len}) must exceed {what} + 1 so every {'head' if self.arch == 'medusa' else 'step'} has a target")
         for name in ("steps", "warmup_steps", "lambda0_warmup", "save_every", "keep_checkpoints", "stop_after", "shuffle_buffer"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 0; got {getattr(self, name)}")
@@ -98,8 +116,24 @@ class TrainConfig:
             raise ConfigError(f"--decay must be in (0, 1]; got {self.decay}")
         if self.lambda0 < 0 or not 0 <= self.lora_dropout < 1:
             raise ConfigError(f"--lambda0 must be >= 0 and --lora-dropout in [0, 1); got {self.lambda0}, {self.lora_dropout}")
+        if self.feature_loss < 0:
+            raise ConfigError(f"--feature-loss must be >= 0; got {self.feature_loss}")
         if self.merge_adapter and self.mode != "medusa2":
             raise ConfigError("--merge-adapter only applies to --mode medusa2 (Medusa-1 leaves the backbone untouched)")
+
+    def _check_arch_options(self) -> None:
+        """Canonical forms of the EAGLE-3 options; an option of the other architecture set away from its default is an error."""
+        self.draft_vocab = parse_draft_vocab(self.draft_vocab)
+        self.aux_layers = parse_aux_layers_spec(self.aux_layers)
+        if self.arch == "medusa":
+            other = {"ttt_steps": 3, "draft_vocab": "auto", "aux_layers": "auto", "feature_loss": 0.0}
+        else:
+            other = {"mode": "medusa1", "heads": 4, "layers": 1, "share_lm_head": False}
+        changed = [k for k, default in other.items() if getattr(self, k) != default]
+        if changed:
+            names = ", ".join("--" + k.replace("_", "-") for k in changed)
+            owner = "eagle3" if self.arch == "medusa" else "medusa"
+            raise ConfigError(f"{names} only appl{'ies' if len(changed) == 1 else 'y'} to --arch {owner} (this run is --arch {self.arch})")
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -155,6 +155,18 @@ def collate(examples: list[Example], pad_id: int = 0) -> dict[str, torch.Tensor]
     return out
 
 
+def decoder_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What a transformers decoder is given besides ``input_ids`` for this batch.
+
+    A packed batch passes its restarting ``position_ids`` and no 2D mask: transformers then
+    masks attention block-diagonally per window (``masking_utils``' packed-sequence path).
+    A padded batch passes its ``attention_mask``.
+    """
+    if "position_ids" in batch:
+        return {"position_ids": batch["position_ids"]}
+    return {"attention_mask": batch["attention_mask"]}
+
+
 def iter_batches(root: Path, max_len: int, batch_size: int, epoch: int, seed: int = 0, shuffle_buffer: int = 0,
                  skip: int = 0, context: int = 0, pack: bool = False) -> Iterator[dict[str, torch.Tensor]]:
     """Batches of one epoch, skipping the first ``skip`` (the data position on resume)."""

@@ -1,4 +1,4 @@
-"""Medusa training losses: pure tensor functions, computed in chunks over time.
+"""Medusa and EAGLE-3 training losses: pure tensor functions, computed in chunks over time.
 
 Terms
 -----
@@ -25,6 +25,18 @@ KL
 Medusa-1 loss
     ``Σ_k decay^k · CE_k`` over heads k = 1..K (decay 0.8), each CE the mean over
     that head's valid positions.
+draft vocabulary (EAGLE-3)
+    a term may score a reduced vocabulary: ``vocab_map`` (V,) gives each target id's
+    draft id (-1 outside, :class:`distill.heads.vocab.DraftVocab`). Hard targets outside
+    it cannot be trained and are counted as ``excluded``; teacher candidates outside it
+    are dropped and the remaining buckets (kept top-k + tail) renormalized: the teacher
+    conditioned on the draft vocabulary.
+TTT loss (EAGLE-3)
+    ``Σ_j decay^j · CE_j`` over unrolled steps j = 0..n-1 (EAGLE-3's 0.8^j: step 0
+    weighs 1); step j at position t predicts token t+j+2 (offset j+2, as Medusa head j+1).
+feature loss (EAGLE-1)
+    smooth-L1 between the drafter's normed output and the target's last hidden state
+    that predicts the same token (:func:`feature_l1`).
 
 Memory: no function here builds (B, T, K, V). :func:`chunked_term_losses` gathers, per
 term, the positions that have a target (prompt, context and padding positions cost no
@@ -58,6 +70,11 @@ def head_weights(num_heads: int, decay: float = 0.8) -> torch.Tensor:
     return torch.tensor([decay ** k for k in range(1, num_heads + 1)], dtype=torch.float32)
 
 
+def step_weights(num_steps: int, decay: float = 0.8) -> torch.Tensor:
+    """EAGLE-3 training-time-test weights ``decay^j`` for steps j = 0..n-1: (n,)."""
+    return torch.tensor([decay ** j for j in range(num_steps)], dtype=torch.float32)
+
+
 def shift_left(x: torch.Tensor, offset: int, fill) -> torch.Tensor:
     """``out[:, t] = x[:, t + offset]``, ``fill`` where t + offset >= T. x: (B, T, ...)."""
     out = torch.full_like(x, fill)
@@ -84,17 +101,30 @@ def teacher_buckets(teacher_lp: torch.Tensor) -> torch.Tensor:
     return torch.where(total > 0, q / total.clamp_min(1e-30), torch.zeros_like(q))
 
 
+def restrict_buckets(q: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Drop the candidates not kept and renormalize: q (..., K+1), keep (..., K) bool -> (..., K+1).
+
+    Rows where every candidate is kept come back unchanged; a row left without mass is all zeros.
+    """
+    kept = torch.cat([q[..., :-1] * keep, q[..., -1:]], -1)  # (..., K+1)
+    total = kept.sum(-1, keepdim=True)
+    renorm = torch.where(total > 0, kept / total.clamp_min(1e-30), torch.zeros_like(kept))
+    return torch.where(keep.all(-1, keepdim=True), q, renorm)
+
+
 def student_bucket_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Student log-probabilities of the teacher's K ids and of the tail: logits (..., V), ids (..., K) -> (..., K+1).
 
-    ids < 0 (no teacher) are treated as index 0; callers mask those rows. The tail
-    is ``logsumexp`` of every id not among ``ids`` (-inf when the ids cover the vocabulary).
+    An id < 0 is no candidate (no teacher, or outside the draft vocabulary): its entry is
+    -inf and it takes nothing from the tail. The tail is ``logsumexp`` of every id not
+    among ``ids`` (-inf when the ids cover the vocabulary).
     """
     logits = _up(logits)
     lse = torch.logsumexp(logits, -1, keepdim=True)  # (..., 1)
-    safe = ids.clamp_min(0)
-    top = logits.gather(-1, safe) - lse  # (..., K)
-    masked = logits.scatter(-1, safe, float("-inf"))  # (..., V): the tail ids only
+    padded = torch.cat([logits, torch.full_like(logits[..., :1], float("-inf"))], -1)  # (..., V+1): column V is "none"
+    safe = torch.where(ids >= 0, ids, torch.full_like(ids, logits.shape[-1]))
+    top = padded.gather(-1, safe) - lse  # (..., K)
+    masked = padded.scatter(-1, safe, float("-inf"))  # (..., V+1): the tail ids only
     tail = torch.logsumexp(masked, -1, keepdim=True) - lse  # (..., 1)
     return torch.cat([top, tail], -1)
 
@@ -111,8 +141,11 @@ def hard_ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def soft_ce(logits: torch.Tensor, teacher_ids: torch.Tensor, teacher_lp: torch.Tensor) -> torch.Tensor:
-    """Per-position CE against the bucketed teacher: (..., V), (..., K), (..., K) -> (...)."""
-    q = teacher_buckets(teacher_lp)  # (..., K+1)
+    """Per-position CE against the bucketed teacher: (..., V), (..., K), (..., K) -> (...).
+
+    Candidates with id < 0 (outside a draft vocabulary) are dropped and the rest renormalized.
+    """
+    q = restrict_buckets(teacher_buckets(teacher_lp), teacher_ids >= 0)  # (..., K+1)
     s = student_bucket_logprobs(logits, teacher_ids)  # (..., K+1)
     return -_xlogy(q, s).sum(-1)
 
@@ -124,9 +157,14 @@ def sparse_kl(logits: torch.Tensor, teacher_ids: torch.Tensor, teacher_lp: torch
     return (_xlogy(q, q.clamp_min(1e-30).log()) - _xlogy(q, s)).sum(-1)
 
 
+def feature_l1(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """EAGLE-1 feature regression: per-position smooth-L1 summed over H: (..., H), (..., H) -> (...)."""
+    return F.smooth_l1_loss(_up(pred), _up(target), reduction="none").sum(-1)
+
+
 def topk_hits(logits: torch.Tensor, targets: torch.Tensor, ks: Sequence[int] = (1, 5)) -> list[torch.Tensor]:
     """Per-position hit indicators (target within the top-k) for each k: (..., V), (...) -> [(...) bool]."""
-    top = logits.topk(max(ks), dim=-1).indices  # (..., max k)
+    top = logits.topk(min(max(ks), logits.shape[-1]), dim=-1).indices  # (..., max k), at most V
     eq = top == targets.unsqueeze(-1)
     return [eq[..., :k].any(-1) for k in ks]
 
@@ -154,6 +192,7 @@ class TermStats:
     top1: float
     top5: float
     count: float
+    excluded: float = 0.0  # positions with a target outside the draft vocabulary (no loss; a miss for any draft)
 
 
 def _chunk_fn(term: Term, with_stats: bool):
@@ -187,6 +226,7 @@ def chunked_term_losses(
     recompute: bool = True,
     with_stats: bool = True,
     segment_ids: torch.Tensor | None = None,
+    vocab_map: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, list[TermStats]]:
     """Mean loss of every term over its valid positions, walking T in chunks.
 
@@ -195,6 +235,8 @@ def chunked_term_losses(
     losses (0 for a term with no valid position) and per-term summed stats.
     With ``recompute`` and grad enabled, each chunk's logits are rebuilt in backward.
     ``segment_ids`` (B, T) (packed rows): a position and its target must be in the same segment.
+    ``vocab_map`` (V,) (a draft vocabulary): the terms' logits are over draft ids; targets
+    and teacher candidates are mapped through it (see "draft vocabulary").
     """
     B, T, _ = hidden.shape
     needs_teacher = any(t.kind != "hard" for t in terms)
@@ -209,6 +251,16 @@ def chunked_term_losses(
             t_ids = shift_left(teacher_ids, term.offset, -1)  # (B, T, Kt)
             t_lp = shift_left(teacher_lp, term.offset, float("-inf"))  # (B, T, Kt)
             valid = valid & (t_ids[..., 0] >= 0)
+        excluded = 0.0
+        if vocab_map is not None:
+            tgt = vocab_map[tgt]  # (B, T) draft ids, -1 outside
+            if needs_teacher:
+                t_ids = torch.where(t_ids >= 0, vocab_map[t_ids.clamp_min(0)], t_ids)  # (B, T, Kt)
+                q = restrict_buckets(teacher_buckets(t_lp), t_ids >= 0)  # (B, T, Kt+1)
+                valid = valid & (q.sum(-1) > 0)
+            if term.kind == "hard":
+                excluded = float((valid & (tgt < 0)).sum())
+                valid = valid & (tgt >= 0)
         count = valid.sum()
         fn = _chunk_fn(term, with_stats)
         total = hidden.new_zeros((), dtype=torch.float64 if hidden.dtype == torch.float64 else torch.float32)
@@ -234,6 +286,6 @@ def chunked_term_losses(
             h5 += float(c5)
         n = float(count)
         losses.append(total / max(n, 1.0))
-        stats.append(TermStats(loss_sum=float(total.detach()), top1=h1, top5=h5, count=n))
+        stats.append(TermStats(loss_sum=float(total.detach()), top1=h1, top5=h5, count=n, excluded=excluded))
     return torch.stack(losses), stats
 

@@ -1,4 +1,17 @@
-"""The ``distill train-heads`` trainer: Medusa-1 / Medusa-2 with accelerate.
+"""The ``distill train-heads`` trainer: Medusa-1 / Medusa-2 heads or an EAGLE-3 drafter, with accelerate.
+
+One loop serves every architecture (data, packing, optimizer, lr schedule, gradient
+accumulation, checkpoints, exact resume, metrics, outputs); what differs is a *train
+module* built by :func:`build_module`: :class:`HeadsTrainModule` here (Medusa) or
+:class:`distill.train.eagle.EagleTrainModule`. A train module has
+
+``forward(batch, step) -> (loss, [TermStats])``  the loss of one micro-batch at optimizer step ``step``
+``term_names``                                  one name per stats entry (metrics ``{name}_loss``, ...)
+``progress_metric``                             the record key the progress bar shows
+``param_groups() -> [dict]``                    optimizer groups of its trainable parameters
+``record(step, sums) -> dict``                  its metrics from the summed stats of a step
+``identity() -> dict``                          what a --resume must find unchanged beyond the config
+``save(out, extra)``                            its final files (``extra``: the shared metadata)
 
 Terms
 -----
@@ -36,10 +49,12 @@ from torch import nn
 from distill.errors import ConfigError
 from distill.heads.model import HeadsConfig, MedusaHeads
 from distill.train import checkpoint as ckpt
-from distill.train.config import PRECISION_DTYPES, TrainConfig
 from distill.runtime import Placement, dataset_dtype, stage_dtype
+from distill.train.config import PRECISION_DTYPES, TrainConfig
+from distill.train.draft_vocab import choose_draft_vocab, generated_token_counts, special_token_ids
+from distill.train.eagle import build_eagle_module
 from distill.store import manifest_encoding
-from distill.train.data import count_tokens, dataset_meta, iter_batches, iter_examples
+from distill.train.data import count_tokens, dataset_meta, decoder_inputs, iter_batches, iter_examples
 from distill.train.losses import Term, TermStats, chunked_term_losses, head_weights
 
 METRICS_FILE = "metrics.jsonl"
@@ -70,7 +85,7 @@ def lr_factor(step: int, warmup: int, total: int) -> float:
 
 
 class HeadsTrainModule(nn.Module):
-    """Backbone + heads; ``forward(batch, lam)`` returns the loss and per-term stats."""
+    """Backbone + Medusa heads; ``forward(batch, step)`` returns the loss and per-term stats."""
 
     def __init__(self, backbone: nn.Module, heads: MedusaHeads, cfg: TrainConfig):
         super().__init__()
@@ -78,17 +93,25 @@ class HeadsTrainModule(nn.Module):
         self.heads = heads
         self.cfg = cfg
         self.register_buffer("weights", head_weights(heads.config.num_heads, cfg.decay), persistent=False)
+        self.term_names = [f"head{k + 1}" for k in range(heads.config.num_heads)] + (["lm"] if cfg.mode == "medusa2" else [])
+        self.progress_metric = "head1_top1"
+
+    def param_groups(self) -> list[dict]:
+        """Heads at ``lr``; LoRA (Medusa-2) at ``lr / heads_lr_ratio``."""
+        cfg = self.cfg
+        groups = [{"params": [p for p in self.heads.parameters() if p.requires_grad], "lr": cfg.lr, "name": "heads"}]
+        lora = [p for p in self.backbone.parameters() if p.requires_grad]
+        if lora:
+            groups.append({"params": lora, "lr": cfg.lr / cfg.heads_lr_ratio, "name": "lora"})
+        return groups
+
+    def identity(self) -> dict:
+        return {}
 
     def hidden_states(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Last hidden state after the final norm (what the LM head reads): (B, T, H).
-
-        A packed batch passes restarting ``position_ids`` and no 2D mask: transformers then
-        masks attention block-diagonally per window (``masking_utils``' packed-sequence path).
-        """
+        """Last hidden state after the final norm (what the LM head reads): (B, T, H)."""
         decoder = self.backbone.get_decoder()
-        if "position_ids" in batch:
-            return decoder(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).last_hidden_state
-        return decoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).last_hidden_state
+        return decoder(input_ids=batch["input_ids"], use_cache=False, **decoder_inputs(batch)).last_hidden_state
 
     def terms(self, with_lm: bool) -> list[Term]:
         kind = "soft" if self.cfg.targets == "soft" else "hard"
@@ -98,8 +121,10 @@ class HeadsTrainModule(nn.Module):
             out.append(Term(lambda h: lm(h), offset=1, kind="kl"))
         return out
 
-    def forward(self, batch: dict[str, torch.Tensor], lam: float, joint: bool) -> tuple[torch.Tensor, list[TermStats]]:
-        """joint: Medusa-2 (backbone trains, ``L_LM + lam * L_medusa1``); else ``L_medusa1`` on a frozen backbone."""
+    def forward(self, batch: dict[str, torch.Tensor], step: int) -> tuple[torch.Tensor, list[TermStats]]:
+        """Medusa-2 outside stage 1 (backbone trains, ``L_LM + λ0 · L_medusa1``); else ``L_medusa1`` on a frozen backbone."""
+        joint = joint_at(self.cfg, step)
+        lam = lambda0_at(self.cfg, step) if self.cfg.mode == "medusa2" else 1.0
         if joint:
             hidden = self.hidden_states(batch)  # (B, T, H)
         else:
@@ -115,6 +140,39 @@ class HeadsTrainModule(nn.Module):
         loss = losses[K] + lam * medusa1 if joint else medusa1
         return loss, stats
 
+    def record(self, step: int, sums: np.ndarray) -> dict:
+        """Per-head loss / top-1 / top-5; Medusa-2 also λ0 and the LM's KL / top-1."""
+        cfg, K = self.cfg, self.heads.config.num_heads
+        rec = {}
+        if cfg.mode == "medusa2":
+            rec["lambda0"] = lambda0_at(cfg, step)
+            if sums[K, 3] > 0:
+                rec["lm_kl"] = sums[K, 0] / sums[K, 3]
+                rec["lm_top1"] = sums[K, 1] / sums[K, 3]
+        for k in range(K):
+            n = max(sums[k, 3], 1.0)
+            rec[f"head{k + 1}_loss"] = sums[k, 0] / n
+            rec[f"head{k + 1}_top1"] = sums[k, 1] / n
+            rec[f"head{k + 1}_top5"] = sums[k, 2] / n
+        return rec
+
+    def save(self, out: Path, extra: dict) -> None:
+        """The vLLM Medusa folder; Medusa-2 also its LoRA adapter (and the merged model with --merge-adapter)."""
+        cfg = self.cfg
+        extra = {**extra, "arch": "medusa"}
+        if cfg.mode == "medusa2":
+            backbone = self.backbone
+            backbone.save_pretrained(str(out / "adapter"), safe_serialization=True)
+            extra["adapter"] = "adapter"
+            if cfg.merge_adapter:
+                merged = backbone.merge_and_unload()
+                merged.save_pretrained(str(out / "merged"), safe_serialization=True)
+                from transformers import AutoTokenizer
+
+                AutoTokenizer.from_pretrained(extra["base_model"]["path"]).save_pretrained(str(out / "merged"))
+                extra["merged_model"] = "merged"
+        self.heads.float().save(out, extra=extra)
+
 
 @dataclass
 class TrainSummary:
@@ -126,6 +184,7 @@ class TrainSummary:
     peak_memory_mb: float
     final: dict = field(default_factory=dict)
     stopped_early: bool = False
+    draft_vocab: dict = field(default_factory=dict)  # eagle3: the draft vocabulary's report (size, coverage, ...)
 
 
 def _peak_memory_mb(device: torch.device) -> float:
@@ -148,6 +207,23 @@ def build_heads(backbone, cfg: TrainConfig) -> MedusaHeads:
     hcfg = HeadsConfig(hidden_size=conf.hidden_size, vocab_size=lm.shape[0], num_heads=cfg.heads,
                        num_layers=cfg.layers, share_lm_head=cfg.share_lm_head)
     return MedusaHeads(hcfg, lm_head_weight=lm.detach().float())
+
+
+def build_module(backbone, cfg: TrainConfig, data: Path, model_path: Path) -> nn.Module:
+    """The train module of ``cfg.arch`` around a frozen backbone (Medusa-2 adds its LoRA adapters here)."""
+    if cfg.arch == "eagle3":
+        vocab_size = backbone.get_output_embeddings().weight.shape[0]
+        vocab, report = choose_draft_vocab(generated_token_counts(data, vocab_size), cfg.draft_vocab, special_token_ids(model_path))
+        return build_eagle_module(backbone, cfg, vocab, report)
+    heads = build_heads(backbone, cfg)
+    if cfg.mode == "medusa2":
+        backbone = add_lora(backbone, cfg)
+        if cfg.gradient_checkpointing:
+            backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        backbone.train()
+    else:
+        backbone.eval()
+    return HeadsTrainModule(backbone, heads, cfg)
 
 
 def add_lora(backbone, cfg: TrainConfig):
@@ -205,8 +281,9 @@ class Trainer:
         ds_meta = dataset_meta(data)
         if manifest_encoding(ds_meta) is None and (cfg.targets == "soft" or cfg.mode == "medusa2"):
             raise ConfigError(
-                f"{data} has no teacher top-k (made from seed text): train it with --targets hard --mode medusa1, "
-                "or regenerate it with `distill generate` for soft targets and Medusa-2's KL"
+                f"{data} has no teacher top-k (made from seed text): train it with --targets hard"
+                + (" --mode medusa1" if cfg.arch == "medusa" else "")
+                + ", or regenerate it with `distill generate` for soft targets and Medusa-2's KL"
             )
         resolved = resolve_model(cfg.model)
 
@@ -239,22 +316,8 @@ class Trainer:
             raise ConfigError(f"{data} was generated with a {ds_vocab}-token vocabulary but the model has {vocab}: pass the --model that made the data")
         for p in backbone.parameters():
             p.requires_grad_(False)
-        heads = build_heads(backbone, cfg)
-        if cfg.mode == "medusa2":
-            backbone = add_lora(backbone, cfg)
-            if cfg.gradient_checkpointing:
-                backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            backbone.train()
-        else:
-            backbone.eval()
-        module = HeadsTrainModule(backbone, heads, cfg).to(device)
-
-        head_params = [p for p in heads.parameters() if p.requires_grad]
-        lora_params = [p for n, p in backbone.named_parameters() if p.requires_grad]
-        groups = [{"params": head_params, "lr": cfg.lr, "name": "heads"}]
-        if lora_params:
-            groups.append({"params": lora_params, "lr": cfg.lr / cfg.heads_lr_ratio, "name": "lora"})
-        optimizer, opt_name = _make_optimizer(groups, cfg, device)
+        module = build_module(backbone, cfg, data, resolved.path).to(device)
+        optimizer, opt_name = _make_optimizer(module.param_groups(), cfg, device)
         base_lrs = [g["lr"] for g in optimizer.param_groups]
 
         total = cfg.steps or math.ceil(count_batches(data, cfg.max_len, cfg.batch_size, cfg.context, cfg.pack, cfg.shuffle_buffer, cfg.seed) * cfg.epochs / (cfg.grad_accum * world))
@@ -262,15 +325,21 @@ class Trainer:
             raise ConfigError(f"{data} holds no training window with a generated token")
 
         module, optimizer = accelerator.prepare(module, optimizer)
-        trainable = {n: p for n, p in accelerator.unwrap_model(module).named_parameters() if p.requires_grad}
+        core = accelerator.unwrap_model(module)
+        trainable = {n: p for n, p in core.named_parameters() if p.requires_grad}
 
         step, epoch, batches = 0, 0, 0
         metrics_path = out / METRICS_FILE
         if resume_from is not None:
             tensors, opt_sd, doc = ckpt.load_checkpoint(resume_from)
-            if doc["config"] != cfg.run_key():
-                changed = sorted(k for k in cfg.run_key() if doc["config"].get(k) != cfg.run_key()[k])
+            saved = {**_defaults(), **doc["config"]}  # a checkpoint from before an option existed ran at its default
+            changed = sorted(k for k in cfg.run_key() if saved.get(k) != cfg.run_key()[k])
+            if changed:
                 raise ConfigError(f"--resume: {out} holds a run with different options ({', '.join(changed)}); use the same options or another --out")
+            for key, value in core.identity().items():
+                if doc.get(key) != value:
+                    raise ConfigError(f"--resume: {out} was trained with another {key.replace('_', ' ')} (the data changed?); "
+                                      "use the same data or another --out")
             with torch.no_grad():
                 for n, p in trainable.items():
                     p.copy_(tensors[n].to(p.device, p.dtype))
@@ -286,10 +355,10 @@ class Trainer:
         if self.progress and accelerator.is_main_process:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=total, initial=step, desc=f"train-heads {cfg.mode}", unit="step", dynamic_ncols=True)
+            bar = tqdm(total=total, initial=step, desc=f"train-heads {cfg.mode if cfg.arch == 'medusa' else cfg.arch}", unit="step",
+                       dynamic_ncols=True)
 
         stream = iter_batches(data, cfg.max_len, cfg.batch_size, epoch, cfg.seed, cfg.shuffle_buffer, skip=batches, context=cfg.context, pack=cfg.pack)
-        K = cfg.heads
         t0 = time.monotonic()
         tokens_run = 0
         last: dict = {}
@@ -310,11 +379,10 @@ class Trainer:
             return mine
 
         while step < stop_at:
-            lam = lambda0_at(cfg, step) if cfg.mode == "medusa2" else 1.0
             factor = lr_factor(step, cfg.warmup_steps, total)
             for g, base in zip(optimizer.param_groups, base_lrs):
                 g["lr"] = base * factor
-            sums = np.zeros((K + 1, 4))  # per term: loss_sum, top1, top5, count
+            sums = np.zeros((len(core.term_names), 5))  # per term: loss_sum, top1, top5, count, excluded
             step_loss = 0.0
             step_tokens = 0
             for micro in range(cfg.grad_accum):
@@ -323,18 +391,18 @@ class Trainer:
                 sync = micro == cfg.grad_accum - 1
                 ctx = accelerator.no_sync(module) if not sync and world > 1 else _null()
                 with ctx:
-                    loss, stats = module(batch, lam, joint_at(cfg, step))
+                    loss, stats = module(batch, step)
                     accelerator.backward(loss / cfg.grad_accum)
                 step_loss += float(loss.detach()) / cfg.grad_accum
                 for i, s in enumerate(stats):
-                    sums[i] += (s.loss_sum, s.top1, s.top5, s.count)
+                    sums[i] += (s.loss_sum, s.top1, s.top5, s.count, s.excluded)
             if cfg.max_grad_norm > 0:
                 accelerator.clip_grad_norm_([p for p in trainable.values()], cfg.max_grad_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
             tokens_run += step_tokens * world
-            record = _record(step, step_loss, sums, K, cfg, lam, optimizer, tokens_run, time.monotonic() - t0)
+            record = {**_record(step, step_loss, optimizer, tokens_run, time.monotonic() - t0), **core.record(step - 1, sums)}
             last = record
             if accelerator.is_main_process and (step % cfg.log_every == 0 or step == stop_at):
                 with open(metrics_path, "a") as f:
@@ -345,12 +413,13 @@ class Trainer:
                             writer.add_scalar(key, v, step)
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(loss=f"{step_loss:.3f}", top1=f"{record.get('head1_top1', 0):.3f}")
+                bar.set_postfix(loss=f"{step_loss:.3f}", top1=f"{record.get(core.progress_metric, 0):.3f}")
             if (cfg.save_every and step % cfg.save_every == 0) or step == stop_at:
                 accelerator.wait_for_everyone()
                 if accelerator.is_main_process:
                     ckpt.save_checkpoint(out, step, trainable, optimizer.state_dict(),
-                                         {"epoch": epoch, "batches": batches, "config": cfg.run_key(), "optimizer_name": opt_name})
+                                         {"epoch": epoch, "batches": batches, "config": cfg.run_key(), "optimizer_name": opt_name,
+                                          **core.identity()})
                     ckpt.prune_checkpoints(out, cfg.keep_checkpoints)
         if bar is not None:
             bar.close()
@@ -359,17 +428,17 @@ class Trainer:
         seconds = time.monotonic() - t0
         summary = TrainSummary(out=str(out), steps=step, tokens=tokens_run, seconds=seconds,
                                tokens_per_s=tokens_run / seconds if seconds > 0 else 0.0,
-                               peak_memory_mb=_peak_memory_mb(device), final=last, stopped_early=step < total)
+                               peak_memory_mb=_peak_memory_mb(device), final=last, stopped_early=step < total,
+                               draft_vocab=core.report.to_dict() if cfg.arch == "eagle3" else {})
         if accelerator.is_main_process and step >= total:
-            self._write_outputs(accelerator.unwrap_model(module), resolved, ds_meta, summary, opt_name, where)
+            self._write_outputs(core, resolved, ds_meta, summary, opt_name, where)
         accelerator.wait_for_everyone()
         return summary
 
-    def _write_outputs(self, module: HeadsTrainModule, resolved, ds_meta: dict, summary: TrainSummary, opt_name: str,
+    def _write_outputs(self, module: nn.Module, resolved, ds_meta: dict, summary: TrainSummary, opt_name: str,
                        where: Placement) -> None:
         cfg = self.cfg
         out = Path(cfg.out)
-        heads = module.heads.float()
         extra = {
             "base_model": {"id": resolved.model_id, "revision": resolved.revision, "path": str(resolved.path)},
             "dataset": {"path": str(Path(cfg.data).resolve()), "model": ds_meta.get("model"), "teacher": ds_meta.get("teacher"),
@@ -381,34 +450,20 @@ class Trainer:
             "optimizer": opt_name,
             "metrics": {k: v for k, v in summary.__dict__.items() if k != "out"},
         }
-        if cfg.mode == "medusa2":
-            backbone = module.backbone
-            backbone.save_pretrained(str(out / "adapter"), safe_serialization=True)
-            extra["adapter"] = "adapter"
-            if cfg.merge_adapter:
-                merged = backbone.merge_and_unload()
-                merged.save_pretrained(str(out / "merged"), safe_serialization=True)
-                from transformers import AutoTokenizer
-
-                AutoTokenizer.from_pretrained(resolved.path).save_pretrained(str(out / "merged"))
-                extra["merged_model"] = "merged"
-        heads.save(out, extra=extra)
+        module.save(out, extra)
 
 
-def _record(step, step_loss, sums, K, cfg, lam, optimizer, tokens, seconds) -> dict:
-    rec = {"step": step, "loss": step_loss, "lr": optimizer.param_groups[0]["lr"], "tokens": tokens,
-           "tokens_per_s": tokens / seconds if seconds > 0 else 0.0}
-    if cfg.mode == "medusa2":
-        rec["lambda0"] = lam
-        if sums[K, 3] > 0:
-            rec["lm_kl"] = sums[K, 0] / sums[K, 3]
-            rec["lm_top1"] = sums[K, 1] / sums[K, 3]
-    for k in range(K):
-        n = max(sums[k, 3], 1.0)
-        rec[f"head{k + 1}_loss"] = sums[k, 0] / n
-        rec[f"head{k + 1}_top1"] = sums[k, 1] / n
-        rec[f"head{k + 1}_top5"] = sums[k, 2] / n
-    return rec
+def _record(step, step_loss, optimizer, tokens, seconds) -> dict:
+    """The metrics every architecture logs; the train module adds its own (``record``)."""
+    return {"step": step, "loss": step_loss, "lr": optimizer.param_groups[0]["lr"], "tokens": tokens,
+            "tokens_per_s": tokens / seconds if seconds > 0 else 0.0}
+
+
+def _defaults() -> dict:
+    """Every TrainConfig field's default (the value of an option a checkpoint predates)."""
+    from dataclasses import MISSING, fields
+
+    return {f.name: f.default for f in fields(TrainConfig) if f.default is not MISSING}
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
