@@ -16,7 +16,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from distill.configs import read_yaml_mapping
+from distill.configs import stage_options
 from distill.errors import ConfigError, DistillError
 
 app = typer.Typer(
@@ -31,10 +31,9 @@ app.add_typer(model_app, name="model")
 console = Console(stderr=True)
 _state = {"debug": False}
 
-ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="Pipeline YAML (pipelines/NAME.yaml); CLI options override it.")]
+ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="Pipeline YAML (pipelines/NAME.yaml): this stage's section (or a flat file); --set and CLI options override it.")]
+SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override one option: KEY=VALUE, the value read as YAML (e.g. --set max_len=256); repeatable; CLI options override it.")]
 ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="Bundled default (omit), a local HF folder, or a Hub id.")]
-DtypeOpt = Annotated[str, typer.Option("--dtype", help="auto (the heads' teacher dtype, else the model's; bf16 on CPUs only "
-                                     "where native: `distill env` shows the choice) | float32 | bfloat16 | float16.")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto (CUDA when available, else CPU) | cpu | cuda | cuda:1 ...")]
 OutOpt = Annotated[Optional[Path], typer.Option("--out", "-o", help="Output folder for shards, manifest.json and rejects.jsonl.")]
 
@@ -51,20 +50,29 @@ def _main(
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "info" if verbose else "error")
 
 
-def load_pipeline(path: Path | None, section: str) -> dict:
-    """Read one stage's section of a pipeline YAML (a flat file is taken as that section)."""
-    if path is None:
-        return {}
-    data = read_yaml_mapping(path)
-    section_data = data.get(section, data)
-    if not isinstance(section_data, dict):
-        raise ConfigError(f"{path}: '{section}' must be a mapping of options")
-    return section_data
+def _given(ctx: typer.Context, cls: type, rename: dict[str, str] | None = None) -> dict:
+    """The options of this command given on the command line (or by environment) that are fields of ``cls``.
+
+    Defaults are never passed on: the config dataclass holds them (and ``--help`` shows them).
+    ``rename`` maps an option's name to its field's where they differ.
+    """
+    from dataclasses import fields
+
+    names = {f.name for f in fields(cls)}
+    given = {}
+    for key, value in ctx.params.items():
+        field = (rename or {}).get(key, key)
+        source = ctx.get_parameter_source(key)  # click's ParameterSource (typer may carry its own copy of the enum)
+        if field in names and getattr(source, "name", "DEFAULT") not in ("DEFAULT", "DEFAULT_MAP"):
+            given[field] = value
+    return given
 
 
 @app.command()
 def generate(
+    ctx: typer.Context,
     config: ConfigOpt = None,
+    set_: SetOpt = None,
     seed: Annotated[Optional[str], typer.Option(help="Seed data: sharegpt | chitchat | mt-bench | ultrachat | PATH | hf:DATASET[:split].")] = None,
     seed_format: Annotated[Optional[str], typer.Option(help="Force the seed format instead of detecting it.")] = None,
     out: OutOpt = None,
@@ -91,9 +99,7 @@ def generate(
     """Regenerate seed conversations with the model; write shards with its top-k logprobs."""
     from distill.generate import GenerateConfig, Generator
 
-    given = {k: v for k, v in locals().items() if k not in ("config", "quiet", "GenerateConfig", "Generator") and v is not None}
-    options = {**load_pipeline(config, "generate"), **{k: str(v) if isinstance(v, Path) else v for k, v in given.items()}}
-    cfg = GenerateConfig.from_dict(options)
+    cfg = GenerateConfig.from_dict(stage_options("generate", config, set_, _given(ctx, GenerateConfig)))
     with _progress(quiet) as progress:
         summary = Generator(cfg, progress=progress).run()
     _print_summary(summary)
@@ -190,7 +196,7 @@ def seeds_list() -> None:
         typer.echo(f"{name:12s} {desc}")
 
 
-# == data commands: distill data ..., distill push (issue 3) ==
+# == data commands: distill data ..., distill push ==
 data_app = typer.Typer(help="Look at, check, reshape and convert shard folders.", no_args_is_help=True)
 app.add_typer(data_app, name="data")
 
@@ -235,7 +241,9 @@ def data_stats(
     st = compute_stats(root)
     if plot is not None:
         written = plot_stats(st, plot)
-        (plot / "stats.json").write_text(json.dumps(st.to_dict(), indent=2) + "\n")
+        from distill.store.atomic import atomic_write_json
+
+        atomic_write_json(plot / "stats.json", st.to_dict())
         console.print("wrote " + ", ".join(str(p) for p in [*written, plot / "stats.json"]))
     if as_json:
         _echo_json(st.to_dict())
@@ -369,14 +377,16 @@ def push_cmd(
     _echo_json(summary.to_dict())
 
 
-# == training commands: distill train-heads, calibrate, export (issue 4) ==
+# == training commands: distill train-heads, calibrate, export ==
 DataOpt = Annotated[Optional[Path], typer.Option("--data", "-d", help="Dataset folder made by `distill generate` (manifest.json + shards).")]
 HeadsDirOpt = Annotated[Path, typer.Option("--heads", help="Heads folder made by `distill train-heads`.")]
 
 
 @app.command("train-heads")
 def train_heads(
+    ctx: typer.Context,
     config: ConfigOpt = None,
+    set_: SetOpt = None,
     data: DataOpt = None,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Heads folder (vLLM Medusa or EAGLE-3 format) + checkpoints/ + metrics.jsonl.")] = None,
     model: ModelOpt = None,
@@ -400,6 +410,9 @@ def train_heads(
     heads_lr_ratio: Annotated[Optional[float], typer.Option(help="Medusa-2: heads' lr / backbone's lr.")] = None,
     warmup_steps: Annotated[Optional[int], typer.Option(help="Linear lr warm-up steps before the cosine decay.")] = None,
     weight_decay: Annotated[Optional[float], typer.Option(help="AdamW weight decay.")] = None,
+    decay: Annotated[Optional[float], typer.Option(help="Loss weight decay^k of Medusa head k (k = 1..K) / decay^j of EAGLE-3 step j (j = 0..).")] = None,
+    max_grad_norm: Annotated[Optional[float], typer.Option(help="Clip the gradient norm to this (0: no clipping).")] = None,
+    gradient_checkpointing: Annotated[Optional[bool], typer.Option("--gradient-checkpointing/--no-gradient-checkpointing", help="Medusa-2: recompute the LoRA backbone's activations in the backward pass (less memory, slower).")] = None,
     loss_chunk: Annotated[Optional[int], typer.Option(help="Positions per loss chunk (peak memory grows with it, not with T).")] = None,
     lambda0: Annotated[Optional[float], typer.Option(help="Medusa-2 weight of the heads' loss (0.01 recommended for self-distilled data).")] = None,
     lambda0_schedule: Annotated[Optional[str], typer.Option(help="sine | two-stage | constant.")] = None,
@@ -410,7 +423,7 @@ def train_heads(
     lora_targets: Annotated[Optional[str], typer.Option(help="peft target modules: all-linear or comma-separated names.")] = None,
     merge_adapter: Annotated[Optional[bool], typer.Option("--merge-adapter/--no-merge-adapter", help="Medusa-2: also write the merged backbone to OUT/merged.")] = None,
     precision: Annotated[Optional[str], typer.Option(help="auto (the data's teacher dtype; bf16 on CPUs only where native) | fp32 | bf16 (autocast, fp32 master weights).")] = None,
-    optimizer: Annotated[Optional[str], typer.Option(help="auto (8-bit AdamW with bitsandbytes on GPU) | adamw | adamw8bit.")] = None,
+    optimizer: Annotated[Optional[str], typer.Option(help="auto (= adamw) | adamw | adamw8bit (bitsandbytes, GPU only).")] = None,
     shuffle_buffer: Annotated[Optional[int], typer.Option(help="Seeded shuffle buffer in windows (0: shard order).")] = None,
     pack: Annotated[Optional[bool], typer.Option("--pack/--no-pack", help="Lay windows end to end in rows of --max-len (no compute on padding; attention kept inside each window).")] = None,
     seed: Annotated[Optional[int], typer.Option(help="Random seed.")] = None,
@@ -424,10 +437,7 @@ def train_heads(
     """Train Medusa heads (Medusa-1 or Medusa-2) or an EAGLE-3 drafter on self-distilled shards; write a vLLM-loadable folder."""
     from distill.train import TrainConfig, train
 
-    given = {k: v for k, v in locals().items() if k not in ("config", "quiet", "resume", "TrainConfig", "train") and v is not None}
-    options = {**load_pipeline(config, "train"), **{k: str(v) if isinstance(v, Path) else v for k, v in given.items()}}
-    options["resume"] = resume
-    cfg = TrainConfig.from_dict(options)
+    cfg = TrainConfig.from_dict(stage_options("train", config, set_, _given(ctx, TrainConfig)))
     s = train(cfg, progress=not quiet and (sys.stderr.isatty() or bool(os.environ.get("DISTILL_PROGRESS"))))
     if int(os.environ.get("RANK", "0")) != 0:  # under `accelerate launch`: the main process reports
         return
@@ -447,8 +457,10 @@ def train_heads(
 
 @app.command()
 def calibrate(
+    ctx: typer.Context,
     heads: Annotated[Optional[Path], typer.Option("--heads", help="Heads folder made by `distill train-heads` (default with --config: its train: out).")] = None,
     config: ConfigOpt = None,
+    set_: SetOpt = None,
     data: DataOpt = None,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Where tree.json, calibration.json and plots go (default: the heads folder).")] = None,
     model: ModelOpt = None,
@@ -465,15 +477,16 @@ def calibrate(
     from distill.train.calibrate import CalibrateConfig
     from distill.train.calibrate import calibrate as run_calibrate
 
-    given = {k: v for k, v in locals().items() if k not in ("config", "CalibrateConfig", "run_calibrate") and v is not None}
-    options = {**load_pipeline(config, "calibrate"), **{k: str(v) if isinstance(v, Path) else v for k, v in given.items()}}
+    from distill.configs import config_from_options, stage_section
+
+    options = stage_options("calibrate", config, set_, _given(ctx, CalibrateConfig))
     if not options.get("heads") and config is not None:
-        options["heads"] = load_pipeline(config, "train").get("out")  # the heads the same file trains
+        options["heads"] = stage_section(config, "train").get("out")  # the heads the same file trains
     if not options.get("heads"):
         raise ConfigError("--heads is required: the folder written by `distill train-heads`")
     if not options.get("data"):
         raise ConfigError("--data is required: a held-out dataset folder (see `distill data split`)")
-    r = run_calibrate(CalibrateConfig(**{k.replace("-", "_"): v for k, v in options.items()}))
+    r = run_calibrate(config_from_options(CalibrateConfig, options, "calibrate"))
     typer.echo(f"{r.out}/tree.json: {r.nodes} nodes, expected acceptance length {r.expected_acceptance_length:.3f}"
                + (f" (best Cartesian {r.cartesian['spec']}: {r.cartesian['expected_acceptance_length']:.3f})" if r.cartesian else ""))
     typer.echo("  top-1 per head: " + " ".join(f"{a:.3f}" for a in r.top1) + f" over {min(r.positions):,}+ positions")
@@ -492,7 +505,7 @@ def export(
     typer.echo(str(export_heads(heads, out, format, base_model)))
 
 
-# == serving commands: distill serve, bench (issue 5) ==
+# == serving commands: distill serve, bench ==
 HeadsOpt = Annotated[Optional[Path], typer.Option("--heads", help="Medusa heads folder (from `distill train-heads`).")]
 TreeOpt = Annotated[Optional[str], typer.Option("--tree", help="Verification tree: tree.json path, chain[-K], sparse-N, or Cartesian 3,2,2,1 (default: the heads' tree.json, else sparse-24).")]
 
@@ -501,6 +514,7 @@ TreeOpt = Annotated[Optional[str], typer.Option("--tree", help="Verification tre
 def serve(
     ctx: typer.Context,
     config: ConfigOpt = None,
+    set_: SetOpt = None,
     model: ModelOpt = None,
     heads: HeadsOpt = None,
     engine: Annotated[Optional[str], typer.Option(
@@ -538,17 +552,14 @@ def serve(
     """
     from distill.serve import ServeConfig, serve as run_server
 
-    given = {k: v for k, v in locals().items()
-             if k not in ("ctx", "config", "log_level", "print_command", "ServeConfig", "run_server") and v is not None}
-    options = {**load_pipeline(config, "serve"), **{k: str(v) if isinstance(v, Path) else v for k, v in given.items()}}
+    from distill.configs import config_from_options
+
+    options = stage_options("serve", config, set_, _given(ctx, ServeConfig, rename={"max_tokens": "default_max_tokens"}))
+    if "max_tokens" in options:  # a file's or --set's name for it
+        options["default_max_tokens"] = options.pop("max_tokens")
     if ctx.args:
         options["vllm_args"] = list(ctx.args)
-    if "max_tokens" in options:
-        options["default_max_tokens"] = options.pop("max_tokens")
-    try:
-        cfg = ServeConfig(**options)
-    except TypeError as exc:
-        raise ConfigError(f"bad serve option: {exc}") from None
+    cfg = config_from_options(ServeConfig, options, "serve")
     if print_command:
         from distill.serve.server import vllm_command, vllm_env
 
@@ -563,46 +574,47 @@ def serve(
 
 @app.command()
 def bench(
-    heads: Annotated[Path, typer.Option("--heads", help="Medusa heads folder (from `distill train-heads`).")],
+    ctx: typer.Context,
+    heads: Annotated[Optional[Path], typer.Option("--heads", help="Heads or drafter folder (from `distill train-heads`; default with --config: its train: out).")] = None,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
     model: ModelOpt = None,
-    prompts: Annotated[str, typer.Option(help="Seed of prompts (first user turn of each): mt-bench, a file, ...")] = "mt-bench",
+    prompts: Annotated[Optional[str], typer.Option(help="Seed of prompts (first user turn of each): mt-bench, a file, ...")] = None,
     limit: Annotated[Optional[int], typer.Option(help="At most N prompts, round-robin over categories.")] = None,
-    max_tokens: Annotated[int, typer.Option(help="Tokens generated per prompt.")] = 128,
-    modes: Annotated[str, typer.Option(help="Acceptance modes to measure: greedy,typical.")] = "greedy,typical",
-    temperature: Annotated[float, typer.Option(help="Sampling temperature of the typical mode.")] = 0.7,
+    max_tokens: Annotated[Optional[int], typer.Option(help="Tokens generated per prompt.")] = None,
+    modes: Annotated[Optional[str], typer.Option(help="Acceptance modes to measure, comma-separated: greedy,typical.")] = None,
+    temperature: Annotated[Optional[float], typer.Option(help="Sampling temperature of the typical mode.")] = None,
     tree: TreeOpt = None,
-    full_tree: Annotated[bool, typer.Option("--full-tree", help="Verify the whole tree every step (speculation policy off): measures the tree itself.")] = False,
-    sweep_tree: Annotated[bool, typer.Option("--sweep-tree", help="Also time step latency against tree size here and pick the node budget with the best predicted speedup (writes tree.json).")] = False,
-    sweep_nodes: Annotated[str, typer.Option(help="Tree sizes of the sweep.")] = "1,2,4,8,16,32,64",
-    sweep_context: Annotated[int, typer.Option(help="Context length the sweep's steps are timed at.")] = 256,
-    sweep_repeats: Annotated[int, typer.Option(help="Timed repeats per tree size (median kept).")] = 10,
-    dtype: DtypeOpt = "auto",
-    device: DeviceOpt = "auto",
-    seed: Annotated[int, typer.Option(help="Sampling seed of the first prompt (prompt i uses seed + i).")] = 0,
-    out: Annotated[Path, typer.Option("--out", "-o", help="Folder for bench.json, bench.md, bench.png (and sweep.png, tree.json).")] = Path("out/bench"),
+    typical_epsilon: Annotated[Optional[float], typer.Option(help="Typical acceptance epsilon.")] = None,
+    typical_delta: Annotated[Optional[float], typer.Option(help="Typical acceptance delta.")] = None,
+    full_tree: Annotated[Optional[bool], typer.Option("--full-tree/--policy-tree", help="Verify the whole tree every step (speculation policy off): measures the tree itself.")] = None,
+    sweep_tree: Annotated[Optional[bool], typer.Option("--sweep-tree/--no-sweep-tree", help="Also time step latency against tree size here and pick the node budget with the best predicted speedup (writes tree.json).")] = None,
+    sweep_nodes: Annotated[Optional[str], typer.Option(help="Tree sizes of the sweep, comma-separated.")] = None,
+    sweep_context: Annotated[Optional[int], typer.Option(help="Context length the sweep's steps are timed at.")] = None,
+    sweep_repeats: Annotated[Optional[int], typer.Option(help="Timed repeats per tree size (median kept).")] = None,
+    dtype: Annotated[Optional[str], typer.Option(help="auto (the heads' teacher dtype, else the model's; bf16 on CPUs only where native) | float32 | bfloat16 | float16.")] = None,
+    device: Annotated[Optional[str], typer.Option(help="auto (CUDA when available, else CPU) | cpu | cuda | cuda:N.")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="Sampling seed of the first prompt (prompt i uses seed + i).")] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Folder for bench.json, bench.md, bench.png (and sweep.png, tree.json).")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress lines.")] = False,
 ) -> None:
-    """Plain vs Medusa decoding on the same prompts: tokens/step, step overhead, tokens/s and speedup per category."""
+    """Plain vs speculative decoding on the same prompts: tokens/step, step overhead, tokens/s and speedup per category."""
     from distill.benchmark import BenchConfig, run_bench
     from distill.benchmark.report import markdown
+    from distill.configs import config_from_options, stage_section
 
-    try:
-        nodes = tuple(int(x) for x in sweep_nodes.split(",") if x.strip())
-    except ValueError:
-        raise ConfigError(f"--sweep-nodes is comma-separated integers like 1,4,16; got '{sweep_nodes}'") from None
-    cfg = BenchConfig(
-        heads=str(heads), model=model, prompts=prompts, limit=limit, max_tokens=max_tokens,
-        modes=tuple(m.strip() for m in modes.split(",") if m.strip()), temperature=temperature, tree=tree, full_tree=full_tree,
-        dtype=dtype, device=device, seed=seed, out=str(out), sweep_tree=sweep_tree, sweep_nodes=nodes, sweep_context=sweep_context,
-        sweep_repeats=sweep_repeats,
-    )
+    options = stage_options("bench", config, set_, _given(ctx, BenchConfig))
+    if not options.get("heads") and config is not None:
+        options["heads"] = stage_section(config, "train").get("out")  # the heads the same file trains
+    if not options.get("heads"):
+        raise ConfigError("--heads is required: the folder written by `distill train-heads`")
+    cfg = config_from_options(BenchConfig, options, "bench")
     result, paths = run_bench(cfg, progress=None if quiet else (lambda msg: console.print(f"[dim]bench[/dim] {msg}")))
     typer.echo(markdown(result))
     typer.echo("wrote " + ", ".join(str(p) for p in paths.values()))
 
 
-
-# == pipeline command: distill run (issue 6) ==
+# == pipeline command: distill run ==
 @app.command("run")
 def run_pipeline(
     pipeline: Annotated[Path, typer.Argument(help="Pipeline YAML with run: and one section per stage (pipelines/quickstart.yaml).")],
@@ -627,9 +639,38 @@ def run_pipeline(
 
 
 
+#: The config dataclass behind each stage command: its defaults are the ones ``--help`` shows.
+STAGE_CONFIGS = {
+    "generate": ("distill.generate.config", "GenerateConfig"),
+    "train-heads": ("distill.train.config", "TrainConfig"),
+    "calibrate": ("distill.train.calibrate", "CalibrateConfig"),
+    "bench": ("distill.benchmark.config", "BenchConfig"),
+    "serve": ("distill.serve.config", "ServeConfig"),
+}
+
+
+def _command(argv: list[str]):
+    """The click command of ``app``, with the invoked stage command's effective defaults shown in its ``--help``."""
+    import importlib
+
+    from distill.configs import defaults
+
+    group = typer.main.get_command(app)
+    name = next((a for a in argv if not a.startswith("-")), None)
+    if name in STAGE_CONFIGS and "--help" in argv:
+        module, cls = STAGE_CONFIGS[name]
+        shown = defaults(getattr(importlib.import_module(module), cls))
+        shown["max_tokens"] = shown.get("max_tokens", shown.get("default_max_tokens"))  # serve's name for it
+        for param in group.commands[name].params:
+            value = shown.get(param.name)
+            if param.default is None and value is not None and value != ():
+                param.show_default = ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+    return group
+
+
 def main() -> None:
     try:
-        app()
+        _command(sys.argv[1:])(prog_name="distill")
     except DistillError as exc:
         if _state["debug"]:
             raise

@@ -1,10 +1,21 @@
-"""Building a stage's config dataclass from options (a pipeline section merged with CLI flags)."""
+"""The one path from options to a stage's config dataclass.
+
+Every stage command (generate, train-heads, calibrate, bench, serve) and every pipeline
+stage builds its config the same way (:func:`stage_options` then :func:`config_from_options`):
+
+1. the stage's section of ``--config FILE`` (a flat file is taken as that section);
+2. ``--set KEY=VALUE`` items (the value read as YAML), in order;
+3. the options given on the command line (never their defaults);
+
+and an unknown key anywhere is a one-line error naming the stage. The config dataclass
+holds every default (``--help`` shows them), so a command never restates one.
+"""
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import MISSING, fields
 from pathlib import Path
-from typing import TypeVar
+from typing import Sequence, TypeVar
 
 from distill.errors import ConfigError
 
@@ -35,3 +46,45 @@ def read_yaml_mapping(path: Path) -> dict:
     if not isinstance(data, dict):
         raise ConfigError(f"{path} must hold a mapping of options (one section per stage)")
     return data
+
+
+def stage_section(path: Path | None, stage: str) -> dict:
+    """One stage's section of a pipeline YAML (a flat file is taken as that section); {} without a file."""
+    if path is None:
+        return {}
+    data = read_yaml_mapping(path)
+    section = data.get(stage, data)
+    if not isinstance(section, dict):
+        raise ConfigError(f"{path}: '{stage}' must be a mapping of options")
+    return section
+
+
+def parse_value(item: str, raw: str) -> object:
+    """A ``--set`` value read as YAML (``2`` is an int, ``a,b`` a string, empty is None)."""
+    import yaml
+
+    try:
+        return yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        raise ConfigError(f"--set {item}: the value is not valid YAML") from None
+
+
+def parse_key_value(item: str) -> tuple[str, object]:
+    """``KEY=VALUE`` -> (key with ``_`` for ``-``, value read as YAML)."""
+    key, eq, raw = item.partition("=")
+    if not eq or not key.strip():
+        raise ConfigError(f"--set takes KEY=VALUE (e.g. max_len=256); got '{item}'")
+    return key.strip().replace("-", "_"), parse_value(item, raw)
+
+
+def stage_options(stage: str, config: Path | None, sets: Sequence[str] | None, given: dict) -> dict:
+    """The file's section, then ``--set`` items, then the options given on the command line (paths as str)."""
+    options = dict(stage_section(config, stage))
+    options.update(parse_key_value(item) for item in sets or ())
+    options.update({k: str(v) if isinstance(v, Path) else v for k, v in given.items()})
+    return options
+
+
+def defaults(cls: type) -> dict:
+    """Every field's default value (fields without one, or with a factory, are left out)."""
+    return {f.name: f.default for f in fields(cls) if f.default is not MISSING}

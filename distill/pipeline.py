@@ -38,9 +38,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from distill.configs import read_yaml_mapping
+from distill.configs import config_from_options, parse_value, read_yaml_mapping
 from distill.errors import ConfigError, StoreError
-from distill.store.atomic import atomic_write_bytes
+from distill.store.atomic import atomic_write_json
 
 STAGES = ("generate", "validate", "split", "train", "calibrate", "bench")
 STATE_FILE = "pipeline.json"
@@ -54,8 +54,6 @@ OWNED = {"generate": {"out"}, "split": {"out"}, "train": {"data", "out", "resume
 
 def parse_set(item: str) -> tuple[str, str, object]:
     """``STAGE.KEY=VALUE`` -> (stage, key, value); the value is read as YAML (``2`` is an int, ``a,b`` a string)."""
-    import yaml
-
     head, eq, raw = item.partition("=")
     stage, dot, key = head.strip().partition(".")
     if not eq or not dot or not stage or not key:
@@ -63,11 +61,7 @@ def parse_set(item: str) -> tuple[str, str, object]:
     sections = ("run", *STAGES)
     if stage not in sections:
         raise ConfigError(f"--set {item}: unknown section '{stage}'; options live in {', '.join(sections)}")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError:
-        raise ConfigError(f"--set {item}: the value is not valid YAML") from None
-    return stage, key.strip().replace("-", "_"), value
+    return stage, key.strip().replace("-", "_"), parse_value(item, raw)
 
 
 @dataclass
@@ -179,7 +173,7 @@ class Pipeline:
 
     def _save_state(self, state: dict) -> None:
         doc = {"format": "distill-pipeline/v1", "config": asdict(self.cfg), "stages": state}
-        atomic_write_bytes(self.out / STATE_FILE, (json.dumps(doc, indent=2, default=str) + "\n").encode())
+        atomic_write_json(self.out / STATE_FILE, doc)
 
     def _set_aside(self, stage: str, old_print: str) -> None:
         p = self.path(stage)
@@ -241,7 +235,7 @@ class Pipeline:
 
         report = validate_dataset(o["data"])
         summary = {"ok": report.ok, "problems": [str(p) for p in report.problems[:50]]}
-        atomic_write_bytes(self.path("validate"), (json.dumps(summary, indent=2) + "\n").encode())
+        atomic_write_json(self.path("validate"), summary)
         if not report.ok:
             raise StoreError(f"{o['data']} failed validation ({len(report.problems)} problems, see {self.path('validate')})")
         return {"ok": True}
@@ -268,7 +262,7 @@ class Pipeline:
         from distill.train.calibrate import CalibrateConfig, calibrate
 
         self._clear("calibrate")
-        r = calibrate(CalibrateConfig(**o))
+        r = calibrate(config_from_options(CalibrateConfig, o, "calibrate"))
         return {"nodes": r.nodes, "expected_acceptance_length": r.expected_acceptance_length, "top1": r.top1}
 
     def _bench(self, o: dict) -> dict:
@@ -277,7 +271,7 @@ class Pipeline:
         self._clear("bench")
         if "modes" in o and isinstance(o["modes"], str):
             o["modes"] = tuple(m.strip() for m in o["modes"].split(",") if m.strip())
-        result, _ = run_bench(BenchConfig(**o))
+        result, _ = run_bench(config_from_options(BenchConfig, o, "bench"))
         overall = {}
         for g in result.groups:
             if g.category == "all":

@@ -484,3 +484,14 @@ def test_normalize_rejects_with_the_reason_code(pairs, reason):
     out = normalize(pairs, id="t:9", source="t")
     assert isinstance(out, Rejection)
     assert (out.id, out.source, out.reason, out.stage) == ("t:9", "t", reason, "seed") and out.detail
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/mem"), reason="needs Linux's /proc/self/mem as a file that fails to read")
+def test_an_unreadable_seed_file_names_the_registered_seeds(tmp_path):
+    from distill.errors import SeedError
+    from distill.seeds import load_seed
+
+    bad = tmp_path / "unreadable.jsonl"
+    bad.symlink_to("/proc/self/mem")  # opens, but reading it fails (EIO): as a failing disk would
+    with pytest.raises(SeedError, match=r"cannot read seed file .*unreadable\.jsonl.*; registered seeds: .*sharegpt"):
+        load_seed(str(bad))

@@ -242,7 +242,7 @@ def test_models_health_and_metrics(server):
     assert samples["distill_generation_tokens_total"] > 0
     assert samples["distill_tokens_per_step_count"] > 0 and samples["distill_step_latency_seconds_count"] > 0
     assert samples["distill_tree_nodes_count"] == samples["distill_step_latency_seconds_count"]  # one per step
-    assert samples["distill_tree_nodes_sum"] > 0 and 0 <= samples["distill_acceptance_ratio"]  # the adaptive policy ran trees
+    assert samples["distill_tree_nodes_sum"] > 0 and samples["distill_acceptance_ratio"] > 0  # the adaptive policy ran trees and measured its acceptance
     assert samples['distill_requests_total{endpoint="/v1/models",status="401"}'] >= 1
 
 

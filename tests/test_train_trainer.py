@@ -115,7 +115,8 @@ def test_medusa2_trains_lora_with_the_teacher_kl_and_writes_adapter_and_merged_m
 def test_lambda0_schedules_and_cosine_warmup():
     base = dict(data="x", mode="medusa2", lambda0=0.2, lambda0_warmup=4)
     sine = TrainConfig(lambda0_schedule="sine", **base)
-    assert [round(lambda0_at(sine, s), 4) for s in range(5)] == [round(0.2 * math.sin(math.pi / 2 * min(1, (s + 1) / 4)), 4) for s in range(5)]
+    # 0.2 * sin(pi/2 * (s + 1) / 4), written out: 0.2 * sin(22.5 deg), sin(45 deg), sin(67.5 deg), then 0.2
+    assert [round(lambda0_at(sine, s), 4) for s in range(5)] == [0.0765, 0.1414, 0.1848, 0.2, 0.2]
     assert lambda0_at(sine, 3) == pytest.approx(0.2)
     two = TrainConfig(lambda0_schedule="two-stage", **base)
     assert [lambda0_at(two, s) for s in range(6)] == [0, 0, 0, 0, 0.2, 0.2]

@@ -52,6 +52,13 @@ class BenchConfig:
     extra: dict = field(default_factory=dict)  # free-form notes stored with the results
 
     def __post_init__(self) -> None:
+        if isinstance(self.modes, str):  # the command line's and a YAML file's "greedy,typical"
+            self.modes = tuple(m.strip() for m in self.modes.split(",") if m.strip())
+        if isinstance(self.sweep_nodes, (str, int)):
+            try:
+                self.sweep_nodes = tuple(int(x) for x in str(self.sweep_nodes).split(",") if x.strip())
+            except ValueError:
+                raise ConfigError(f"--sweep-nodes is comma-separated integers like 1,4,16; got '{self.sweep_nodes}'") from None
         self.modes = tuple(self.modes)
         bad = [m for m in self.modes if m not in MODES]
         if bad or not self.modes:

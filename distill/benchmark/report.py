@@ -3,20 +3,10 @@ and with the sweep ``sweep.png`` and ``tree.json`` (the sparse tree of the chose
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 from pathlib import Path
 
 from distill.benchmark.stats import BenchResult, Sweep
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+from distill.store.atomic import atomic_write_bytes, atomic_write_figure, atomic_write_json
 
 
 def markdown(result: BenchResult) -> str:
@@ -106,22 +96,19 @@ def plot_sweep(s: Sweep, path: Path) -> None:
 
 
 def _save(fig, path: Path) -> None:
-    import io
-
     import matplotlib.pyplot as plt
 
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
+    atomic_write_figure(Path(path), fig)
     plt.close(fig)
-    _atomic_write(Path(path), buf.getvalue())
 
 
 def write_all(result: BenchResult, out: Path) -> dict[str, Path]:
     """Write every artifact into ``out``; returns name -> path."""
     out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "bench.json", "markdown": out / "bench.md"}
-    _atomic_write(paths["json"], (json.dumps(result.to_dict(), indent=1) + "\n").encode())
-    _atomic_write(paths["markdown"], markdown(result).encode())
+    atomic_write_json(paths["json"], result.to_dict(), indent=1)
+    atomic_write_bytes(paths["markdown"], markdown(result).encode())
     if result.groups:
         paths["plot"] = out / "bench.png"
         plot(result, paths["plot"])

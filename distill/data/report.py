@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from distill.data.stats import DatasetStats, Histogram
+from distill.store.atomic import atomic_write_figure
 
 
 def stats_table(st: DatasetStats):
@@ -77,7 +78,7 @@ def plot_stats(st: DatasetStats, out: Path | str) -> list[Path]:
     fig.suptitle(f"{Path(st.path).name}: {st.conversations:,} conversations, {st.generated_tokens:,} generated tokens")
     fig.tight_layout()
     written.append(out / "lengths.png")
-    fig.savefig(written[-1], dpi=110)
+    atomic_write_figure(written[-1], fig)
     plt.close(fig)
     if st.teacher is not None and st.teacher.positions:
         tt = st.teacher
@@ -88,6 +89,6 @@ def plot_stats(st: DatasetStats, out: Path | str) -> list[Path]:
         fig.suptitle(f"teacher distribution over {tt.positions:,} generated positions")
         fig.tight_layout()
         written.append(out / "teacher.png")
-        fig.savefig(written[-1], dpi=110)
+        atomic_write_figure(written[-1], fig)
         plt.close(fig)
     return written

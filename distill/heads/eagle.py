@@ -47,9 +47,9 @@ import torch
 from torch import nn
 
 from distill.errors import ConfigError, ModelError
-from distill.heads.model import DISTILL_HEADS_FILE
+from distill.heads.model import DISTILL_HEADS_FILE, HEADS_MARKERS
 from distill.heads.vocab import DraftVocab
-from distill.store.atomic import atomic_file, atomic_write_bytes
+from distill.store.atomic import StagedFiles
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"  # vLLM's registry maps it to llama_eagle3.Eagle3LlamaForCausalLM
 #: The target config fields the drafter's one layer copies (the target's own architecture and width).
@@ -308,19 +308,22 @@ class EagleDrafter(nn.Module):
         return {k: v.detach().contiguous().cpu() for k, v in sd.items()}
 
     def save(self, folder: Path, extra: dict | None = None) -> None:
-        """config.json + model.safetensors (+ distill-heads.json), each written atomically."""
+        """Write the drafter folder as one set (:class:`~distill.store.atomic.StagedFiles`)."""
+        with StagedFiles(folder, HEADS_MARKERS) as stage:
+            self.write_files(stage.path, extra)
+
+    def write_files(self, folder: Path, extra: dict | None = None) -> None:
+        """config.json + model.safetensors (+ distill-heads.json) into a staging ``folder`` (callers: :meth:`save`)."""
         from safetensors.torch import save_file
 
         folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
         sd = self.state_dict_vllm()
         sd = {k: (v.float() if v.is_floating_point() else v) for k, v in sd.items()}
-        with atomic_file(folder / "model.safetensors") as tmp:
-            save_file(sd, str(tmp), metadata={"format": "pt"})
+        save_file(sd, str(folder / "model.safetensors"), metadata={"format": "pt"})
         conf = dict(self.config.vllm_config(), dtype="float32")
-        atomic_write_bytes(folder / "config.json", (json.dumps(conf, indent=2) + "\n").encode())
+        (folder / "config.json").write_text(json.dumps(conf, indent=2) + "\n")
         if extra is not None:
-            atomic_write_bytes(folder / DISTILL_HEADS_FILE, (json.dumps(extra, indent=2, default=str) + "\n").encode())
+            (folder / DISTILL_HEADS_FILE).write_text(json.dumps(extra, indent=2, default=str) + "\n")
 
     @classmethod
     def load(cls, folder: Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> "EagleDrafter":

@@ -64,7 +64,7 @@ def export_heads(heads_dir: Path, out: Path, fmt: str = "medusa-repo", base_mode
     with StagedFolder(out) as stage:
         tmp = stage.path
         if fmt in ("vllm", "vllm-eagle3"):
-            heads.save(tmp)
+            heads.write_files(tmp)
         else:
             base = base_model or meta.get("base_model", {}).get("id")
             if not base:

@@ -29,8 +29,13 @@ import torch
 from torch import nn
 
 from distill.errors import ModelError
+from distill.store.atomic import StagedFiles
 
 DISTILL_HEADS_FILE = "distill-heads.json"
+#: How vLLM's Medusa reads a config.json without ``medusa_fc_bias`` (no bias); we read other tools' folders alike.
+VLLM_FC_BIAS = False
+#: The names a reader needs to take a folder as holding heads: removed first and written last on a save.
+HEADS_MARKERS = ("config.json", DISTILL_HEADS_FILE)
 
 
 @dataclass
@@ -40,7 +45,7 @@ class HeadsConfig:
     num_heads: int = 4
     num_layers: int = 1  # residual blocks per head
     share_lm_head: bool = False  # vLLM original_lm_head
-    bias: bool = True  # medusa_fc_bias
+    bias: bool = True  # medusa_fc_bias: new heads have one (Medusa's ResBlock); always written, see VLLM_FC_BIAS
 
     def __post_init__(self) -> None:
         if self.num_heads < 1 or self.num_layers < 1:
@@ -64,7 +69,7 @@ class HeadsConfig:
         return cls(
             hidden_size=d["hidden_size"], vocab_size=d["vocab_size"], num_heads=d["num_heads"],
             num_layers=d.get("num_hidden_layers", 1), share_lm_head=bool(d.get("original_lm_head", False)),
-            bias=bool(d.get("medusa_fc_bias", False)),
+            bias=bool(d.get("medusa_fc_bias", VLLM_FC_BIAS)),
         )
 
 
@@ -135,14 +140,18 @@ class MedusaHeads(nn.Module):
         return {k: v.detach().contiguous().cpu() for k, v in sd.items()}
 
     def save(self, folder: Path, extra: dict | None = None) -> None:
+        """Write the heads folder as one set (:class:`~distill.store.atomic.StagedFiles`)."""
+        with StagedFiles(folder, HEADS_MARKERS) as stage:
+            self.write_files(stage.path, extra)
+
+    def write_files(self, folder: Path, extra: dict | None = None) -> None:
+        """model.safetensors + config.json (+ distill-heads.json) into a staging ``folder`` (callers: :meth:`save`)."""
         from safetensors.torch import save_file
 
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        save_file(self.state_dict_vllm(), str(folder / "model.safetensors"))
-        (folder / "config.json").write_text(json.dumps(self.config.vllm_config(), indent=2) + "\n")
+        save_file(self.state_dict_vllm(), str(Path(folder) / "model.safetensors"))
+        (Path(folder) / "config.json").write_text(json.dumps(self.config.vllm_config(), indent=2) + "\n")
         if extra is not None:
-            (folder / DISTILL_HEADS_FILE).write_text(json.dumps(extra, indent=2, default=str) + "\n")
+            (Path(folder) / DISTILL_HEADS_FILE).write_text(json.dumps(extra, indent=2, default=str) + "\n")
 
     @classmethod
     def load(cls, folder: Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> "MedusaHeads":

@@ -34,12 +34,11 @@ from __future__ import annotations
 import heapq
 import itertools
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Sequence
 
 from distill.errors import ConfigError
+from distill.store.atomic import atomic_write_json
 
 TREE_FORMAT = "distill-tree/v1"
 Path_ = tuple[int, ...]
@@ -125,11 +124,7 @@ def save_tree(path: Path, paths: Sequence[Sequence[int]], num_heads: int, **extr
     doc = {"format": TREE_FORMAT, "num_heads": num_heads, "nodes": len(tree), "paths": [list(p) for p in tree], **extra}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump(doc, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
+    atomic_write_json(path, doc, indent=1)
 
 
 def load_tree(path: Path) -> dict:

@@ -33,6 +33,7 @@ from distill.data.stats import compute_stats
 from distill.data.validate import validate_dataset
 from distill.errors import ConfigError, PushError
 from distill.hub.card import CardOptions, SplitCard, render_card
+from distill.store.atomic import StagedFolder
 from distill.store.shards import MANIFEST, META_KEY, REJECTS, ShardInfo
 
 #: Metadata keys whose values may be a local path (seed file, model folder, input dataset).
@@ -122,7 +123,7 @@ def stage(root: Path | str, out: Path, opts: CardOptions, link: bool = False) ->
                 rewritten = _place_shard(folder / entry["file"], out / "data" / split / entry["file"], link)
                 if rewritten is not None:
                     entry.update(bytes=rewritten.bytes, sha256=rewritten.sha256)
-        (out / "data" / split / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        (out / "data" / split / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")  # out: a staging folder
         if (folder / REJECTS).is_file():
             _place(folder / REJECTS, out / "data" / split / REJECTS, link)
         splits.append(SplitCard(split, compute_stats(folder), sum(f.stat().st_size for f in ds.files),
@@ -142,12 +143,8 @@ def push(root: Path | str, opts: CardOptions, private: bool = False, dry_run: Pa
         out = Path(dry_run)
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
             raise ConfigError(f"--dry-run folder {out} already exists and is not empty; choose a new one")
-        out.mkdir(parents=True, exist_ok=True)
-        try:
-            summary = stage(root, out, opts)
-        except BaseException:
-            shutil.rmtree(out, ignore_errors=True)  # it was empty or absent: leave nothing half-written
-            raise
+        with StagedFolder(out) as staged:  # built beside it, renamed into place when whole
+            summary = stage(root, staged.path, opts)
         summary.dry_run, summary.private = str(out), private
         return summary
 

@@ -51,11 +51,22 @@ class Reader(Protocol):
     def rows(self) -> Iterator[RawRow]: ...
 
 
-def _unreadable(path: Path, exc: BaseException) -> SeedError:
-    from distill.seeds.registry import registered_names
+class UnreadableSeed(SeedError):
+    """A seed file that cannot be read at all (the registry adds the registered seeds to the message)."""
 
+
+def _unreadable(path: Path, exc: BaseException) -> UnreadableSeed:
     reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-    return SeedError(f"cannot read seed file '{path}': {reason}; registered seeds: {registered_names()}")
+    return UnreadableSeed(f"cannot read seed file '{path}': {reason}")
+
+
+def _check_readable(path: Path) -> None:
+    """Fail early, with the reason, on a file that cannot even be opened."""
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as exc:
+        raise _unreadable(path, exc) from exc
 
 
 #: A JSON Lines row longer than this is rejected (``row_too_large``) instead of parsed: no chat turn needs it.
@@ -67,13 +78,8 @@ class JsonlReader:
     """A JSON Lines file: one row per non-blank line (blank lines are not rows), read line by line as bytes."""
 
     def __init__(self, path: Path):
-        self.path = path
-        self.location = str(path)
-        try:
-            with open(path, "rb"):
-                pass
-        except OSError as exc:
-            raise _unreadable(path, exc) from exc
+        self.path, self.location = path, str(path)
+        _check_readable(path)
 
     def rows(self) -> Iterator[RawRow]:
         try:
@@ -82,7 +88,14 @@ class JsonlReader:
             raise _unreadable(self.path, exc) from exc
         with f:
             index = 0
-            for lineno, raw in enumerate(f, start=1):
+            lines = enumerate(f, start=1)
+            while True:
+                try:
+                    lineno, raw = next(lines)
+                except StopIteration:
+                    return
+                except OSError as exc:  # a read error mid-file (bad disk, a special file)
+                    raise _unreadable(self.path, exc) from exc
                 if lineno == 1 and raw.startswith(_BOM):
                     raw = raw[len(_BOM):]
                 if not raw.strip():
@@ -118,13 +131,8 @@ class JsonReader:
     """
 
     def __init__(self, path: Path):
-        self.path = path
-        self.location = str(path)
-        try:
-            with open(path, "rb"):
-                pass
-        except OSError as exc:
-            raise _unreadable(path, exc) from exc
+        self.path, self.location = path, str(path)
+        _check_readable(path)
 
     def _load(self) -> list | dict:
         try:

@@ -21,6 +21,7 @@ seed id
 from __future__ import annotations
 
 import importlib.metadata
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
@@ -37,6 +38,7 @@ from distill.seeds.readers import (
     RawRow,
     Reader,
     SavedDatasetReader,
+    UnreadableSeed,
     is_saved_dataset,
 )
 
@@ -146,8 +148,9 @@ class SeedSource:
     def __iter__(self) -> Iterator[Conversation | Rejection]:
         fmt = FORMATS[self.format]
         seen: set[str] = set()
-        for raw in self._reader.rows():
-            yield _to_item(raw, self.name, fmt.parse, seen)
+        with _registered_hint():
+            for raw in self._reader.rows():
+                yield _to_item(raw, self.name, fmt.parse, seen)
 
 
 def _seed_id(raw: RawRow) -> tuple[str, Problem | None]:
@@ -254,6 +257,15 @@ def _hub_reader(spec: str, target: str) -> tuple[str, Reader]:
     return Path(dataset_id.rstrip("/")).name, HubReader(dataset_id, split or "train", spec)
 
 
+@contextmanager
+def _registered_hint() -> Iterator[None]:
+    """An unreadable seed file's error, with the names a user may have meant."""
+    try:
+        yield
+    except UnreadableSeed as exc:
+        raise SeedError(f"{exc}; registered seeds: {registered_names()}") from exc
+
+
 def load_seed(spec: str, format: str | None = None) -> SeedSource:
     """Resolve ``spec`` (``NAME | PATH | hf:DATASET_ID[:split]``) to a :class:`SeedSource`.
 
@@ -261,6 +273,11 @@ def load_seed(spec: str, format: str | None = None) -> SeedSource:
     registered seed uses its own and a file's is detected from its first rows.
     Raises :class:`SeedError` for a source that cannot be read at all.
     """
+    with _registered_hint():
+        return _load_seed(spec, format)
+
+
+def _load_seed(spec: str, format: str | None) -> SeedSource:
     if format is not None and format not in FORMATS:
         raise SeedError(f"unknown seed format '{format}'; formats: {', '.join(SEED_FORMATS)}")
     registered = REGISTERED.get(spec)

@@ -1,13 +1,22 @@
 """Writing files and folders so that a reader sees the old state or the complete new one.
 
-Every writer in distill goes through these: a file is written to a temp file beside it,
-fsynced and renamed (:func:`atomic_file`, :func:`atomic_write_bytes`); a folder is built in a hidden staging
-folder beside its target and renamed into place when complete (:class:`StagedFolder`).
-A crash leaves at most a hidden temp entry, never a half-written target.
+Every writer in distill goes through these:
+
+* one file: written to a temp file beside it, fsynced and renamed (:func:`atomic_file`,
+  :func:`atomic_write_bytes`, :func:`atomic_write_json`);
+* a new folder: built in a hidden staging folder beside its target and renamed into place
+  when complete (:class:`StagedFolder`);
+* a set of files inside a folder that holds other things too (a heads folder beside its
+  training checkpoints): built in a hidden staging folder inside it and moved in as one set
+  (:class:`StagedFiles`), its marker files removed first and moved in last.
+
+A crash leaves at most a hidden temp entry, never a half-written target, and never a file
+set that mixes two writes.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -51,7 +60,40 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         tmp.write_bytes(data)
 
 
-class StagedFolder:
+def atomic_write_json(path: Path, doc, indent: int | None = 2) -> None:
+    """``doc`` as JSON text (non-JSON values as ``str``) with a final newline, written atomically."""
+    atomic_write_bytes(path, (json.dumps(doc, indent=indent, default=str) + "\n").encode("utf-8"))
+
+
+def atomic_write_figure(path: Path, fig, dpi: int = 110) -> None:
+    """A matplotlib figure as a PNG file, written atomically (the figure is left open)."""
+    with atomic_file(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=dpi)
+
+
+class _Staging:
+    """A hidden staging folder (``self.path``) that :meth:`commit` brings into view; as a context
+    manager it commits on a normal exit and removes the staging folder on an exception."""
+
+    path: Path
+
+    def commit(self) -> Path:
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
+
+
+class StagedFolder(_Staging):
     """A hidden folder beside ``target`` that becomes ``target`` in one rename.
 
     ``overwrite``: an existing ``target`` is removed at commit (checkpoints, the converted
@@ -81,14 +123,64 @@ class StagedFolder:
         os.replace(self.path, self.target)
         return self.target
 
-    def abort(self) -> None:
-        shutil.rmtree(self.path, ignore_errors=True)
 
-    def __enter__(self) -> "StagedFolder":
-        return self
 
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.commit()
-        else:
-            self.abort()
+class StagedFiles(_Staging):
+    """Files written into a hidden staging folder inside ``folder`` and moved into it as one set.
+
+    ``markers`` are the names a reader requires to take the set as present (a heads folder:
+    ``config.json``; distill's ``distill-heads.json``). :meth:`commit` removes the markers
+    from ``folder`` first, then moves every other staged entry over its namesake, then the
+    markers, in order. A crash in between leaves the folder without a marker: readers find
+    no set there (the rerun writes it), never the new weights beside the old config. Other
+    entries of ``folder`` (checkpoints, metrics) are left alone. As a context manager it
+    commits on a normal exit and removes the staging folder on an exception.
+    """
+
+    def __init__(self, folder: Path, markers: tuple[str, ...]):
+        self.folder = Path(folder)
+        self.markers = markers
+        self.folder.mkdir(parents=True, exist_ok=True)
+        for stray in self.folder.glob(".staged.*.partial"):  # an interrupted earlier write (one writer per folder)
+            shutil.rmtree(stray, ignore_errors=True)
+        self.path = Path(tempfile.mkdtemp(prefix=".staged.", suffix=".partial", dir=self.folder))
+
+    def commit(self) -> Path:
+        names = sorted(p.name for p in self.path.iterdir())
+        for p in [self.path, *self.path.rglob("*")]:
+            public_mode(p)
+        _fsync_tree(self.path)
+        for name in self.markers:
+            (self.folder / name).unlink(missing_ok=True)
+        _fsync_dir(self.folder)
+        for name in [n for n in names if n not in self.markers] + [n for n in self.markers if n in names]:
+            target = self.folder / name
+            if target.is_dir() and not target.is_symlink():
+                shutil.rmtree(target)
+            os.replace(self.path / name, target)
+        _fsync_dir(self.folder)
+        self.path.rmdir()
+        return self.folder
+
+
+
+def _fsync_tree(root: Path) -> None:
+    """Flush every file under ``root`` to disk (before it is renamed into view)."""
+    for p in root.rglob("*"):
+        if p.is_file() and not p.is_symlink():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make the renames inside ``path`` durable (POSIX; a no-op where folders cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -34,7 +34,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from distill.errors import StoreError
-from distill.store.atomic import atomic_file, atomic_write_bytes
+from distill.store.atomic import atomic_file, atomic_write_bytes, atomic_write_json
 from distill.store.lock import FolderLock
 
 log = logging.getLogger("distill.store")
@@ -299,7 +299,7 @@ class ShardStore:
             "totals": self.totals,
         }
         atomic_write_bytes(self.root / REJECTS, "".join(json.dumps(r) + "\n" for r in rejects).encode())
-        atomic_write_bytes(self.root / MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
+        atomic_write_json(self.root / MANIFEST, manifest)
 
 
 def load_manifest(root: Path) -> dict:

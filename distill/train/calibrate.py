@@ -18,7 +18,6 @@ acceptance length vs node count, the Cartesian comparison), ``tree.png`` and
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -28,7 +27,7 @@ from distill.errors import ConfigError
 from distill.heads.model import MedusaHeads, read_distill_meta
 from distill.runtime import canonical_dtype, stage_dtype
 from distill.heads.tree import cartesian_tree, expected_acceptance_length, save_tree, sparse_tree
-from distill.store.atomic import atomic_write_bytes
+from distill.store.atomic import atomic_write_json
 from distill.train.data import iter_batches
 from distill.train.losses import hard_ce, shifted_targets
 
@@ -201,7 +200,7 @@ def calibrate(cfg: CalibrateConfig) -> CalibrationResult:
            "ranks": cfg.ranks, "accuracy": acc, "positions": stats.counts, "tokens": stats.tokens,
            "top1": stats.topk(1), "top5": stats.topk(5), "loss": stats.loss, "nodes": nodes,
            "expected_acceptance_length": eal, "cartesian": cart_doc, "curve": curve}
-    atomic_write_bytes(out / CALIBRATION_FILE, (json.dumps(doc, indent=1) + "\n").encode())
+    atomic_write_json(out / CALIBRATION_FILE, doc, indent=1)
     if cfg.plots:
         plot_tree(tree, acc, out / "tree.png")
         plot_curve(curve, out / "acceptance.png", cart_doc)

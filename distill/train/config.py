@@ -73,7 +73,7 @@ class TrainConfig:
     shuffle_buffer: int = 0  # examples; 0 keeps the shard order
     pack: bool = False  # lay windows end to end in rows of max_len (no padding compute)
     precision: str = "auto"  # auto: the data's teacher dtype; bf16 on CPUs only where native (distill.runtime)
-    optimizer: str = "auto"  # auto: 8-bit AdamW when bitsandbytes and a GPU are there
+    optimizer: str = "auto"  # auto = adamw; adamw8bit (bitsandbytes, GPU) only when asked
     seed: int = 0
     save_every: int = 0  # optimizer steps between checkpoints (0: only at the end)
     keep_checkpoints: int = 2  # newest checkpoints kept on disk (0: keep every one)

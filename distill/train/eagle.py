@@ -42,8 +42,9 @@ import torch
 from torch import nn
 
 from distill.heads.eagle import DrafterConfig, EagleDrafter, parse_aux_layers
+from distill.heads.model import HEADS_MARKERS
 from distill.heads.vocab import DraftVocab
-from distill.store.atomic import atomic_write_bytes
+from distill.store.atomic import StagedFiles
 from distill.train.calibrate import HeadAccuracy
 from distill.train.config import TrainConfig
 from distill.train.data import decoder_inputs, iter_batches
@@ -185,8 +186,9 @@ class EagleTrainModule(nn.Module):
     def save(self, out: Path, extra: dict) -> None:
         """The vLLM EAGLE-3 folder (config.json + model.safetensors), distill-heads.json and draft-vocab.json."""
         report = self.report.to_dict()
-        self.drafter.float().save(out, extra={**extra, "arch": "eagle3", "draft_vocab": report})
-        atomic_write_bytes(Path(out) / DRAFT_VOCAB_FILE, (json.dumps(report, indent=2) + "\n").encode())
+        with StagedFiles(out, HEADS_MARKERS) as stage:
+            self.drafter.float().write_files(stage.path, extra={**extra, "arch": "eagle3", "draft_vocab": report})
+            (stage.path / DRAFT_VOCAB_FILE).write_text(json.dumps(report, indent=2) + "\n")
 
 
 def build_eagle_module(backbone, cfg: TrainConfig, vocab: DraftVocab, report: DraftVocabReport) -> EagleTrainModule:

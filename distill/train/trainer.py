@@ -33,9 +33,10 @@ step
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
-import os
 import random
 import resource
 import time
@@ -47,7 +48,8 @@ import torch
 from torch import nn
 
 from distill.errors import ConfigError
-from distill.heads.model import HeadsConfig, MedusaHeads
+from distill.heads.model import HEADS_MARKERS, HeadsConfig, MedusaHeads
+from distill.store.atomic import StagedFiles, atomic_write_bytes
 from distill.train import checkpoint as ckpt
 from distill.runtime import Placement, dataset_dtype, stage_dtype
 from distill.train.config import PRECISION_DTYPES, TrainConfig
@@ -160,18 +162,19 @@ class HeadsTrainModule(nn.Module):
         """The vLLM Medusa folder; Medusa-2 also its LoRA adapter (and the merged model with --merge-adapter)."""
         cfg = self.cfg
         extra = {**extra, "arch": "medusa"}
-        if cfg.mode == "medusa2":
-            backbone = self.backbone
-            backbone.save_pretrained(str(out / "adapter"), safe_serialization=True)
-            extra["adapter"] = "adapter"
-            if cfg.merge_adapter:
-                merged = backbone.merge_and_unload()
-                merged.save_pretrained(str(out / "merged"), safe_serialization=True)
-                from transformers import AutoTokenizer
+        with StagedFiles(out, HEADS_MARKERS) as stage:
+            if cfg.mode == "medusa2":
+                backbone = self.backbone
+                backbone.save_pretrained(str(stage.path / "adapter"), safe_serialization=True)
+                extra["adapter"] = "adapter"
+                if cfg.merge_adapter:
+                    merged = backbone.merge_and_unload()
+                    merged.save_pretrained(str(stage.path / "merged"), safe_serialization=True)
+                    from transformers import AutoTokenizer
 
-                AutoTokenizer.from_pretrained(extra["base_model"]["path"]).save_pretrained(str(out / "merged"))
-                extra["merged_model"] = "merged"
-        self.heads.float().save(out, extra=extra)
+                    AutoTokenizer.from_pretrained(extra["base_model"]["path"]).save_pretrained(str(stage.path / "merged"))
+                    extra["merged_model"] = "merged"
+            self.heads.float().write_files(stage.path, extra=extra)
 
 
 @dataclass
@@ -197,8 +200,7 @@ def load_backbone(model_path: Path, device: torch.device, bf16: bool):
     from transformers import AutoModelForCausalLM
 
     dtype = torch.bfloat16 if bf16 else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
-    return model
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
 
 
 def build_heads(backbone, cfg: TrainConfig) -> MedusaHeads:
@@ -236,8 +238,7 @@ def add_lora(backbone, cfg: TrainConfig):
 
 
 def _make_optimizer(groups: list[dict], cfg: TrainConfig, device: torch.device):
-    use_8bit = cfg.optimizer == "adamw8bit" or (cfg.optimizer == "auto" and device.type == "cuda" and _has_bnb())
-    if use_8bit:
+    if cfg.optimizer == "adamw8bit":  # only when asked: "auto" is AdamW whatever happens to be installed
         if not _has_bnb() or device.type != "cuda":
             raise ConfigError("--optimizer adamw8bit needs bitsandbytes and a GPU (pip install bitsandbytes)")
         import bitsandbytes as bnb
@@ -263,21 +264,149 @@ def count_batches(data: Path, max_len: int, batch_size: int, context: int = 0, p
     return math.ceil(n / batch_size)
 
 
+@dataclass
+class _Setup:
+    """What one run trains with: the accelerator's view, the module and its optimizer, the step budget."""
+
+    accelerator: object
+    module: nn.Module  # as prepared by accelerate (DDP-wrapped on several processes)
+    core: nn.Module  # the train module itself
+    optimizer: torch.optim.Optimizer
+    opt_name: str
+    base_lrs: list[float]
+    trainable: dict[str, torch.Tensor]
+    total: int  # optimizer steps of the whole run
+
+    @property
+    def device(self) -> torch.device:
+        return self.accelerator.device
+
+
+class _Dealer:
+    """Deals micro-batches to the processes: each takes every ``world``-th batch; epochs roll over seamlessly.
+
+    ``epoch`` and ``batches`` (dealt in this epoch, all processes) are what a checkpoint stores to resume the stream.
+    """
+
+    def __init__(self, cfg: TrainConfig, world: int, rank: int, epoch: int, batches: int):
+        self.cfg, self.world, self.rank = cfg, world, rank
+        self.epoch, self.batches = epoch, batches
+        self.stream = self._stream(skip=batches)
+
+    def _stream(self, skip: int = 0):
+        c = self.cfg
+        return iter_batches(Path(c.data), c.max_len, c.batch_size, self.epoch, c.seed, c.shuffle_buffer, skip=skip, context=c.context, pack=c.pack)
+
+    def next(self) -> dict:
+        mine = None
+        for r in range(self.world):
+            b = next(self.stream, None)
+            if b is None:
+                self.epoch, self.batches = self.epoch + 1, 0
+                self.stream = self._stream()
+                b = next(self.stream)
+            self.batches += 1
+            if r == self.rank:
+                mine = b
+        return mine
+
+
+class _Log:
+    """Where a step's record goes on the main process: metrics.jsonl, tensorboard (if installed), the progress bar."""
+
+    def __init__(self, out: Path, main: bool, bar_total: int | None, step: int, desc: str):
+        self.path = out / METRICS_FILE
+        self.main = main
+        self.writer = _tensorboard(out) if main else None
+        self.bar = None
+        if bar_total is not None and main:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=bar_total, initial=step, desc=desc, unit="step", dynamic_ncols=True)
+
+    def record(self, record: dict, write: bool, postfix: dict) -> None:
+        if self.main and write:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+            if self.writer is not None:
+                for key, v in record.items():
+                    if isinstance(v, (int, float)) and key != "step":
+                        self.writer.add_scalar(key, v, record["step"])
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(**postfix)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.writer is not None:
+            self.writer.close()
+
+
 class Trainer:
-    """Runs one training run described by a :class:`TrainConfig` (``run()`` returns a :class:`TrainSummary`)."""
+    """Runs one training run described by a :class:`TrainConfig` (``run()`` returns a :class:`TrainSummary`).
+
+    ``run`` reads as its parts: check the data (:meth:`_check_data`), set up the accelerator,
+    model and optimizer (:meth:`_setup`), restore a checkpoint (:meth:`_resume`), then per
+    step one optimizer update (:meth:`_step`), its record (:class:`_Log`) and checkpoints
+    (:meth:`_checkpoint`); at the end the heads folder (:meth:`_write_outputs`).
+    """
 
     def __init__(self, cfg: TrainConfig, progress: bool | None = None):
         self.cfg = cfg
         self.progress = cfg.progress if progress is None else progress
 
     def run(self) -> TrainSummary:
-        from accelerate import Accelerator
-
         from distill.models import resolve_model
 
         cfg = self.cfg
-        data = Path(cfg.data)
-        out = Path(cfg.out)
+        data, out = Path(cfg.data), Path(cfg.out)
+        ds_meta = self._check_data(data)
+        resolved = resolve_model(cfg.model)
+        # The one dtype rule: the data's teacher dtype, bf16 on CPUs only where native (distill.runtime).
+        where = stage_dtype(resolved.path, "auto", PRECISION_DTYPES[cfg.precision], dataset_dtype(ds_meta), what=f"the data in {data}")
+        out.mkdir(parents=True, exist_ok=True)
+        resume_from = ckpt.latest_checkpoint(out)
+        if resume_from is not None and not cfg.resume:
+            raise ConfigError(f"{out} already holds checkpoints of a run: pass --resume to continue it or choose another --out")
+
+        random.seed(cfg.seed)
+        np.random.seed(cfg.seed)
+        torch.manual_seed(cfg.seed)
+        run = self._setup(resolved.path, ds_meta, where.dtype == "bfloat16")
+        acc = run.accelerator
+        step, epoch, batches = self._resume(run, resume_from) if resume_from is not None else (0, 0, 0)
+        if resume_from is None and acc.is_main_process:
+            (out / METRICS_FILE).unlink(missing_ok=True)
+
+        dealer = _Dealer(cfg, acc.num_processes, acc.process_index, epoch, batches)
+        log = _Log(out, acc.is_main_process, run.total if self.progress else None, step,
+                   f"train-heads {cfg.mode if cfg.arch == 'medusa' else cfg.arch}")
+        t0, tokens_run, last = time.monotonic(), 0, {}
+        stop_at = min(run.total, step + cfg.stop_after) if cfg.stop_after else run.total
+        while step < stop_at:
+            step_loss, step_tokens, sums = self._step(run, dealer, step)
+            step += 1
+            tokens_run += step_tokens * acc.num_processes
+            last = {**_record(step, step_loss, run.optimizer, tokens_run, time.monotonic() - t0), **run.core.record(step - 1, sums)}
+            log.record(last, write=step % cfg.log_every == 0 or step == stop_at,
+                       postfix={"loss": f"{step_loss:.3f}", "top1": f"{last.get(run.core.progress_metric, 0):.3f}"})
+            if (cfg.save_every and step % cfg.save_every == 0) or step == stop_at:
+                self._checkpoint(run, step, dealer)
+        log.close()
+        seconds = time.monotonic() - t0
+        summary = TrainSummary(out=str(out), steps=step, tokens=tokens_run, seconds=seconds,
+                               tokens_per_s=tokens_run / seconds if seconds > 0 else 0.0,
+                               peak_memory_mb=_peak_memory_mb(run.device), final=last, stopped_early=step < run.total,
+                               draft_vocab=run.core.report.to_dict() if cfg.arch == "eagle3" else {})
+        if acc.is_main_process and step >= run.total:
+            self._write_outputs(run.core, resolved, ds_meta, summary, run.opt_name, where)
+        acc.wait_for_everyone()
+        return summary
+
+    def _check_data(self, data: Path) -> dict:
+        """The dataset's metadata, refused where it lacks the teacher top-k the options need."""
+        cfg = self.cfg
         ds_meta = dataset_meta(data)
         if manifest_encoding(ds_meta) is None and (cfg.targets == "soft" or cfg.mode == "medusa2"):
             raise ConfigError(
@@ -285,155 +414,91 @@ class Trainer:
                 + (" --mode medusa1" if cfg.arch == "medusa" else "")
                 + ", or regenerate it with `distill generate` for soft targets and Medusa-2's KL"
             )
-        resolved = resolve_model(cfg.model)
+        return ds_meta
 
-        on_gpu = torch.cuda.is_available()
-        # The one dtype rule: the data's teacher dtype, bf16 on CPUs only where native (distill.runtime).
-        where = stage_dtype(resolved.path, "auto", PRECISION_DTYPES[cfg.precision], dataset_dtype(ds_meta), what=f"the data in {data}")
-        bf16 = where.dtype == "bfloat16"
+    def _setup(self, model_path: Path, ds_meta: dict, bf16: bool) -> _Setup:
+        """The accelerator, the frozen backbone inside the train module, its optimizer, and the run's step budget."""
+        from accelerate import Accelerator
         from accelerate.utils import DistributedDataParallelKwargs
 
+        cfg, data = self.cfg, Path(self.cfg.data)
+        on_gpu = torch.cuda.is_available()
         # Medusa-2's two-stage schedule leaves the LoRA parameters without grads in stage 1.
         ddp = DistributedDataParallelKwargs(find_unused_parameters=cfg.mode == "medusa2")
         # bf16 on CPU is autocast (fp32 master weights): 2-3x faster matmuls on CPUs with AVX512-BF16/AMX.
         accelerator = Accelerator(mixed_precision="bf16" if bf16 else "no", cpu=not on_gpu, kwargs_handlers=[ddp])
         device = accelerator.device
-        world, rank = accelerator.num_processes, accelerator.process_index
-
-        out.mkdir(parents=True, exist_ok=True)
-        resume_from = ckpt.latest_checkpoint(out) if cfg.resume else None
-        if not cfg.resume and ckpt.latest_checkpoint(out) is not None:
-            raise ConfigError(f"{out} already holds checkpoints of a run: pass --resume to continue it or choose another --out")
-
-        random.seed(cfg.seed)
-        np.random.seed(cfg.seed)
-        torch.manual_seed(cfg.seed)
-
-        backbone = load_backbone(resolved.path, device, bf16 and on_gpu)
+        backbone = load_backbone(model_path, device, bf16 and on_gpu)
         vocab = backbone.get_output_embeddings().weight.shape[0]
         ds_vocab = ds_meta.get("model", {}).get("vocab_size")
         if ds_vocab is not None and ds_vocab != vocab:
             raise ConfigError(f"{data} was generated with a {ds_vocab}-token vocabulary but the model has {vocab}: pass the --model that made the data")
         for p in backbone.parameters():
             p.requires_grad_(False)
-        module = build_module(backbone, cfg, data, resolved.path).to(device)
+        module = build_module(backbone, cfg, data, model_path).to(device)
         optimizer, opt_name = _make_optimizer(module.param_groups(), cfg, device)
         base_lrs = [g["lr"] for g in optimizer.param_groups]
-
-        total = cfg.steps or math.ceil(count_batches(data, cfg.max_len, cfg.batch_size, cfg.context, cfg.pack, cfg.shuffle_buffer, cfg.seed) * cfg.epochs / (cfg.grad_accum * world))
+        batches = count_batches(data, cfg.max_len, cfg.batch_size, cfg.context, cfg.pack, cfg.shuffle_buffer, cfg.seed)
+        total = cfg.steps or math.ceil(batches * cfg.epochs / (cfg.grad_accum * accelerator.num_processes))
         if total < 1:
             raise ConfigError(f"{data} holds no training window with a generated token")
-
         module, optimizer = accelerator.prepare(module, optimizer)
         core = accelerator.unwrap_model(module)
         trainable = {n: p for n, p in core.named_parameters() if p.requires_grad}
+        return _Setup(accelerator, module, core, optimizer, opt_name, base_lrs, trainable, total)
 
-        step, epoch, batches = 0, 0, 0
-        metrics_path = out / METRICS_FILE
-        if resume_from is not None:
-            tensors, opt_sd, doc = ckpt.load_checkpoint(resume_from)
-            saved = {**_defaults(), **doc["config"]}  # a checkpoint from before an option existed ran at its default
-            changed = sorted(k for k in cfg.run_key() if saved.get(k) != cfg.run_key()[k])
-            if changed:
-                raise ConfigError(f"--resume: {out} holds a run with different options ({', '.join(changed)}); use the same options or another --out")
-            for key, value in core.identity().items():
-                if doc.get(key) != value:
-                    raise ConfigError(f"--resume: {out} was trained with another {key.replace('_', ' ')} (the data changed?); "
-                                      "use the same data or another --out")
-            with torch.no_grad():
-                for n, p in trainable.items():
-                    p.copy_(tensors[n].to(p.device, p.dtype))
-            optimizer.load_state_dict(opt_sd)
-            step, epoch, batches = doc["step"], doc["epoch"], doc["batches"]
-            ckpt.set_rng_state(doc["rng_tensors"], doc["rng"])
-            _truncate_metrics(metrics_path, step)
-        elif metrics_path.exists() and accelerator.is_main_process:
-            metrics_path.unlink()
+    def _resume(self, run: _Setup, checkpoint: Path) -> tuple[int, int, int]:
+        """Load ``checkpoint`` (same options and data only) into the run; -> (step, epoch, batches dealt in it)."""
+        cfg, out = self.cfg, Path(self.cfg.out)
+        tensors, opt_sd, doc = ckpt.load_checkpoint(checkpoint)
+        saved = {**_defaults(), **doc["config"]}  # a checkpoint from before an option existed ran at its default
+        changed = sorted(k for k in cfg.run_key() if saved.get(k) != cfg.run_key()[k])
+        if changed:
+            raise ConfigError(f"--resume: {out} holds a run with different options ({', '.join(changed)}); use the same options or another --out")
+        for key, value in run.core.identity().items():
+            if doc.get(key) != value:
+                raise ConfigError(f"--resume: {out} was trained with another {key.replace('_', ' ')} (the data changed?); "
+                                  "use the same data or another --out")
+        with torch.no_grad():
+            for n, p in run.trainable.items():
+                p.copy_(tensors[n].to(p.device, p.dtype))
+        run.optimizer.load_state_dict(opt_sd)
+        ckpt.set_rng_state(doc["rng_tensors"], doc["rng"])
+        _truncate_metrics(out / METRICS_FILE, doc["step"])
+        return doc["step"], doc["epoch"], doc["batches"]
 
-        writer = _tensorboard(out) if accelerator.is_main_process else None
-        bar = None
-        if self.progress and accelerator.is_main_process:
-            from tqdm.auto import tqdm
+    def _step(self, run: _Setup, dealer: _Dealer, step: int) -> tuple[float, int, np.ndarray]:
+        """One optimizer update over ``grad_accum`` micro-batches; -> (loss, real tokens seen here, per-term sums)."""
+        cfg, acc = self.cfg, run.accelerator
+        factor = lr_factor(step, cfg.warmup_steps, run.total)
+        for g, base in zip(run.optimizer.param_groups, run.base_lrs):
+            g["lr"] = base * factor
+        sums = np.zeros((len(run.core.term_names), 5))  # per term: loss_sum, top1, top5, count, excluded
+        step_loss, step_tokens = 0.0, 0
+        for micro in range(cfg.grad_accum):
+            batch = {k: v.to(run.device) for k, v in dealer.next().items()}
+            step_tokens += int(batch["attention_mask"].sum())  # real tokens (padding excluded, packed or not)
+            sync = micro == cfg.grad_accum - 1
+            with acc.no_sync(run.module) if not sync and acc.num_processes > 1 else contextlib.nullcontext():
+                loss, stats = run.module(batch, step)
+                acc.backward(loss / cfg.grad_accum)
+            step_loss += float(loss.detach()) / cfg.grad_accum
+            for i, st in enumerate(stats):
+                sums[i] += (st.loss_sum, st.top1, st.top5, st.count, st.excluded)
+        if cfg.max_grad_norm > 0:
+            acc.clip_grad_norm_(list(run.trainable.values()), cfg.max_grad_norm)
+        run.optimizer.step()
+        run.optimizer.zero_grad(set_to_none=True)
+        return step_loss, step_tokens, sums
 
-            bar = tqdm(total=total, initial=step, desc=f"train-heads {cfg.mode if cfg.arch == 'medusa' else cfg.arch}", unit="step",
-                       dynamic_ncols=True)
-
-        stream = iter_batches(data, cfg.max_len, cfg.batch_size, epoch, cfg.seed, cfg.shuffle_buffer, skip=batches, context=cfg.context, pack=cfg.pack)
-        t0 = time.monotonic()
-        tokens_run = 0
-        last: dict = {}
-        stop_at = min(total, step + cfg.stop_after) if cfg.stop_after else total
-
-        def next_batch():
-            nonlocal stream, epoch, batches
-            mine = None
-            for r in range(world):
-                b = next(stream, None)
-                if b is None:
-                    epoch, batches = epoch + 1, 0
-                    stream = iter_batches(data, cfg.max_len, cfg.batch_size, epoch, cfg.seed, cfg.shuffle_buffer, context=cfg.context, pack=cfg.pack)
-                    b = next(stream)
-                batches += 1
-                if r == rank:
-                    mine = b
-            return mine
-
-        while step < stop_at:
-            factor = lr_factor(step, cfg.warmup_steps, total)
-            for g, base in zip(optimizer.param_groups, base_lrs):
-                g["lr"] = base * factor
-            sums = np.zeros((len(core.term_names), 5))  # per term: loss_sum, top1, top5, count, excluded
-            step_loss = 0.0
-            step_tokens = 0
-            for micro in range(cfg.grad_accum):
-                batch = {k: v.to(device) for k, v in next_batch().items()}
-                step_tokens += int(batch["attention_mask"].sum())  # real tokens (padding excluded, packed or not)
-                sync = micro == cfg.grad_accum - 1
-                ctx = accelerator.no_sync(module) if not sync and world > 1 else _null()
-                with ctx:
-                    loss, stats = module(batch, step)
-                    accelerator.backward(loss / cfg.grad_accum)
-                step_loss += float(loss.detach()) / cfg.grad_accum
-                for i, s in enumerate(stats):
-                    sums[i] += (s.loss_sum, s.top1, s.top5, s.count, s.excluded)
-            if cfg.max_grad_norm > 0:
-                accelerator.clip_grad_norm_([p for p in trainable.values()], cfg.max_grad_norm)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            tokens_run += step_tokens * world
-            record = {**_record(step, step_loss, optimizer, tokens_run, time.monotonic() - t0), **core.record(step - 1, sums)}
-            last = record
-            if accelerator.is_main_process and (step % cfg.log_every == 0 or step == stop_at):
-                with open(metrics_path, "a") as f:
-                    f.write(json.dumps(record) + "\n")
-                if writer is not None:
-                    for key, v in record.items():
-                        if isinstance(v, (int, float)) and key != "step":
-                            writer.add_scalar(key, v, step)
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{step_loss:.3f}", top1=f"{record.get(core.progress_metric, 0):.3f}")
-            if (cfg.save_every and step % cfg.save_every == 0) or step == stop_at:
-                accelerator.wait_for_everyone()
-                if accelerator.is_main_process:
-                    ckpt.save_checkpoint(out, step, trainable, optimizer.state_dict(),
-                                         {"epoch": epoch, "batches": batches, "config": cfg.run_key(), "optimizer_name": opt_name,
-                                          **core.identity()})
-                    ckpt.prune_checkpoints(out, cfg.keep_checkpoints)
-        if bar is not None:
-            bar.close()
-        if writer is not None:
-            writer.close()
-        seconds = time.monotonic() - t0
-        summary = TrainSummary(out=str(out), steps=step, tokens=tokens_run, seconds=seconds,
-                               tokens_per_s=tokens_run / seconds if seconds > 0 else 0.0,
-                               peak_memory_mb=_peak_memory_mb(device), final=last, stopped_early=step < total,
-                               draft_vocab=core.report.to_dict() if cfg.arch == "eagle3" else {})
-        if accelerator.is_main_process and step >= total:
-            self._write_outputs(core, resolved, ds_meta, summary, opt_name, where)
-        accelerator.wait_for_everyone()
-        return summary
+    def _checkpoint(self, run: _Setup, step: int, dealer: _Dealer) -> None:
+        cfg = self.cfg
+        run.accelerator.wait_for_everyone()
+        if run.accelerator.is_main_process:
+            ckpt.save_checkpoint(Path(cfg.out), step, run.trainable, run.optimizer.state_dict(),
+                                 {"epoch": dealer.epoch, "batches": dealer.batches, "config": cfg.run_key(),
+                                  "optimizer_name": run.opt_name, **run.core.identity()})
+            ckpt.prune_checkpoints(Path(cfg.out), cfg.keep_checkpoints)
 
     def _write_outputs(self, module: nn.Module, resolved, ds_meta: dict, summary: TrainSummary, opt_name: str,
                        where: Placement) -> None:
@@ -470,9 +535,7 @@ def _truncate_metrics(path: Path, step: int) -> None:
     if not path.exists():
         return
     keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(line + "\n" for line in keep))
-    os.replace(tmp, path)
+    atomic_write_bytes(path, "".join(line + "\n" for line in keep).encode())
 
 
 def read_metrics(out: Path) -> list[dict]:
@@ -480,18 +543,11 @@ def read_metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
 def _tensorboard(out: Path):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
+        logging.getLogger("distill.train").warning("tensorboard is not installed: metrics go to %s only (pip install tensorboard)", METRICS_FILE)
         return None
     return SummaryWriter(log_dir=str(Path(out) / "tensorboard"))
 

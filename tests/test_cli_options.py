@@ -1,0 +1,55 @@
+"""The one options -> config path of the stage commands: file section < --set < command line; unknown keys; --help defaults."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+from conftest import DISTILL
+from distill.configs import stage_options
+from distill.errors import ConfigError
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, COLUMNS="250", TERM="dumb")
+    return subprocess.run([DISTILL, *args], capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_file_then_sets_then_command_line(tmp_path):
+    cfg = tmp_path / "p.yaml"
+    cfg.write_text("calibrate:\n  nodes: 7\n  ranks: 3\ntrain:\n  lr: 0.5\n")
+    assert stage_options("calibrate", cfg, ["ranks=4", "max-len=9"], {"nodes": 5, "out": tmp_path}) == {
+        "nodes": 5, "ranks": 4, "max_len": 9, "out": str(tmp_path)}
+    assert stage_options("generate", None, ["topk=a,b"], {}) == {"topk": "a,b"}  # YAML value: a string here
+    with pytest.raises(ConfigError, match="--set takes KEY=VALUE"):
+        stage_options("train", None, ["lr"], {})
+
+
+def test_each_layer_reaches_the_stage_config(tmp_path):
+    """A bad value names where it came from: the file, overridden by --set, overridden by the option."""
+    cfg = tmp_path / "p.yaml"
+    cfg.write_text("calibrate:\n  heads: h\n  data: d\n  nodes: -3\n")
+    assert run("calibrate", "-c", str(cfg)).stderr.strip() == "error: --nodes must be >= 1; got -3"
+    assert run("calibrate", "-c", str(cfg), "--set", "nodes=-2").stderr.strip() == "error: --nodes must be >= 1; got -2"
+    assert run("calibrate", "-c", str(cfg), "--set", "nodes=-2", "--nodes", "0").stderr.strip() == "error: --nodes must be >= 1; got 0"
+
+
+@pytest.mark.parametrize("command, stage", [("generate", "generate"), ("train-heads", "train"), ("calibrate", "calibrate"),
+                                            ("bench", "bench"), ("serve", "serve")])
+def test_an_unknown_key_is_a_one_line_error_naming_the_stage(tmp_path, command, stage):
+    extra = ["--heads", str(tmp_path), "--data", str(tmp_path)] if command == "calibrate" else \
+        ["--heads", str(tmp_path)] if command == "bench" else []
+    r = run(command, *extra, "--set", "no_such_option=1")
+    assert r.returncode == 2 and r.stderr.strip() == f"error: unknown {stage} option(s): no_such_option", r.stderr
+    assert not list(tmp_path.iterdir())  # nothing written before the config was whole
+
+
+def test_help_shows_the_effective_defaults():
+    out = run("train-heads", "--help").stdout
+    assert "[default: (0.001)]" in out  # TrainConfig.lr, though the option itself defaults to None
+    out = run("bench", "--help").stdout
+    assert "[default: (greedy,typical)]" in out and "[default: (1,2,4,8,16,32,64)]" in out
+    out = run("serve", "--help").stdout
+    assert "[default: (256)]" in out  # --max-tokens is ServeConfig.default_max_tokens
