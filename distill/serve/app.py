@@ -165,7 +165,7 @@ def create_app(engine, settings: AppSettings, worker_thread: bool = True) -> Fas
             metrics.rejected.inc()
             raise APIError(503, str(exc), type="server_overloaded", code="queue_full") from None
         except ShuttingDown as exc:
-            raise APIError(503, str(exc), type="server_unavailable") from None
+            raise APIError(503, str(exc), type="server_unavailable", code="shutting_down") from None
         return job
 
     @app.post("/v1/chat/completions")
@@ -334,8 +334,11 @@ def _replay(messages: list[dict], receive):
 
 
 async def _disconnected(request: Request) -> None:
-    """Returns when the client has disconnected (the request body already read)."""
-    while (await request.receive())["type"] != "http.disconnect":
+    """Returns when the client has disconnected (the request body already read), or the connection failed."""
+    try:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+    except Exception:  # noqa: BLE001 - a broken connection is a gone client too
         pass
 
 
