@@ -57,6 +57,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from distill.errors import ConfigError
 from distill.serve.text import StreamDecoder
 
 log = logging.getLogger("distill.serve")
@@ -320,7 +321,7 @@ class Scheduler:
         except Exception as exc:  # noqa: BLE001 - a failed prefill fails its own sequences only
             if len(new) == 1:
                 log.exception("prefill failed")
-                self._fail(new, _failure(exc))
+                self._fail(new, *_failure(exc))
                 return
             log.warning("a prefill of %d sequences failed (%s: %s): retrying them one at a time", len(new), type(exc).__name__, exc)
             done = []
@@ -331,7 +332,7 @@ class Scheduler:
                     done += self._add(batch, [s])
                 except Exception as one:  # noqa: BLE001
                     log.exception("prefill failed")
-                    self._fail([s], _failure(one))
+                    self._fail([s], *_failure(one))
         self._report(batch, done)
 
     def _step(self, batch) -> None:
@@ -343,7 +344,7 @@ class Scheduler:
             rows = batch.clear()
             if len(rows) == 1:
                 log.exception("decoding step failed")
-                self._fail(rows, _failure(exc))
+                self._fail(rows, *_failure(exc))
             else:
                 log.warning("a decoding step of %d sequences failed (%s: %s): stepping each alone",
                             len(rows), type(exc).__name__, exc)
@@ -366,7 +367,7 @@ class Scheduler:
             except Exception as exc:  # noqa: BLE001 - this sequence's own failure
                 log.exception("decoding step failed")
                 batch.clear()
-                self._fail([s], _failure(exc))
+                self._fail([s], *_failure(exc))
                 continue
             self._report(batch, done)
             survivors += batch.clear()
@@ -420,5 +421,9 @@ class Scheduler:
             m.generation_tokens.inc(len(s.decoder.ids))
 
 
-def _failure(exc: Exception) -> str:
-    return f"generation failed: {type(exc).__name__}: {exc}"
+def _failure(exc: Exception) -> tuple[str, int]:
+    """A request's own failure in the engine -> (message, HTTP status): 400 for the engine's refusal of
+    its input (a ConfigError), 500 otherwise."""
+    if isinstance(exc, ConfigError):
+        return f"the engine refused this request: {exc}", 400
+    return f"generation failed: {type(exc).__name__}: {exc}", 500
