@@ -18,7 +18,10 @@ import time
 import httpx
 import pytest
 
-from test_serve_api import Server
+import test_serve_api
+from test_serve_api import Server, chat
+
+plain = test_serve_api.plain  # the engine's own greedy answers, the reference (a module fixture of its own here)
 
 pytestmark = pytest.mark.slow
 
@@ -36,25 +39,8 @@ def server(tmp_path_factory):
     srv.stop()
 
 
-@pytest.fixture(scope="module")
-def plain(model_dir):
-    """Plain greedy decoding by the engine, batch 1 (what a temperature-0 answer must equal)."""
-    from distill.engine import Engine, EngineConfig, SamplingParams
-
-    engine = Engine.from_pretrained(str(model_dir), None, EngineConfig(max_batch=1))
-    tok = engine.tokenizer
-
-    def answer(question: str, max_tokens: int = 8) -> str:
-        ids = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True,
-                                      return_dict=True)["input_ids"]
-        (res,), _ = engine.generate([list(ids)], [SamplingParams(max_tokens=max_tokens)], speculative=False)
-        return tok.decode(res.token_ids, skip_special_tokens=True)
-
-    return answer
-
-
 def body(question: str, **kw) -> dict:
-    return {"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": question}], "temperature": 0, **kw}
+    return {"model": "smollm2-135m-instruct", "messages": chat(question), "temperature": 0, **kw}
 
 
 def metrics(srv: Server) -> dict[str, float]:
@@ -95,7 +81,7 @@ def test_one_bad_request_among_six_concurrent_fails_alone(server, plain):
     assert bad.status_code == 400, bad.text
     assert bad.json()["error"]["param"] == "seed" and "seed" in bad.json()["error"]["message"]
     assert [r.status_code for r in responses] == [200] * 5
-    assert [r.json()["choices"][0]["message"]["content"] for r in responses] == [plain(q) for q in QUESTIONS[:5]]
+    assert [r.json()["choices"][0]["message"]["content"] for r in responses] == [plain(chat(q))[0] for q in QUESTIONS[:5]]
 
 
 @pytest.mark.parametrize(("change", "param"), [({"temperature": 1e-30}, "temperature"), ({"top_p": 1e-50}, "top_p"),
