@@ -168,18 +168,26 @@ def create_app(engine, settings: AppSettings, worker_thread: bool = True) -> Fas
             raise APIError(503, str(exc), type="server_unavailable", code="shutting_down") from None
         return job
 
+    async def tokenize(fn, *args):
+        """``fn(*args)`` on a worker thread, off the event loop: prompts may take seconds to tokenize."""
+        metrics.tokenizing.inc()
+        try:
+            return await asyncio.to_thread(fn, *args)
+        finally:
+            metrics.tokenizing.dec()
+
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         check_common(req)
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
-        ids = await asyncio.to_thread(_chat_ids, messages, tokenizer)  # off the event loop: prompts may be long
+        ids = await tokenize(_chat_ids, messages, tokenizer)
         job = make_job(req, [ids])
         return await respond(job, req, request, chat=True)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         check_common(req)
-        prompts = await asyncio.to_thread(_prompt_ids, req.prompt, tokenizer, vocab_size)
+        prompts = await tokenize(_prompt_ids, req.prompt, tokenizer, vocab_size)
         job = make_job(req, prompts)
         return await respond(job, req, request, chat=False)
 
