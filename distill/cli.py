@@ -521,9 +521,9 @@ def serve(
         "--engine", help="distill: our engine (tree attention; plain decoding without --heads). "
         "vllm: start vLLM's OpenAI server with the heads as its Medusa speculative config; vLLM verifies a single "
         "chain of each head's top-1 guess, no tree, so --tree does not apply.")] = None,
-    host: Annotated[Optional[str], typer.Option(help="Address to bind (default 127.0.0.1: this machine only; 0.0.0.0 for all).")] = None,
+    host: Annotated[Optional[str], typer.Option(help="Address to bind (default 127.0.0.1: this machine only; 0.0.0.0 for all: without an API key, a warning).")] = None,
     port: Annotated[Optional[int], typer.Option(help="Port (default 8000; 0 = any free port).")] = None,
-    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="DISTILL_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1/* (env DISTILL_API_KEY).")] = None,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="DISTILL_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1/*. Give it in the environment variable DISTILL_API_KEY: a --api-key on the command line is visible to every user of the machine (ps).")] = None,
     served_model_name: Annotated[Optional[str], typer.Option(help="Model id clients send (default: the model's name).")] = None,
     queue_size: Annotated[Optional[int], typer.Option(help="Requests that may wait for the engine; more get HTTP 503 (default 64).")] = None,
     max_batch: Annotated[Optional[int], typer.Option(help="Sequences decoded together (default 8); waiting ones join the running batch as rows free up. --engine vllm: its --max-num-seqs (default: vLLM's).")] = None,
@@ -540,7 +540,8 @@ def serve(
     num_speculative_tokens: Annotated[Optional[int], typer.Option(help="--engine vllm: heads used (default: all).")] = None,
     dtype: Annotated[Optional[str], typer.Option(help="auto (default: the heads' teacher dtype, else the model's; bf16 on CPUs only where native) | float32 | bfloat16 | float16.")] = None,
     device: Annotated[Optional[str], typer.Option(help="auto (default: CUDA when available, else CPU) | cpu | cuda | cuda:N (distill engine).")] = None,
-    shutdown_timeout: Annotated[Optional[float], typer.Option(help="Seconds in-flight requests get after SIGTERM (default 10).")] = None,
+    shutdown_grace: Annotated[Optional[float], typer.Option(help="After SIGTERM / Ctrl-C: seconds admitted requests get to finish while new ones get 503; then those left end with a 503 error (default 10).")] = None,
+    max_body_bytes: Annotated[Optional[int], typer.Option(help="Request bodies over this many bytes get 413 before they are read (default: 4 MiB, or 64 bytes per context token when that is more).")] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level: warning | info | debug.")] = "info",
     print_command: Annotated[bool, typer.Option("--print-command", help="--engine vllm: print the vLLM server command and the "
                                                 "environment distill adds (JSON), and exit.")] = False,

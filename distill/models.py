@@ -193,3 +193,34 @@ def stop_token_ids(tokenizer, model_path: Path) -> frozenset[int]:
     if not ids:
         raise ModelError(f"{model_path} defines no EOS token: cannot tell where an answer ends")
     return frozenset(ids)
+
+
+def context_limit(config, tree_nodes: int = 0) -> int:
+    """The most tokens one sequence may hold, prompt plus ``max_tokens``: the one rule for every stage.
+
+    ``config``: the model's transformers config (``AutoConfig`` or ``model.config``). The
+    context is its text config's ``max_position_embeddings``; when its layers attend through a
+    sliding window shorter than that (``sliding_window`` set and, where the config lists
+    ``layer_types``, some ``sliding_attention`` layer), the window bounds it too, so that no
+    sequence outgrows the window and every backend's attention over it is exact.
+    ``tree_nodes``: the speculated nodes one decoding step verifies beyond a sequence's root
+    (``Engine.max_tree_size - 1``; 0 for plain decoding): the deepest node's position lies at
+    most that far past the last token, so the limit keeps that margin.
+    A config that declares no context length is an error naming ``--max-model-len`` (a caller
+    given that option uses it instead of calling this).
+    """
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    n = getattr(text, "max_position_embeddings", None)
+    if not isinstance(n, int) or n < 1:
+        name = getattr(config, "_name_or_path", "") or type(config).__name__
+        raise ModelError(f"{name}: its config declares no context length (max_position_embeddings): pass --max-model-len")
+    window = getattr(text, "sliding_window", None)
+    layer_types = getattr(text, "layer_types", None)
+    sliding = (isinstance(window, int) and window > 0 and getattr(text, "use_sliding_window", True) is not False
+               and (not layer_types or "sliding_attention" in layer_types))
+    limit = min(n, window) if sliding else n
+    if tree_nodes < 0:
+        raise ValueError(f"tree_nodes must be >= 0; got {tree_nodes}")
+    if limit - tree_nodes < 2:
+        raise ModelError(f"a context of {limit} tokens leaves no room beside a {tree_nodes}-node tree")
+    return limit - tree_nodes

@@ -47,3 +47,37 @@ def test_hub_id_without_network_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setattr(c, "HF_HUB_CACHE", str(tmp_path / "hub"))
     with pytest.raises(HubUnreachableError, match="unreachable"):
         resolve_model("someone/some-model")
+
+
+def test_context_limit_is_the_models_context_less_the_trees_nodes_bounded_by_a_sliding_window():
+    from transformers import LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config
+
+    from distill.models import context_limit
+
+    assert context_limit(LlamaConfig(max_position_embeddings=2048)) == 2048
+    assert context_limit(LlamaConfig(max_position_embeddings=2048), tree_nodes=24) == 2024
+    # a sliding window shorter than the context bounds it (the engine's cache keeps every token)
+    assert context_limit(MistralConfig(sliding_window=4096, max_position_embeddings=32768), tree_nodes=24) == 4072
+    # a window the layers do not use does not
+    assert context_limit(Qwen2Config(use_sliding_window=False, sliding_window=4096, max_position_embeddings=32768)) == 32768
+    some_sliding = Qwen2Config(use_sliding_window=True, sliding_window=4096, max_position_embeddings=32768,
+                               num_hidden_layers=4, max_window_layers=2)
+    assert context_limit(some_sliding) == 4096
+    with pytest.raises(ModelError, match="--max-model-len"):
+        context_limit(PretrainedConfig())  # no silent default
+    with pytest.raises(ModelError, match="no room"):
+        context_limit(LlamaConfig(max_position_embeddings=16), tree_nodes=15)
+
+
+def test_the_engine_refuses_what_its_context_limit_refuses(hf_model, model_dir):
+    """The engine's check uses the one rule: prompt + max_tokens up to the limit run, one more is refused."""
+    from transformers import AutoTokenizer
+
+    from distill.engine import Engine, EngineConfig, SamplingParams
+    from distill.errors import ConfigError
+    from distill.models import context_limit
+
+    engine = Engine(hf_model, AutoTokenizer.from_pretrained(model_dir), None, EngineConfig(max_batch=1, weight_layout="as-loaded"))
+    assert engine.max_len == context_limit(hf_model.config) == hf_model.config.max_position_embeddings
+    with pytest.raises(ConfigError, match="exceed the engine's limit"):
+        engine.generate([[1, 2, 3]], SamplingParams(max_tokens=engine.max_len - 2))

@@ -76,3 +76,106 @@ def test_a_failed_step_fails_its_rows_and_the_worker_serves_the_next_request(eng
     assert any(isinstance(e, Delta) for e in ev1)  # it had streamed before the failure
     assert isinstance(ev2[-1], Done) and ev2[-1].finish_reason in ("stop", "length") and ev2[-1].completion_tokens > 0
     assert len(calls) > 3  # the same worker and batch went on stepping after the failure
+
+
+def greedy_answer(engine, text: str, max_tokens: int) -> tuple[str, int]:
+    """The engine's own plain greedy answer, alone (the reference a greedy request must equal)."""
+    tok = engine.tokenizer
+    ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
+                                  return_dict=True)["input_ids"]
+    (res,), _ = engine.generate([list(ids)], [SamplingParams(max_tokens=max_tokens)], speculative=False)
+    return tok.decode(res.token_ids, skip_special_tokens=True), len(res.token_ids)
+
+
+def text_of(events: list) -> str:
+    return "".join(e.text for e in events if isinstance(e, Delta))
+
+
+GOOD = ["What is the capital of France?", "Name three primary colors.", "Write a haiku about the sea."]
+
+
+def test_a_sequence_whose_prefill_raises_fails_alone_and_its_batch_mates_finish(engine):
+    """Four requests admitted in one prefill, one with a seed the engine's generator cannot take (no API
+    validation in between): the engine raises for the whole prefill; the bad request fails alone and the
+    other three get exactly their greedy answers."""
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        sched = Scheduler(engine, queue_size=8, max_batch=4, speculative=False)
+        jobs = [job_of(engine, loop, q, 12) for q in GOOD]
+        bad = job_of(engine, loop, "Tell me a joke.", 12)
+        bad.sequences[0].params = SamplingParams(max_tokens=12, temperature=0.7, seed=2**70)
+        for job in (jobs[0], bad, *jobs[1:]):  # all waiting before the worker starts: one prefill
+            sched.submit(job)
+        sched.start()
+        try:
+            return [await events_until_end(j) for j in jobs], await events_until_end(bad)
+        finally:
+            sched.stop()
+
+    good, bad = asyncio.run(scenario())
+    assert isinstance(bad[-1], Failed) and bad[-1].status == 500 and "Overflow" in bad[-1].message
+    for q, events in zip(GOOD, good):
+        assert isinstance(events[-1], Done) and events[-1].finish_reason in ("stop", "length")
+        assert (text_of(events), events[-1].completion_tokens) == greedy_answer(engine, q, 12)
+
+
+def test_a_sequence_whose_step_raises_fails_alone_and_the_others_resume_unchanged(engine):
+    """A decoding step raises because of one row (a fault injected in the engine's acceptance, tied to that
+    row's seed): the scheduler steps each row alone, fails that request only, and the other rows, prefilled
+    again from their prompt plus what they had streamed, end with exactly their greedy answers."""
+    marked = 4242
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        sched = Scheduler(engine, queue_size=8, max_batch=4, speculative=False)
+        jobs = [job_of(engine, loop, q, 16) for q in GOOD]
+        bad = job_of(engine, loop, "Tell me a joke.", 16)
+        bad.sequences[0].params = SamplingParams(max_tokens=16, temperature=0.7, seed=marked)
+        real = engine._accept
+
+        def accept(tokens, logits, buf, seqs):  # the marked row breaks any step after its third token
+            if any(s.params.seed == marked and (len(s.tokens) >= 3 or s.params.max_tokens < 16) for s in seqs):
+                raise RuntimeError("injected failure of one row")
+            return real(tokens, logits, buf, seqs)
+
+        engine._accept = accept
+        try:
+            for job in (jobs[0], bad, *jobs[1:]):
+                sched.submit(job)
+            sched.start()
+            return [await events_until_end(j) for j in jobs], await events_until_end(bad)
+        finally:
+            del engine._accept
+            sched.stop()
+
+    good, bad = asyncio.run(scenario())
+    assert isinstance(bad[-1], Failed) and "injected failure of one row" in bad[-1].message
+    assert any(isinstance(e, Delta) for e in bad)  # it had streamed: the failure came in a step, not the prefill
+    for q, events in zip(GOOD, good):
+        assert isinstance(events[-1], Done) and events[-1].finish_reason in ("stop", "length")
+        assert (text_of(events), events[-1].completion_tokens) == greedy_answer(engine, q, 16)
+
+
+def test_drain_refuses_new_jobs_and_fails_what_outlives_the_grace_period(engine):
+    """drain(0): the request already admitted ends with a 503 "shutting down" event, a new one is refused,
+    and the worker returns by itself."""
+    from distill.serve.scheduler import ShuttingDown
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        sched = Scheduler(engine, queue_size=8, max_batch=4, speculative=False)
+        sched.start()
+        long = job_of(engine, loop, "Tell me a very long story.", 2000)
+        sched.submit(long)
+        first = await asyncio.wait_for(long.events.get(), 300)  # decoding
+        sched.drain(0)
+        with pytest.raises(ShuttingDown):
+            sched.submit(job_of(engine, loop, "Hi!", 4))
+        rest = await events_until_end(long)
+        assert await asyncio.to_thread(sched._done.wait, 60)
+        return [first, *rest], sched
+
+    events, sched = asyncio.run(scenario())
+    assert isinstance(events[-1], Failed) and events[-1].status == 503 and "shutting down" in events[-1].message
+    assert not sched.alive and sched.error is None

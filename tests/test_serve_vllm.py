@@ -48,6 +48,8 @@ def test_vllm_command_uses_fewer_heads_when_asked_and_refuses_more(heads_dir):
     ({"queue_size": 0}, "--queue-size must be at least 1"),
     ({"host": "not a host"}, "--host must be an IP address"),
     ({"api_key": "  "}, "--api-key must not be empty"),
+    ({"shutdown_grace": -1}, "--shutdown-grace must be >= 0"),
+    ({"max_body_bytes": 100}, "--max-body-bytes must be at least 1024"),
 ])
 def test_serve_config_rejects_bad_options(options, message):
     with pytest.raises(ConfigError, match=message):
@@ -59,6 +61,25 @@ def test_serve_cli_reports_a_bad_option_in_one_line(tmp_path):
     assert r.returncode == 2 and r.stderr.strip().splitlines() == ["error: --engine vllm serves the model with Medusa heads: pass --heads DIR"]
     r = subprocess.run([DISTILL, "serve", "--help"], capture_output=True, text=True, timeout=120)
     assert "single" in r.stdout and "chain" in r.stdout and "127.0.0.1" in r.stdout
+    assert "DISTILL_API_KEY" in r.stdout and "(ps)" in r.stdout  # the key's safe way in, and why
+
+
+@pytest.mark.parametrize(("options", "warns"), [
+    ({"host": "0.0.0.0"}, True),
+    ({"host": "192.168.1.7"}, True),
+    ({"host": "::"}, True),
+    ({"host": "0.0.0.0", "api_key": "k"}, False),
+    ({"host": "127.0.0.1"}, False),
+    ({"host": "::1"}, False),
+    ({"host": "localhost"}, False),
+])
+def test_binding_beyond_loopback_without_a_key_warns(options, warns):
+    from distill.serve.server import bind_warning
+
+    warning = bind_warning(ServeConfig(**options))
+    assert (warning is not None) == warns
+    if warns:
+        assert options["host"] in warning and "DISTILL_API_KEY" in warning
 
 
 def test_vllm_command_keeps_vllm_defaults_and_appends_what_follows_the_double_dash(heads_dir):

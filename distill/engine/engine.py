@@ -59,6 +59,7 @@ from distill.engine.tree import ResolvedTree, TreeBuffers, build_buffers, resolv
 from distill.engine.weights import prepare_linears
 from distill.errors import ConfigError, ModelError
 from distill.heads.model import MedusaHeads, read_distill_meta
+from distill.models import context_limit
 from distill.runtime import canonical_dtype, stage_dtype, torch_dtype
 
 ACCEPTANCE_MODES = ("greedy", "typical", "rejection")
@@ -231,11 +232,7 @@ class Engine:
         self.policy: AdaptivePolicy | None = None
         if self.proposer is not None and self.config.adaptive and self.config.speculate_max_batch is None:
             self.policy = AdaptivePolicy(self._taus, self._cost_ratio(), self._proposal)
-        window = getattr(model.config.get_text_config(), "sliding_window", None)
-        self._max_len = min(
-            getattr(model.config.get_text_config(), "max_position_embeddings", None) or 1 << 30,
-            window if isinstance(window, int) and window > 0 else 1 << 30,
-        )
+        self.max_len = context_limit(model.config, self.max_tree_size - 1)  # prompt + max_tokens, at most
 
     @property
     def heads(self) -> MedusaHeads | None:
@@ -366,8 +363,8 @@ class Engine:
         for i, (p, sp) in enumerate(zip(prompts, params)):
             if not p:
                 raise ConfigError(f"prompt {i} is empty")
-            if len(p) + sp.max_tokens + 64 > self._max_len:
-                raise ConfigError(f"prompt {i}: {len(p)} tokens + max_tokens {sp.max_tokens} exceed the model's {self._max_len}")
+            if len(p) + sp.max_tokens > self.max_len:
+                raise ConfigError(f"prompt {i}: {len(p)} tokens + max_tokens {sp.max_tokens} exceed the engine's limit of {self.max_len}")
 
     @torch.inference_mode()
     def generate(

@@ -11,7 +11,6 @@ which are the logits before any logits processor).
 from __future__ import annotations
 
 import importlib.util
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -19,7 +18,10 @@ from typing import Protocol
 import numpy as np
 
 from distill.errors import BackendError
-from distill.models import stop_token_ids
+from distill.models import context_limit, stop_token_ids
+
+#: vLLM on a CPU prefills whole prompts (no chunking): its batch budget is at least this many tokens.
+MIN_BATCHED_TOKENS = 8192
 
 
 @dataclass(frozen=True)
@@ -88,12 +90,6 @@ def make_backend(name: str, model_path: Path, opts: BackendOptions) -> Backend:
     return VLLMBackend(model_path, opts) if name == "vllm" else HFBackend(model_path, opts)
 
 
-def _config_max_len(model_path: Path) -> int:
-    """The context length a model folder's config.json declares (what vLLM defaults to)."""
-    cfg = json.loads((Path(model_path) / "config.json").read_text())
-    return int(cfg.get("max_position_embeddings") or cfg.get("n_positions") or 8192)
-
-
 def _vocab_size(model_path: Path) -> int:
     from transformers import AutoConfig
 
@@ -101,11 +97,11 @@ def _vocab_size(model_path: Path) -> int:
     return int(getattr(cfg, "vocab_size", None) or cfg.get_text_config().vocab_size)
 
 
-def _max_positions(model_path: Path) -> int:
+def _context_limit(model_path: Path) -> int:
+    """The model folder's context (:func:`distill.models.context_limit`, no tree)."""
     from transformers import AutoConfig
 
-    cfg = AutoConfig.from_pretrained(model_path)
-    return int(getattr(cfg, "max_position_embeddings", None) or cfg.get_text_config().max_position_embeddings)
+    return context_limit(AutoConfig.from_pretrained(model_path))
 
 
 class VLLMBackend:
@@ -140,8 +136,9 @@ class VLLMBackend:
             max_logprobs=64,  # the largest --topk GenerateConfig accepts
             tensor_parallel_size=opts.tensor_parallel_size,
         )
-        if opts.max_model_len:
-            kwargs["max_model_len"] = opts.max_model_len
+        # the one context rule (distill.models.context_limit) unless --max-model-len says otherwise
+        max_len = int(opts.max_model_len or _context_limit(model_path))
+        kwargs["max_model_len"] = max_len
         if not self.on_cpu:
             kwargs["gpu_memory_utilization"] = opts.gpu_memory_utilization
         else:
@@ -150,7 +147,7 @@ class VLLMBackend:
             # request here has one: prefill whole prompts instead (the batch budget must then
             # hold the longest sequence).
             kwargs["enable_chunked_prefill"] = False
-            kwargs["max_num_batched_tokens"] = max(opts.max_model_len or _config_max_len(model_path), 8192)
+            kwargs["max_num_batched_tokens"] = max(max_len, MIN_BATCHED_TOKENS)
         try:
             self.llm = LLM(**kwargs)
         except Exception as exc:  # noqa: BLE001
@@ -238,7 +235,7 @@ class HFBackend:
         except Exception as exc:  # noqa: BLE001
             raise BackendError(f"transformers could not load {model_path}: {type(exc).__name__}: {exc}") from exc
         self.vocab_size = _vocab_size(model_path)
-        self.max_model_len = int(opts.max_model_len or _max_positions(model_path))
+        self.max_model_len = int(opts.max_model_len or _context_limit(model_path))
         self.stop_ids = stop_token_ids(self.tokenizer, model_path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.stop_ids)
 

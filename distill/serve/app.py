@@ -6,7 +6,14 @@ Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both with
 ``/v1/*`` needs ``Authorization: Bearer KEY`` (401 otherwise); ``/health`` and
 ``/metrics`` stay open for probes and scrapers. Errors are answered in OpenAI's
 shape ``{"error": {"message", "type", "param", "code"}}``: 400 bad input,
-401 bad key, 404 unknown model, 503 queue full or shutting down.
+401 bad key, 404 unknown model, 413 body over ``max_body_bytes`` (refused before it
+is read), 500 a failure of this request in the engine, 503 queue full or shutting down.
+
+Prompts are rendered and tokenized on a worker thread, not on the event loop, so a
+large prompt never stalls other requests or ``/health``. A non-streaming request whose
+client disconnects is cancelled at once (a task waits for the disconnect); a streaming
+one when its response stream is closed. A request that fails after its stream started
+gets an error event and ``data: [DONE]``.
 """
 
 from __future__ import annotations
@@ -30,7 +37,8 @@ from distill.serve.scheduler import Delta, Done, Failed, Job, QueueFull, Schedul
 from distill.serve.text import StreamDecoder
 
 log = logging.getLogger("distill.serve")
-DISCONNECT_POLL_S = 0.5
+MIN_BODY_BYTES = 4 << 20  # the default body limit is the larger of this and BODY_BYTES_PER_TOKEN * the context
+BODY_BYTES_PER_TOKEN = 64  # generous: a token's text, JSON-escaped, is rarely over 30 bytes
 
 
 @dataclass
@@ -45,6 +53,17 @@ class AppSettings:
     default_max_tokens: int = 256
     api_key: str | None = None
     speculative: bool = False
+    max_body_bytes: int | None = None  # None: default_body_limit(max_model_len)
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes is None:
+            self.max_body_bytes = default_body_limit(self.max_model_len)
+
+
+def default_body_limit(max_model_len: int) -> int:
+    """Request bodies up to this many bytes are read: a few MB, more for a context so long that
+    a prompt filling it could need more."""
+    return max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * max_model_len)
 
 
 def create_app(engine, settings: AppSettings, worker_thread: bool = True) -> FastAPI:
@@ -86,13 +105,14 @@ def create_app(engine, settings: AppSettings, worker_thread: bool = True) -> Fas
         msg = first.get("msg", "invalid request")
         return JSONResponse(APIError(400, f"{loc}: {msg}" if loc else msg, param=loc or None).body(), status_code=400)
 
-    app.add_middleware(_AuthAndCount, api_key=settings.api_key, metrics=metrics)
+    app.add_middleware(_Gate, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes, metrics=metrics)
 
     # -- plain endpoints -------------------------------------------------------------------
     @app.get("/health")
     async def health():
         if not scheduler.alive:
-            return JSONResponse({"status": "error", "detail": scheduler.error or "shutting down"}, status_code=503)
+            detail = scheduler.error or ("draining: finishing admitted requests" if scheduler.draining else "shutting down")
+            return JSONResponse({"status": "error", "detail": detail}, status_code=503)
         return {"status": "ok", "model": settings.model_name, "speculative": settings.speculative}
 
     @app.get("/metrics")
@@ -145,25 +165,29 @@ def create_app(engine, settings: AppSettings, worker_thread: bool = True) -> Fas
             metrics.rejected.inc()
             raise APIError(503, str(exc), type="server_overloaded", code="queue_full") from None
         except ShuttingDown as exc:
-            raise APIError(503, str(exc), type="server_unavailable") from None
+            raise APIError(503, str(exc), type="server_unavailable", code="shutting_down") from None
         return job
+
+    async def tokenize(fn, *args):
+        """``fn(*args)`` on a worker thread, off the event loop: prompts may take seconds to tokenize."""
+        metrics.tokenizing.inc()
+        try:
+            return await asyncio.to_thread(fn, *args)
+        finally:
+            metrics.tokenizing.dec()
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         check_common(req)
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
-        try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as exc:  # noqa: BLE001 - the template's own complaint (e.g. roles must alternate)
-            raise APIError(400, f"the model's chat template rejects these messages: {exc}", param="messages") from None
-        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        ids = await tokenize(_chat_ids, messages, tokenizer)
         job = make_job(req, [ids])
         return await respond(job, req, request, chat=True)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         check_common(req)
-        prompts = _prompt_ids(req.prompt, tokenizer, vocab_size)
+        prompts = await tokenize(_prompt_ids, req.prompt, tokenizer, vocab_size)
         job = make_job(req, prompts)
         return await respond(job, req, request, chat=False)
 
@@ -176,24 +200,23 @@ def create_app(engine, settings: AppSettings, worker_thread: bool = True) -> Fas
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         texts = {s.index: [] for s in job.sequences}
         done: dict[int, Done] = {}
+        gone = asyncio.create_task(_disconnected(request))  # the client hanging up cancels the job at once
+        gone.add_done_callback(lambda task: task.cancelled() or job.cancel())
         try:
             while len(done) < len(job.sequences):
-                try:
-                    ev = await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        job.cancel()
-                        return Response(status_code=499)
-                    continue
+                ev = await job.events.get()
                 if isinstance(ev, Delta):
                     texts[ev.index].append(ev.text)
                 elif isinstance(ev, Done):
                     done[ev.index] = ev
                 elif isinstance(ev, Failed):
-                    raise APIError(ev.status, ev.message, type="server_error" if ev.status >= 500 else "invalid_request_error")
+                    raise _failed_error(ev)
         finally:
+            gone.cancel()
             if len(done) < len(job.sequences):
                 job.cancel()
+        if job.cancelled.is_set():
+            return Response(status_code=499)  # nobody is listening (nginx's "client closed request")
         _record(done.values(), job)
         prompt_tokens = job.prompt_tokens
         completion_tokens = sum(d.completion_tokens for d in done.values())
@@ -234,8 +257,8 @@ def create_app(engine, settings: AppSettings, worker_thread: bool = True) -> Fas
                     else:
                         yield chunk([{"index": ev.index, "text": "", "logprobs": None, "finish_reason": ev.finish_reason}])
                 elif isinstance(ev, Failed):
-                    err = APIError(ev.status, ev.message, type="server_error")
-                    yield f"data: {json.dumps(err.body())}\n\n"
+                    yield f"data: {json.dumps(_failed_error(ev).body())}\n\n"
+                    yield "data: [DONE]\n\n"
                     return
             _record(done.values(), job)
             if include_usage:
@@ -252,37 +275,98 @@ def create_app(engine, settings: AppSettings, worker_thread: bool = True) -> Fas
     return app
 
 
-class _AuthAndCount:
+class _Gate:
     """Pure ASGI middleware (a ``BaseHTTPMiddleware`` would hide client disconnects from streaming responses):
-    checks the bearer key on ``/v1/*`` and counts requests by endpoint and status."""
+    checks the bearer key on ``/v1/*``, refuses a body over ``max_body_bytes`` with 413 before it is
+    read or parsed (by its Content-Length, or while reading a body sent without one), and counts
+    requests by endpoint and status."""
 
-    def __init__(self, app, api_key: str | None, metrics: ServerMetrics):
-        self.app, self.api_key, self.metrics = app, api_key, metrics
+    def __init__(self, app, api_key: str | None, max_body_bytes: int, metrics: ServerMetrics):
+        self.app, self.api_key, self.max_body_bytes, self.metrics = app, api_key, max_body_bytes, metrics
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"]
         endpoint = path if path in _ENDPOINTS else "other"
-        if self.api_key is not None and path.startswith("/v1/"):
-            header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-            scheme, _, token = header.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
-                self.metrics.requests.labels(endpoint, "401").inc()
-                err = APIError(401, "invalid or missing API key: send 'Authorization: Bearer KEY'",
-                               type="authentication_error", code="invalid_api_key")
-                return await JSONResponse(err.body(), status_code=401)(scope, receive, send)
 
         async def counting_send(message):
             if message["type"] == "http.response.start":
                 self.metrics.requests.labels(endpoint, str(message["status"])).inc()
             await send(message)
 
+        headers = dict(scope["headers"])
+        if self.api_key is not None and path.startswith("/v1/"):
+            header = headers.get(b"authorization", b"").decode("latin-1")
+            scheme, _, token = header.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+                err = APIError(401, "invalid or missing API key: send 'Authorization: Bearer KEY'",
+                               type="authentication_error", code="invalid_api_key")
+                return await JSONResponse(err.body(), status_code=401)(scope, receive, counting_send)
+        length = headers.get(b"content-length")
+        too_big = length is not None and length.isdigit() and int(length) > self.max_body_bytes
+        if length is None and scope["method"] in ("POST", "PUT", "PATCH"):
+            messages = await _read_body(receive, self.max_body_bytes)
+            too_big = messages is None
+            receive = _replay(messages or [], receive)
+        if too_big:
+            err = APIError(413, f"the request body exceeds this server's limit of {self.max_body_bytes} bytes (--max-body-bytes)",
+                           code="request_too_large")
+            return await JSONResponse(err.body(), status_code=413, headers={"Connection": "close"})(scope, receive, counting_send)
         await self.app(scope, receive, counting_send)
+
+
+async def _read_body(receive, limit: int) -> list[dict] | None:
+    """The body's messages, read to the end; None as soon as they exceed ``limit`` bytes."""
+    messages, size = [], 0
+    while True:
+        message = await receive()
+        messages.append(message)
+        if message["type"] != "http.request":
+            return messages
+        size += len(message.get("body", b""))
+        if size > limit:
+            return None
+        if not message.get("more_body", False):
+            return messages
+
+
+def _replay(messages: list[dict], receive):
+    """A receive that gives ``messages`` first, then what ``receive`` gives (e.g. the disconnect)."""
+    pending = list(messages)
+
+    async def replayed():
+        return pending.pop(0) if pending else await receive()
+
+    return replayed
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has disconnected (the request body already read), or the connection failed."""
+    try:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+    except Exception:  # noqa: BLE001 - a broken connection is a gone client too
+        pass
+
+
+def _failed_error(ev: Failed) -> APIError:
+    if ev.status == 503:
+        return APIError(503, ev.message, type="server_unavailable", code="shutting_down")
+    return APIError(ev.status, ev.message, type="server_error" if ev.status >= 500 else "invalid_request_error")
 
 
 _STARTED = now()
 _ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"}
+
+
+def _chat_ids(messages: list[dict], tokenizer) -> list[int]:
+    """Messages -> prompt token ids through the model's chat template (400 when the template refuses them)."""
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # noqa: BLE001 - the template's own complaint (e.g. roles must alternate)
+        raise APIError(400, f"the model's chat template rejects these messages: {exc}", param="messages") from None
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def _prompt_ids(prompt: Any, tokenizer, vocab_size: int) -> list[list[int]]:

@@ -40,7 +40,8 @@ class ServeConfig:
     typical_delta: float = 0.3
     dtype: str = "auto"  # auto: the heads' teacher dtype, else distill.runtime's rule
     device: str = "auto"  # auto: CUDA when available, else CPU
-    shutdown_timeout: float = 10.0  # seconds in-flight requests get after SIGTERM
+    shutdown_grace: float = 10.0  # seconds admitted requests get to finish after SIGTERM
+    max_body_bytes: int | None = None  # request bodies over this get 413 unread; None: max(4 MiB, 64 bytes x the context)
     num_speculative_tokens: int | None = None  # vllm engine: default = the heads' num_heads
     step_cost_ratio: float | None = None  # engine cost model r (from `distill bench --sweep-tree`); None = the device default
     adaptive: bool = True  # tree size from measured acceptance and step times (distill.engine.policy.AdaptivePolicy)
@@ -69,8 +70,10 @@ class ServeConfig:
             raise ConfigError(f"--max-model-len must be at least 2; got {self.max_model_len}")
         if self.api_key is not None and not self.api_key.strip():
             raise ConfigError("--api-key must not be empty")
-        if self.shutdown_timeout < 0:
-            raise ConfigError(f"--shutdown-timeout must be >= 0; got {self.shutdown_timeout}")
+        if self.shutdown_grace < 0:
+            raise ConfigError(f"--shutdown-grace must be >= 0; got {self.shutdown_grace}")
+        if self.max_body_bytes is not None and self.max_body_bytes < 1024:
+            raise ConfigError(f"--max-body-bytes must be at least 1024; got {self.max_body_bytes}")
         if self.engine == "vllm":
             if self.heads is None:
                 raise ConfigError("--engine vllm serves the model with Medusa heads: pass --heads DIR")
@@ -80,6 +83,11 @@ class ServeConfig:
             raise ConfigError(f"--step-cost-ratio must be >= 0; got {self.step_cost_ratio}")
         if self.num_speculative_tokens is not None and self.num_speculative_tokens < 1:
             raise ConfigError(f"--num-speculative-tokens must be at least 1; got {self.num_speculative_tokens}")
+
+    @property
+    def exposed_without_key(self) -> bool:
+        """Bound to an address other machines can reach, with no API key."""
+        return self.api_key is None and self.host != "localhost" and not ipaddress.ip_address(self.host).is_loopback
 
     @property
     def engine_batch(self) -> int:

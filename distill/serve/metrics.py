@@ -44,6 +44,8 @@ class ServerMetrics:
         self.batch_size = Histogram("distill_batch_size", "Sequences decoding together, per decoding step", buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
         self.queue_depth = Gauge("distill_queue_depth", "Requests waiting for the engine", registry=r)
         self.running = Gauge("distill_running_sequences", "Sequences the engine is decoding", registry=r)
+        self.tokenizing = Gauge("distill_tokenizing_requests", "Requests whose prompts are being rendered and tokenized (on a worker thread)",
+                                registry=r)
         self.tree_nodes = Histogram(
             "distill_tree_nodes", "Speculated tree nodes verified per decoding step (0 = a plain step; the policy's choice)",
             buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128), registry=r,

@@ -14,6 +14,12 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_STOP_STRINGS = 16
+#: ``seed``: a signed 64-bit integer, as OpenAI's API has it; choice i of ``n`` uses seed + i,
+#: which stays within the engine's generator range (-2**63 .. 2**64 - 1).
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+#: below this a temperature or top_p underflows the engine's float32 sampling (NaN
+#: probabilities): 0 < value < 1e-5 is refused (temperature 0 means greedy).
+MIN_SAMPLING_VALUE = 1e-5
 
 
 class APIError(Exception):
@@ -62,11 +68,25 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     stop: Union[str, list[str], None] = None
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: Optional[dict[str, float]] = None
     user: Optional[str] = None
+
+    @field_validator("temperature")
+    @classmethod
+    def _check_temperature(cls, v):
+        if 0 < v < MIN_SAMPLING_VALUE:
+            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_SAMPLING_VALUE}")
+        return v
+
+    @field_validator("top_p")
+    @classmethod
+    def _check_top_p(cls, v):
+        if v < MIN_SAMPLING_VALUE:
+            raise ValueError(f"top_p must be at least {MIN_SAMPLING_VALUE}")
+        return v
 
     @field_validator("stop")
     @classmethod

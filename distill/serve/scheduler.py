@@ -32,11 +32,24 @@ cancel
     a client that disconnects sets its job's ``cancelled`` event; the engine
     learns it from ``on_tokens`` returning False at its next step. A stop string
     ends a sequence the same way.
+isolation
+    one request's failure fails that request alone. A prefill that raises is retried
+    one sequence at a time, so only a sequence whose own prefill raises is failed. A
+    decoding step that raises drops the batch's rows; each of them is then prefilled
+    again alone, from its prompt plus the tokens it already streamed (recomputation:
+    nothing is sent twice), and runs one step alone: a sequence whose solo prefill or
+    step raises is failed, the others go back to the front of the waiting queue and
+    join the next batch.
+drain
+    graceful shutdown (:meth:`Scheduler.drain`): new jobs are refused (503) while
+    admitted ones go on decoding until they end or the grace period runs out; then
+    what is left is failed with a 503 "shutting down" error, and the worker returns.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -44,6 +57,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from distill.errors import ConfigError
 from distill.serve.text import StreamDecoder
 
 log = logging.getLogger("distill.serve")
@@ -75,7 +89,10 @@ class Done:
 @dataclass
 class Failed:
     message: str
-    status: int = 500
+    status: int = 500  # the HTTP status the request gets (503: the server is shutting down)
+
+
+SHUTTING_DOWN = "the server is shutting down"
 
 
 @dataclass
@@ -87,6 +104,16 @@ class Sequence:
     job: "Job" = field(repr=False, default=None)
     finished: bool = False
     finish_reason: str | None = None
+    resumed: int = 0  # decoder tokens already streamed when the engine last prefilled it (recomputation)
+
+    def engine_input(self) -> tuple[list[int], Any]:
+        """Prompt ids and sampling parameters for a (re)prefill: after a failed step, the tokens
+        already streamed extend the prompt and shorten ``max_tokens``."""
+        done = list(self.decoder.ids)
+        self.resumed = len(done)
+        if not done:
+            return self.prompt_ids, self.params
+        return self.prompt_ids + done, dataclasses.replace(self.params, max_tokens=self.params.max_tokens - len(done))
 
     def emit(self, event) -> None:
         self.job.push(event)
@@ -129,7 +156,7 @@ class Scheduler:
     """A bounded waiting queue and one worker that batches sequences through the engine.
 
     The worker is :meth:`start` (a thread of its own) or :meth:`run` (the calling thread,
-    until :meth:`stop`); one of the two, once.
+    until :meth:`stop`, or until a :meth:`drain` ends); one of the two, once.
     """
 
     def __init__(self, engine, *, queue_size: int, max_batch: int, speculative: bool, metrics=None):
@@ -141,6 +168,7 @@ class Scheduler:
         self._waiting: deque[Sequence] = deque()
         self._cond = threading.Condition()
         self._stopping = False
+        self._drain_deadline: float | None = None  # set by drain(): monotonic time the grace period ends
         self._thread: threading.Thread | None = None
         self._worker: int | None = None  # ident of the thread running the loop
         self._done = threading.Event()  # set when the worker loop has returned
@@ -153,7 +181,8 @@ class Scheduler:
         self._thread.start()
 
     def run(self) -> None:
-        """Run the worker on the calling thread until :meth:`stop` (or its death, which is recorded, not raised)."""
+        """Run the worker on the calling thread until :meth:`stop`, the end of a :meth:`drain`, or its death
+        (recorded in ``error`` and logged, not raised)."""
         self._claim()
         try:
             self._loop()
@@ -166,32 +195,46 @@ class Scheduler:
                 raise RuntimeError("the scheduler's worker is already running")
             self._worker = -1  # claimed; the loop sets its thread's ident
 
-    # -- called from the event loop ------------------------------------------------------
+    # -- called from the event loop (or a signal handler) ------------------------------------
     @property
     def alive(self) -> bool:
-        return not self._stopping and self.error is None
+        """Taking new work: not stopping, not draining, worker not dead."""
+        return not self._stopping and self._drain_deadline is None and self.error is None
+
+    @property
+    def draining(self) -> bool:
+        return self._drain_deadline is not None
 
     def submit(self, job: Job) -> None:
         """Admit all of the job's sequences or none (raises QueueFull / ShuttingDown)."""
         with self._cond:
-            if self._stopping:
-                raise ShuttingDown("the server is shutting down")
+            if self._stopping or self._drain_deadline is not None:
+                raise ShuttingDown(SHUTTING_DOWN)
             if len(self._waiting) + len(job.sequences) > self.queue_size:
                 raise QueueFull(f"the request queue is full ({self.queue_size} waiting); retry later")
             self._waiting.extend(job.sequences)
             self._gauge()
             self._cond.notify()
 
+    def drain(self, grace: float) -> None:
+        """Refuse new work; admitted sequences go on for up to ``grace`` seconds, then those left are
+        failed (503); the worker returns once nothing is waiting or running. Safe in a signal handler."""
+        with self._cond:
+            if self._drain_deadline is None:
+                self._drain_deadline = time.monotonic() + grace
+            self._cond.notify_all()
+
     def stop(self, timeout: float = 30.0) -> None:
-        """Refuse new work, fail waiting sequences, cancel running ones, and wait for the worker to return."""
+        """Refuse new work, fail what is waiting or running (503), and wait for the worker to return."""
         with self._cond:
             self._stopping = True
-            waiting, self._waiting = list(self._waiting), deque()
             self._cond.notify_all()
             started = self._worker is not None
-        for s in waiting:
-            s.emit(Failed("the server is shutting down", 503))
-        if started and threading.get_ident() != self._worker:
+        if not started:
+            with self._cond:
+                waiting, self._waiting = list(self._waiting), deque()
+            self._fail(waiting, SHUTTING_DOWN, 503)
+        elif threading.get_ident() != self._worker:
             self._done.wait(timeout)
 
     # -- the worker thread -----------------------------------------------------------------
@@ -199,18 +242,26 @@ class Scheduler:
         if self.metrics is not None:
             self.metrics.queue_depth.set(len(self._waiting))
 
+    def _ending(self, running: int) -> bool:
+        """(holding the lock) Whether the loop must end now: stopped, or drained (idle or out of time)."""
+        if self._stopping:
+            return True
+        if self._drain_deadline is None:
+            return False
+        return (not self._waiting and not running) or time.monotonic() >= self._drain_deadline
+
     def _admit(self, running: int) -> list[Sequence] | None:
-        """Waiting sequences that fit beside ``running`` rows (blocks while both are empty); None: stop."""
+        """Waiting sequences that fit beside ``running`` rows (blocks while both are empty); None: end the loop."""
         with self._cond:
-            while not self._waiting and not running and not self._stopping:
+            while not self._waiting and not running and not self._ending(running):
                 self._cond.wait()
-            if self._stopping:
+            if self._ending(running):
                 return None
             new: list[Sequence] = []
             while self._waiting and running + len(new) < self.max_batch:
                 s = self._waiting.popleft()
                 if s.job.cancelled.is_set():
-                    s.finished, s.finish_reason = True, "abort"  # nobody listens; drop it
+                    s.finish("abort")  # nobody listens: its handler only waits for the end
                     if self.metrics is not None:
                         self.metrics.sequences.labels("abort").inc()
                     continue
@@ -227,23 +278,26 @@ class Scheduler:
                     self._join(batch, new)
                 if len(batch):
                     self._step(batch)
-            for key in batch.clear():  # stopping: the rows still decoding end here
-                self._finish(key, [], "cancelled")
+            with self._cond:  # stopped or drained: what is left ends here
+                waiting, self._waiting = list(self._waiting), deque()
+                self._stopping = True
+                self._gauge()
+            self._fail(waiting + batch.clear(), SHUTTING_DOWN, 503)
+            self._report(batch, [])
         except BaseException as exc:  # noqa: BLE001 - a dead worker must be visible on /health
             self.error = f"{type(exc).__name__}: {exc}"
             log.exception("engine worker died")
             with self._cond:
                 self._stopping = True
                 waiting, self._waiting = list(self._waiting), deque()
-            for s in waiting + batch.clear():
-                s.emit(Failed(f"engine failed: {self.error}"))
+            self._fail(waiting + batch.clear(), f"engine failed: {self.error}")
             raise
         finally:
             self._done.set()
 
     def _on_tokens(self, s: Sequence, new_ids: list[int]) -> bool:
         """The engine's callback (worker thread): stream the text; False ends the sequence."""
-        if s.finished or s.job.cancelled.is_set() or self._stopping:
+        if s.finished or s.job.cancelled.is_set():
             return False
         delta = s.decoder.add(new_ids)
         if delta.text:
@@ -253,14 +307,32 @@ class Scheduler:
             return False
         return True
 
+    def _add(self, batch, seqs: list[Sequence]) -> list:
+        inputs = [s.engine_input() for s in seqs]
+        return batch.add([ids for ids, _ in inputs], [params for _, params in inputs], seqs)
+
     def _join(self, batch, new: list[Sequence]) -> None:
-        """Prefill the newcomers and add them to the running batch (continuous batching)."""
+        """Prefill the newcomers and add them to the running batch (continuous batching).
+
+        A prefill that raises adds nothing; it is retried one sequence at a time, so that only
+        a sequence whose own prefill raises is failed ("isolation")."""
         try:
-            done = batch.add([s.prompt_ids for s in new], [s.params for s in new], new)
+            done = self._add(batch, new)
         except Exception as exc:  # noqa: BLE001 - a failed prefill fails its own sequences only
-            log.exception("prefill failed")
-            self._fail(new, exc)
-            return
+            if len(new) == 1:
+                log.exception("prefill failed")
+                self._fail(new, *_failure(exc))
+                return
+            log.warning("a prefill of %d sequences failed (%s: %s): retrying them one at a time", len(new), type(exc).__name__, exc)
+            done = []
+            for s in new:
+                if s.finished:  # already ended (e.g. a stop string in the failed prefill's first token)
+                    continue
+                try:
+                    done += self._add(batch, [s])
+                except Exception as one:  # noqa: BLE001
+                    log.exception("prefill failed")
+                    self._fail([s], *_failure(one))
         self._report(batch, done)
 
     def _step(self, batch) -> None:
@@ -268,17 +340,48 @@ class Scheduler:
             self.metrics.batch_size.observe(len(batch))
         try:
             done = batch.step()
-        except Exception as exc:  # noqa: BLE001 - one failed step must not kill the server
-            log.exception("decoding step failed")
-            self._fail(batch.clear(), exc)
+        except Exception as exc:  # noqa: BLE001 - one failed step must not kill the server, nor fail every row
+            rows = batch.clear()
+            if len(rows) == 1:
+                log.exception("decoding step failed")
+                self._fail(rows, *_failure(exc))
+            else:
+                log.warning("a decoding step of %d sequences failed (%s: %s): stepping each alone",
+                            len(rows), type(exc).__name__, exc)
+                self._isolate(batch, rows)
+            self._report(batch, [])
             return
         self._report(batch, done)
 
-    def _fail(self, seqs: list[Sequence], exc: Exception) -> None:
+    def _isolate(self, batch, rows: list[Sequence]) -> None:
+        """After a failed step (``batch`` now empty): prefill and step each row alone; fail those that raise,
+        put the others back at the front of the waiting queue (their order kept)."""
+        survivors: list[Sequence] = []
+        for s in rows:
+            if s.finished:
+                continue
+            try:
+                done = self._add(batch, [s])
+                if len(batch):
+                    done += batch.step()
+            except Exception as exc:  # noqa: BLE001 - this sequence's own failure
+                log.exception("decoding step failed")
+                batch.clear()
+                self._fail([s], *_failure(exc))
+                continue
+            self._report(batch, done)
+            survivors += batch.clear()
+        with self._cond:
+            self._waiting.extendleft(reversed(survivors))
+            self._gauge()
+
+    def _fail(self, seqs: list[Sequence], message: str, status: int = 500) -> None:
         for s in seqs:
             if not s.finished:
-                s.finished = True
-                s.emit(Failed(f"generation failed: {type(exc).__name__}: {exc}"))
+                s.finished, s.finish_reason = True, "error"
+                s.emit(Failed(message, status))
+                if self.metrics is not None:
+                    self.metrics.sequences.labels("error").inc()
 
     def _report(self, batch, done: list) -> None:
         """Finish the sequences that left the batch; move the batch's step figures into the metrics."""
@@ -300,8 +403,9 @@ class Scheduler:
 
     def _finish(self, s: Sequence, token_ids: list[int], reason: str, accepted: list[int] = ()) -> None:
         if not s.finished:
-            seen = len(s.decoder.ids)
-            rest = list(token_ids[seen:]) if list(token_ids[:seen]) == s.decoder.ids else []
+            produced = s.decoder.ids[s.resumed:]  # what this prefill's tokens streamed so far
+            seen = len(produced)
+            rest = list(token_ids[seen:]) if list(token_ids[:seen]) == produced else []
             if rest:  # tokens the engine did not report through on_tokens
                 delta = s.decoder.add(rest)
                 if delta.text:
@@ -315,3 +419,11 @@ class Scheduler:
                 m.tokens_per_step.observe(n)
             m.sequences.labels(s.finish_reason or "abort").inc()
             m.generation_tokens.inc(len(s.decoder.ids))
+
+
+def _failure(exc: Exception) -> tuple[str, int]:
+    """A request's own failure in the engine -> (message, HTTP status): 400 for the engine's refusal of
+    its input (a ConfigError), 500 otherwise."""
+    if isinstance(exc, ConfigError):
+        return f"the engine refused this request: {exc}", 400
+    return f"generation failed: {type(exc).__name__}: {exc}", 500

@@ -3,13 +3,17 @@
 Threads: the engine runs on the process's main thread and uvicorn on a second one
 (the reason is in :mod:`distill.serve.scheduler`, "worker").
 
-Shutdown: SIGTERM or Ctrl-C stops accepting connections, lets in-flight requests
-finish for up to ``shutdown_timeout`` seconds, cancels what is left, stops the
-engine worker, and returns (SIGTERM: exit code 0; a second Ctrl-C forces it).
+Shutdown (drain): SIGTERM or Ctrl-C makes the scheduler refuse new requests (503;
+``/health`` answers 503 too, while the socket stays open) and lets the admitted ones
+finish for up to ``shutdown_grace`` seconds; then those left end with a 503 JSON error
+or, when streaming, an error event and ``data: [DONE]``. Once nothing is admitted,
+uvicorn stops (its responses already complete, no task is cancelled) and ``serve``
+returns: exit code 0. A second Ctrl-C forces the exit; a dead engine worker makes it 1.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
@@ -18,21 +22,19 @@ import sys
 import threading
 from pathlib import Path
 
-from distill.errors import ConfigError, ModelError
+from distill.errors import ConfigError
 from distill.serve.config import ServeConfig
 
 log = logging.getLogger("distill.serve")
-ENGINE_TREE_MARGIN = 64  # tokens distill.engine keeps free beyond prompt + max_tokens
+RESPONSE_GRACE_S = 10.0  # after the drain: time uvicorn gives handlers to write their last bytes
 
 
-def context_length(model_path: Path) -> int:
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.from_pretrained(model_path)
-    n = getattr(cfg, "max_position_embeddings", None)
-    if not n:
-        raise ModelError(f"{model_path}: config.json has no max_position_embeddings; pass --max-model-len")
-    return int(n)
+def bind_warning(cfg: ServeConfig) -> str | None:
+    """The warning printed when the server is reachable from other machines with no API key."""
+    if not cfg.exposed_without_key:
+        return None
+    return (f"warning: distill serve binds {cfg.host} without an API key: anyone who can reach this port can use the model. "
+            "Set DISTILL_API_KEY in the environment (a --api-key on the command line is visible in ps).")
 
 
 def build_app(cfg: ServeConfig, worker_thread: bool = True):
@@ -48,8 +50,11 @@ def build_app(cfg: ServeConfig, worker_thread: bool = True):
         adaptive=cfg.adaptive,
     )
     engine = Engine.from_pretrained(cfg.model, cfg.heads, engine_cfg)
-    # The engine keeps room for one verification tree beyond prompt + max_tokens (engine.generate refuses otherwise).
-    max_len = min(cfg.max_model_len or 1 << 30, context_length(resolved.path) - ENGINE_TREE_MARGIN)
+    max_len = engine.max_len  # distill.models.context_limit: the model's context less the tree's margin
+    if cfg.max_model_len is not None:
+        if cfg.max_model_len > max_len:
+            log.warning("--max-model-len %d exceeds what the engine can hold with its tree: %d is used", cfg.max_model_len, max_len)
+        max_len = min(max_len, cfg.max_model_len)
     settings = AppSettings(
         model_name=cfg.served_model_name or engine.model_name,
         max_model_len=max_len,
@@ -59,12 +64,16 @@ def build_app(cfg: ServeConfig, worker_thread: bool = True):
         default_max_tokens=cfg.default_max_tokens,
         api_key=cfg.api_key,
         speculative=engine.heads is not None,
+        max_body_bytes=cfg.max_body_bytes,
     )
     return create_app(engine, settings, worker_thread=worker_thread), settings
 
 
 def serve(cfg: ServeConfig, log_level: str = "info") -> None:
-    """Run until SIGTERM / Ctrl-C (``--engine vllm`` replaces this process with vLLM's server)."""
+    """Run until SIGTERM / Ctrl-C and the drain after it (``--engine vllm`` replaces this process with vLLM's server)."""
+    warning = bind_warning(cfg)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     if cfg.engine == "vllm":
         exec_vllm(cfg)
         return
@@ -75,7 +84,7 @@ def serve(cfg: ServeConfig, log_level: str = "info") -> None:
     mode = "Medusa speculative decoding" if settings.speculative else "plain decoding"
     print(f"distill serve: {settings.model_name} ({mode}) on http://{cfg.host}:{cfg.port}/v1", file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(
-        app, host=cfg.host, port=cfg.port, log_level=log_level, timeout_graceful_shutdown=cfg.shutdown_timeout,
+        app, host=cfg.host, port=cfg.port, log_level=log_level, timeout_graceful_shutdown=RESPONSE_GRACE_S,
         access_log=log_level == "debug",
     ))
     failed: list[BaseException] = []
@@ -89,20 +98,28 @@ def serve(cfg: ServeConfig, log_level: str = "info") -> None:
             scheduler.stop(timeout=0)  # ends the engine loop if the lifespan did not
 
     def on_signal(sig, frame) -> None:
-        if server.should_exit and sig == signal.SIGINT:
-            server.force_exit = True
-        server.should_exit = True
+        if scheduler.draining and sig == signal.SIGINT:  # a second Ctrl-C: now
+            server.force_exit = server.should_exit = True
+            scheduler.stop(timeout=0)
+            return
+        print(f"distill serve: {signal.Signals(sig).name}: finishing admitted requests for up to {cfg.shutdown_grace:g} s "
+              "(new ones get 503)", file=sys.stderr, flush=True)
+        scheduler.drain(cfg.shutdown_grace)
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     thread = threading.Thread(target=http, name="distill-http", daemon=True)
     try:
         thread.start()
-        scheduler.run()  # the engine, on this thread, until the server stops
+        scheduler.run()  # the engine, on this thread, until the drain ends (or the server stops)
+        server.should_exit = True
         while thread.is_alive():
             thread.join(0.5)  # in slices: a signal handler runs between them
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if scheduler.error is not None:
+        print(f"distill serve: the engine worker died: {scheduler.error}", file=sys.stderr, flush=True)
+        raise SystemExit(1)
     if failed or not server.started:
         raise SystemExit(1)
 
@@ -170,7 +187,7 @@ def vllm_env(cfg: ServeConfig) -> dict[str, str]:
 def exec_vllm(cfg: ServeConfig) -> None:
     cmd = vllm_command(cfg)
     try:
-        import vllm  # noqa: F401
+        importlib.import_module("vllm")
     except ImportError:
         raise ConfigError("--engine vllm needs vLLM: pip install 'distill[vllm]' (GPU) or 'distill[cpu]'") from None
     print("distill serve --engine vllm: " + " ".join(_quote(c) for c in cmd), file=sys.stderr, flush=True)
