@@ -151,3 +151,69 @@ def trained_heads(tmp_path_factory, real_shards) -> Path:
     summary = train(TrainConfig(data=str(real_shards), out=str(out), **TRAINED_HEADS_OPTIONS))
     assert summary.steps == TRAINED_HEADS_OPTIONS["steps"] and not summary.stopped_early
     return out
+
+
+# -- a real vLLM OpenAI server (the openai backend's tests) ------------------------------------
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class VLLMServer:
+    """`python -m vllm.entrypoints.openai.api_server` on 127.0.0.1 with the bundled model, in its own process group.
+
+    vLLM's defaults stand (raw logprobs, its engine-core process); float32 and eager mode as
+    the in-process test engine runs, so both give the same tokens. ``extra`` is appended.
+    """
+
+    def __init__(self, model_dir: Path, log_path: Path, extra: tuple[str, ...] = (), dev_mode: bool = False):
+        import subprocess
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ)
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # a server needs its engine-core process
+        env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+        if dev_mode:
+            env["VLLM_SERVER_DEV_MODE"] = "1"  # /server_info reports the dtype and the logprobs mode
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--host", "127.0.0.1",
+               "--port", str(self.port), "--dtype", "float32", "--max-model-len", "2048", "--max-logprobs", "64",
+               "--enforce-eager", *extra]
+        self.log_path = log_path
+        self.proc = subprocess.Popen(cmd, env=env, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(self, timeout: float = 900) -> "VLLMServer":
+        import time
+        import urllib.request
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM server exited ({self.proc.returncode}):\n{self.log_path.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/v1/models", timeout=5) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                time.sleep(1)
+        self.kill()
+        raise RuntimeError(f"vLLM server not ready in {timeout}s:\n{self.log_path.read_text()[-3000:]}")
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group (API server and engine core)."""
+        import signal
+
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tmp_path_factory, model_dir):
+    """One vLLM OpenAI server for the session (dev mode on: it reports its config)."""
+    server = VLLMServer(model_dir, tmp_path_factory.mktemp("vllm-server") / "server.log", dev_mode=True).wait_ready()
+    yield server
+    server.kill()

@@ -87,6 +87,13 @@ def _backend_version(name: str) -> str:
     return "unknown"
 
 
+def _first_error(error: BaseException) -> BaseException:
+    """The first failure inside (nested) exception groups: what a worker raised."""
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    return error
+
+
 class ConversationState:
     """One conversation being regenerated: its token stream and what it needs next."""
 
@@ -467,9 +474,12 @@ class Generator:
                 self.progress(1, 0)
 
         async with backend.session():
-            async with asyncio.TaskGroup() as group:  # a failure cancels the other workers
-                for _ in range(min(cfg.concurrency, len(todo))):
-                    group.create_task(worker())
+            try:
+                async with asyncio.TaskGroup() as group:  # a failure cancels the other workers
+                    for _ in range(min(cfg.concurrency, len(todo))):
+                        group.create_task(worker())
+            except ExceptionGroup as group_error:
+                raise _first_error(group_error) from None
 
     async def _converse(self, s: ConversationState, backend, fmt: ChatFormat, limit: int) -> None:
         cfg = self.cfg
