@@ -10,6 +10,9 @@ also summed inside the "on" runs, a figure that does not depend on the machine's
 
     python bench/bench_journal.py --conversations 48 --shard-size 16 --max-new-tokens 64 --repeats 3 \
         --json bench/results/journal.json
+
+``--server URL`` measures the openai backend on a running vLLM server instead (``--concurrency``
+conversations in flight; there the journal's fsync runs on the event loop between responses).
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--server", default=None, help="A running vLLM OpenAI server: measure the openai backend.")
+    ap.add_argument("--concurrency", type=int, default=16)
     args = ap.parse_args()
 
     from distill.generate import GenerateConfig, Generator
@@ -41,7 +46,13 @@ def main() -> None:
     from distill.runtime import machine
     from distill.store import journal as journal_mod
 
-    backend = VLLMBackend(resolve_model(None).path, BackendOptions(dtype=args.dtype, max_model_len=2048, seed=0))
+    opts = BackendOptions(dtype=args.dtype, max_model_len=2048, seed=0)
+    if args.server:
+        from distill.generate.openai_server import OpenAIBackend, ServerOptions, parse_servers
+
+        backend = OpenAIBackend(resolve_model(None).path, opts, ServerOptions(parse_servers(args.server), args.concurrency))
+    else:
+        backend = VLLMBackend(resolve_model(None).path, opts)
     real_append = journal_mod.Journal.append
     spent = {"s": 0.0, "appends": 0}
 
@@ -61,7 +72,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="bench-journal-") as tmp:
             cfg = GenerateConfig(seed="sharegpt", out=str(Path(tmp) / "out"), limit=args.conversations,
                                  shard_size=args.shard_size, max_new_tokens=args.max_new_tokens,
-                                 temperature=args.temperature, dtype=args.dtype)
+                                 temperature=args.temperature, dtype=args.dtype, concurrency=args.concurrency)
             t0 = time.perf_counter()
             summary = Generator(cfg, backend=backend).run()
             seconds = time.perf_counter() - t0
@@ -80,6 +91,7 @@ def main() -> None:
     share = [r["journal_seconds"] / r["seconds"] for r in runs if r["journal"]]
     result = {
         "machine": machine("cpu"),
+        "backend": backend.name,
         "options": vars(args) | {"json": str(args.json) if args.json else None},
         "runs": runs,
         "tok_per_s_on_median": statistics.median(on),

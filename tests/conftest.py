@@ -137,6 +137,41 @@ def assert_teacher_matches_model(root: Path, model, greedy: bool) -> int:
     return checked
 
 
+ENC_TOL = 1.0 / 1024 + 1e-6  # one quantization step of the teacher encoding
+
+
+def _rows_by_id(out) -> dict[str, dict]:
+    from distill.store import iter_rows
+
+    return {r["id"]: r for r in iter_rows(out)}
+
+
+def assert_same_rows(out, ref) -> None:
+    """Same ids, token streams, masks, messages and turns; teacher top-k equal within the encoding error.
+
+    Two engines (or one engine batching differently) differ by float noise, which may round a
+    logprob to the neighbouring 1/1024 code or swap two candidates tied at the k-th place.
+    """
+    from distill.store import TeacherEncoding, decode_topk, load_manifest
+
+    enc = TeacherEncoding.from_dict(load_manifest(out)["meta"]["teacher"])
+    got, want = _rows_by_id(out), _rows_by_id(ref)
+    assert sorted(got) == sorted(want)
+    for key, a in got.items():
+        b = want[key]
+        for col in ("input_ids", "loss_mask", "messages", "turns", "stop_reason", "n_generated_tokens"):
+            assert a[col] == b[col], f"{key}: {col} differs"
+        ids_a, lp_a = decode_topk(a["teacher_ids"], a["teacher_lp"], enc)  # (N, K)
+        ids_b, lp_b = decode_topk(b["teacher_ids"], b["teacher_lp"], enc)
+        for t in range(ids_a.shape[0]):
+            da, db = dict(zip(ids_a[t].tolist(), lp_a[t].tolist())), dict(zip(ids_b[t].tolist(), lp_b[t].tolist()))
+            for tok in set(da) & set(db):
+                assert abs(da[tok] - db[tok]) <= ENC_TOL, f"{key} position {t}: logprob of {tok} differs"
+            for tok in set(da) ^ set(db):  # only a tie at the k-th place may swap a candidate
+                kth = min(lp_a[t][-1], lp_b[t][-1])
+                assert abs(da.get(tok, db.get(tok)) - kth) <= ENC_TOL, f"{key} position {t}: candidate {tok} differs"
+
+
 # -- issue 4: trained heads shared by the training, heads and calibration tests ---------------
 TRAINED_HEADS_OPTIONS = dict(heads=2, share_lm_head=True, max_len=64, batch_size=4, steps=12, lr=3e-3, warmup_steps=2,
                              seed=0, progress=False)
