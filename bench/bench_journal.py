@@ -33,6 +33,8 @@ def main() -> None:
     ap.add_argument("--shard-size", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--mode", default="multi-turn")
+    ap.add_argument("--turns", type=int, default=None, help="multi-turn: replay at most N user turns (default all).")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--json", type=Path, default=None)
@@ -72,7 +74,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="bench-journal-") as tmp:
             cfg = GenerateConfig(seed="sharegpt", out=str(Path(tmp) / "out"), limit=args.conversations,
                                  shard_size=args.shard_size, max_new_tokens=args.max_new_tokens,
-                                 temperature=args.temperature, dtype=args.dtype, concurrency=args.concurrency)
+                                 temperature=args.temperature, dtype=args.dtype, concurrency=args.concurrency,
+                                 mode=args.mode, turns=args.turns)
             t0 = time.perf_counter()
             summary = Generator(cfg, backend=backend).run()
             seconds = time.perf_counter() - t0

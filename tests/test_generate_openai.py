@@ -125,3 +125,14 @@ def test_bad_server_options_are_one_line_errors(tmp_path, cli_env, vllm_server):
             continue
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2 and len(lines) == 1 and message in lines[0], (extra, r.stderr[-2000:])
+
+
+def test_a_server_that_returns_processed_logprobs_is_refused(tmp_path, model_dir):
+    """Not in dev mode, so only the probe can tell: the top-k changes with the temperature."""
+    server = VLLMServer(model_dir, tmp_path / "processed.log", extra=("--logprobs-mode", "processed_logprobs")).wait_ready()
+    try:
+        with pytest.raises(BackendError, match="does not return raw logprobs.*--logprobs-mode raw_logprobs"):
+            Generator(GenerateConfig(out=str(tmp_path / "out"), backend="openai", server=server.url, **OPTIONS))
+    finally:
+        server.kill()
+    assert not (tmp_path / "out").exists()  # refused before anything was written
