@@ -463,14 +463,14 @@ class Generator:
         cfg = self.cfg
         limit = self._context_limit(backend)
         queue = iter(todo)
+        writing = asyncio.Lock()  # one writer at a time; the fsync runs off the event loop, which keeps serving the rest
 
         async def worker() -> None:
             for conv in queue:  # one event loop: taking the next item is atomic
                 s = ConversationState(conv, cfg)
                 await self._converse(s, backend, fmt, limit)
-                self._save([s], store, limit)
-                if store.pending >= cfg.shard_size:
-                    store.flush(self.order)
+                async with writing:
+                    await asyncio.to_thread(self._save_and_compact, s, store, limit)
                 self.progress(1, 0)
 
         async with backend.session():
@@ -480,6 +480,11 @@ class Generator:
                         group.create_task(worker())
             except ExceptionGroup as group_error:
                 raise _first_error(group_error) from None
+
+    def _save_and_compact(self, s: ConversationState, store: ShardStore, limit: int) -> None:
+        self._save([s], store, limit)
+        if store.pending >= self.cfg.shard_size:
+            store.flush(self.order)
 
     async def _converse(self, s: ConversationState, backend, fmt: ChatFormat, limit: int) -> None:
         cfg = self.cfg
