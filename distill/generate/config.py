@@ -28,7 +28,7 @@ class GenerateConfig:
     out: str = "out/sharegpt"
     seed_format: str | None = None
     model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
-    backend: str = "auto"  # auto | vllm | hf
+    backend: str = "auto"  # auto | vllm | hf | openai
     mode: str = "multi-turn"
     turns: int | None = None  # self-talk: at most this many assistant turns (default 4); multi-turn: at most N user turns (default 0 = all)
     temperature: float = 0.7
@@ -47,6 +47,10 @@ class GenerateConfig:
     enforce_eager: bool | None = None
     tensor_parallel_size: int = 1
     part: str | None = None  # "I/N": only seed rows with index % N == I (data parallelism: one process per GPU)
+    server: str | None = None  # openai: URL[,URL...] of running vLLM OpenAI servers
+    concurrency: int = 64  # openai: conversations in flight
+    api_key_env: str | None = None  # openai: the environment variable that holds the servers' API key
+    retries: int = 8  # openai: attempts after the first per request (connection errors, 429, 5xx)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -57,7 +61,7 @@ class GenerateConfig:
             raise ConfigError(f"--temperature must be >= 0; got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"--top-p must be in (0, 1]; got {self.top_p}")
-        for name in ("max_new_tokens", "shard_size", "batch_size", "tensor_parallel_size"):
+        for name in ("max_new_tokens", "shard_size", "batch_size", "tensor_parallel_size", "concurrency"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(self, name)}")
         if self.turns is None:
@@ -68,6 +72,12 @@ class GenerateConfig:
             raise ConfigError(f"--limit must be >= 0; got {self.limit}")
         if self.part is not None:
             self.part_slot  # validates I/N
+        if self.retries < 0:
+            raise ConfigError(f"--retries must be >= 0; got {self.retries}")
+        if self.backend == "openai" and not self.server:
+            raise ConfigError("--backend openai needs --server URL[,URL...] (running vLLM OpenAI servers)")
+        if self.server and self.backend != "openai":
+            raise ConfigError(f"--server is for --backend openai (got --backend {self.backend})")
         self.dtype = canonical_dtype(self.dtype)
         if self.max_model_len is not None and self.max_model_len <= self.max_new_tokens:
             raise ConfigError(f"--max-model-len ({self.max_model_len}) must exceed --max-new-tokens ({self.max_new_tokens})")

@@ -3,11 +3,20 @@
 Terms
 -----
 chunk
-    up to ``shard_size`` conversations processed together and written as one shard.
+    in-process backends (vllm, hf): up to ``shard_size`` conversations processed
+    together; a chunk's conversations make one shard (with those the journal held).
 round
     one engine call per kind: every active conversation of the chunk that needs an
     assistant reply sends its prompt together (then, in self-talk mode, every one
     that needs a simulated user message), so the engine batches all of them.
+stream
+    the server backend (openai): ``concurrency`` conversations in flight, each
+    advancing turn by turn on its own (no round, no barrier); a finished one makes
+    room for the next seed conversation.
+journal
+    every finished conversation is appended to the dataset folder's journal (fsynced)
+    as soon as it finishes, in both drivers; each time the journal holds
+    ``shard_size`` conversations it is compacted into a shard (``distill.store.journal``).
 stop reason
     why a conversation ended: ``completed`` (no seed user turn left), ``max_turns``,
     ``user_ended`` (the simulated user wrote the end marker or nothing),
@@ -16,6 +25,7 @@ stop reason
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import importlib.metadata
 import time
@@ -28,7 +38,7 @@ import numpy as np
 import distill
 from distill.conversation import Conversation, Rejection
 from distill.errors import ConfigError, StoreError
-from distill.generate.backends import Backend, BackendOptions, Request, make_backend, resolve_backend_name
+from distill.generate.backends import Backend, BackendOptions, Completion, Request, make_backend, resolve_backend_name
 from distill.generate.config import GenerateConfig
 from distill.generate.templating import ChatFormat
 from distill.models import ResolvedModel, model_record, resolve_model
@@ -77,6 +87,13 @@ def _backend_version(name: str) -> str:
     return "unknown"
 
 
+def _first_error(error: BaseException) -> BaseException:
+    """The first failure inside (nested) exception groups: what a worker raised."""
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    return error
+
+
 class ConversationState:
     """One conversation being regenerated: its token stream and what it needs next."""
 
@@ -104,6 +121,73 @@ class ConversationState:
     @property
     def active(self) -> bool:
         return self.stop_reason is None
+
+    # -- one step at a time (both drivers call these) -------------------------------------
+    def open_turn(self, fmt: ChatFormat, cfg: GenerateConfig, limit: int) -> bool:
+        """Append the next user turn's tokens; False (and a stop reason) when the conversation ends instead."""
+        if not self.pending_users:
+            self.stop_reason = "max_turns" if cfg.mode == "self-talk" else "truncated_turns" if self.truncated else "completed"
+            return False
+        user = self.pending_users[0]
+        delta = fmt.first_prompt(self.messages + [{"role": "user", "content": user}]) if not self.ids else fmt.next_user(self.messages, user)
+        if len(self.ids) + len(delta) + cfg.max_new_tokens > limit:
+            self.stop_reason = "context_length"
+            return False
+        self.pending_users.pop(0)
+        start = len(self.ids)
+        self.ids += delta
+        self.mask += [False] * len(delta)
+        self.messages.append({"role": "user", "content": user})
+        self.turns.append({"role": "user", "start": start, "end": len(self.ids), "n_tokens": 0, "finish_reason": None})
+        return True
+
+    def add_reply(self, comp: Completion, fmt: ChatFormat, cfg: GenerateConfig) -> None:
+        """Append the teacher's reply to the open turn (and the template tokens that close it)."""
+        start = len(self.ids)
+        self.ids += comp.token_ids
+        self.mask += [True] * len(comp.token_ids)
+        self.teacher_ids.append(comp.topk_ids)
+        self.teacher_lps.append(comp.topk_logprobs)
+        closing = fmt.close_assistant(comp.token_ids)
+        self.ids += closing
+        self.mask += [False] * len(closing)
+        self.messages.append({"role": "assistant", "content": fmt.decode_reply(comp.token_ids)})
+        self.turns.append({"role": "assistant", "start": start, "end": len(self.ids), "n_tokens": len(comp.token_ids),
+                           "finish_reason": comp.finish_reason})
+        self.n_assistant += 1
+        if cfg.mode == "self-talk":
+            if self.n_assistant >= cfg.turns:
+                self.stop_reason = "max_turns"
+            else:
+                self.needs_user_simulation = True
+
+    def user_sim_prompt(self, fmt: ChatFormat, cfg: GenerateConfig, limit: int, user_prompt: str) -> list[int] | None:
+        """Self-talk: the prompt that asks the model, as the user, for the next user message (None: it does not fit)."""
+        self.needs_user_simulation = False
+        flipped = [{"role": "system", "content": user_prompt}] + [
+            {"role": "assistant" if m["role"] == "user" else "user", "content": m["content"]}
+            for m in self.messages if m["role"] != "system"
+        ]
+        ids = fmt.first_prompt(flipped)
+        if len(ids) + cfg.max_new_tokens > limit:
+            self.stop_reason = "context_length"
+            return None
+        return ids
+
+    def add_user(self, comp: Completion, fmt: ChatFormat, cfg: GenerateConfig) -> None:
+        text = fmt.decode_reply(comp.token_ids).strip()
+        if not text or cfg.end_marker in text:
+            self.stop_reason = "user_ended"
+        else:
+            self.pending_users.append(text)
+
+    def result(self, enc: TeacherEncoding, cfg: GenerateConfig, limit: int) -> tuple[dict | None, dict | None]:
+        """A finished conversation as (row, None), or (None, reject) when not even its first prompt fit."""
+        if self.n_assistant == 0:
+            return None, Rejection(self.conv.id, self.conv.source, "context_length",
+                                   f"the first prompt does not fit in {limit} tokens with {cfg.max_new_tokens} new tokens",
+                                   stage="generate").to_dict()
+        return self.to_row(enc), None
 
     def to_row(self, enc: TeacherEncoding) -> dict:
         t_ids = np.concatenate(self.teacher_ids) if self.teacher_ids else np.zeros((0, enc.k), np.int64)
@@ -133,8 +217,12 @@ class Generator:
         self.progress = progress or (lambda n, t, total=None: None)
         self.model: ResolvedModel = resolve_model(cfg.model)
         self.backend_name = backend.name if backend is not None else resolve_backend_name(cfg.backend)
-        self._backend = backend
         self.source = load_seed(cfg.seed, cfg.seed_format)
+        self._owns_backend = backend is None
+        if backend is None and self.backend_name == "openai":
+            # Servers are checked now: the dtype and version they report go into the metadata.
+            backend = self._make_backend(BackendOptions(seed=cfg.sampling_seed, dtype=canonical_dtype(cfg.dtype)))
+        self._backend = backend
         from transformers import AutoConfig, AutoTokenizer
 
         self.tokenizer = backend.tokenizer if backend is not None else AutoTokenizer.from_pretrained(self.model.path)
@@ -183,7 +271,8 @@ class Generator:
                 "sampling_seed": self.cfg.sampling_seed,
             },
             "teacher": self.enc.to_dict(),
-            "backend": {"name": self.backend_name, "version": _backend_version(self.backend_name), "dtype": self.placement.dtype,
+            "backend": {"name": self.backend_name, "version": self._backend.version if self.backend_name == "openai" else _backend_version(self.backend_name),
+                        "dtype": self.placement.dtype,
                         "device": self.placement.device, "dtype_reason": self.placement.reason},
             "seed": self.seed_record,
             "generation": {"mode": self.cfg.mode, "turns": self.cfg.turns, "system_prompt": self.cfg.system_prompt,
@@ -218,21 +307,22 @@ class Generator:
         store.seed_rejects = seed_rejects
         store.commit(complete=False)
 
-        new_convs = new_tokens = 0
+        self.order = {conv_id: i for i, (conv_id, _) in enumerate(seed_ids)}  # shards keep seed order
+        self.new = [0, 0]  # conversations, generated tokens appended by this invocation
         self.progress(0, 0, total=len(todo))
         if todo:
-            backend = self._backend or make_backend(self.backend_name, self.model.path, self._backend_options())
+            backend = self._backend or self._make_backend(self._backend_options())
             try:
                 fmt = ChatFormat(backend.tokenizer, backend.stop_ids)
-                for start in range(0, len(todo), cfg.shard_size):
-                    chunk = todo[start : start + cfg.shard_size]
-                    rows, rejects = self._run_chunk(chunk, backend, fmt)
-                    store.write_shard(rows, rejects)
-                    new_convs += len(rows)
-                    new_tokens += sum(r["n_generated_tokens"] for r in rows)
+                if hasattr(backend, "agenerate"):
+                    asyncio.run(self._run_stream(todo, backend, fmt, store))
+                else:
+                    self._run_chunks(todo, backend, fmt, store)
             finally:
-                if self._backend is None:
+                if self._owns_backend:
                     backend.close()
+        store.flush(self.order)  # what the journal holds (this run's last conversations, or a killed run's)
+        new_convs, new_tokens = self.new
 
         summary = self._account(store, seed_ids)
         summary.new_conversations, summary.new_tokens = new_convs, new_tokens
@@ -251,6 +341,22 @@ class Generator:
         if requested not in ("auto", backend.dtype):
             raise ConfigError(f"--dtype {requested} but the given backend runs {backend.dtype}")
         return Placement(backend.device, backend.dtype, "the backend's")
+
+    def _make_backend(self, opts: BackendOptions) -> Backend:
+        c = self.cfg
+        if self.backend_name != "openai":
+            return make_backend(self.backend_name, self.model.path, opts)
+        import os
+
+        from distill.generate.openai_server import OpenAIBackend, ServerOptions, parse_servers
+
+        api_key = None
+        if c.api_key_env:
+            api_key = os.environ.get(c.api_key_env)
+            if not api_key:
+                raise ConfigError(f"--api-key-env {c.api_key_env}: that environment variable is not set or empty")
+        server = ServerOptions(parse_servers(c.server), concurrency=c.concurrency, api_key=api_key, retries=c.retries)
+        return OpenAIBackend(self.model.path, opts, server)
 
     def _backend_options(self) -> BackendOptions:
         c = self.cfg
@@ -298,70 +404,98 @@ class Generator:
             prompt_tokens=store.totals["prompt_tokens"], rejects_by_reason=by_reason,
         )
 
-    # -- one chunk ----------------------------------------------------------------------------
-    def _run_chunk(self, chunk: list[Conversation], backend: Backend, fmt: ChatFormat) -> tuple[list[dict], list[dict]]:
+    # -- in-process backends: chunks of rounds ------------------------------------------------
+    def _run_chunks(self, todo: list[Conversation], backend: Backend, fmt: ChatFormat, store: ShardStore) -> None:
+        """Chunks sized so that each fills the journal to one shard; a shard is written after each."""
+        start = 0
+        while start < len(todo):
+            size = max(1, self.cfg.shard_size - store.pending)
+            self._run_chunk(todo[start : start + size], backend, fmt, store)
+            start += size
+            if store.pending >= self.cfg.shard_size:
+                store.flush(self.order)
+
+    def _run_chunk(self, chunk: list[Conversation], backend: Backend, fmt: ChatFormat, store: ShardStore) -> None:
+        """Rounds until every conversation of the chunk ended; each round's finished ones go to the journal."""
         cfg = self.cfg
         states = [ConversationState(conv, cfg) for conv in chunk]
         limit = self._context_limit(backend)
-        reported = 0
-        while any(s.active for s in states):
+        saved: set[int] = set()
+        while len(saved) < len(states):
             # Assistant round: every active conversation with a pending user turn.
-            batch: list[ConversationState] = []
-            requests: list[Request] = []
-            for s in states:
-                if not s.active or s.needs_user_simulation:
-                    continue
-                if not s.pending_users:
-                    s.stop_reason = "max_turns" if cfg.mode == "self-talk" else "truncated_turns" if s.truncated else "completed"
-                    continue
-                user = s.pending_users[0]
-                delta = fmt.first_prompt(s.messages + [{"role": "user", "content": user}]) if not s.ids else fmt.next_user(s.messages, user)
-                if len(s.ids) + len(delta) + cfg.max_new_tokens > limit:
-                    s.stop_reason = "context_length"
-                    continue
-                s.pending_users.pop(0)
-                start = len(s.ids)
-                s.ids += delta
-                s.mask += [False] * len(delta)
-                s.messages.append({"role": "user", "content": user})
-                s.turns.append({"role": "user", "start": start, "end": len(s.ids), "n_tokens": 0, "finish_reason": None})
-                batch.append(s)
-                requests.append(self._request(list(s.ids), s, "assistant", cfg.topk))
-            completions = backend.generate(requests)
+            batch = [s for s in states if s.active and not s.needs_user_simulation and s.open_turn(fmt, cfg, limit)]
+            requests = [self._request(list(s.ids), s, "assistant", cfg.topk) for s in batch]
             tokens = 0
-            for s, comp in zip(batch, completions):
-                start = len(s.ids)
-                s.ids += comp.token_ids
-                s.mask += [True] * len(comp.token_ids)
-                s.teacher_ids.append(comp.topk_ids)
-                s.teacher_lps.append(comp.topk_logprobs)
-                closing = fmt.close_assistant(comp.token_ids)
-                s.ids += closing
-                s.mask += [False] * len(closing)
-                s.messages.append({"role": "assistant", "content": fmt.decode_reply(comp.token_ids)})
-                s.turns.append({"role": "assistant", "start": start, "end": len(s.ids), "n_tokens": len(comp.token_ids), "finish_reason": comp.finish_reason})
-                s.n_assistant += 1
+            for s, comp in zip(batch, backend.generate(requests)):
+                s.add_reply(comp, fmt, cfg)
                 tokens += len(comp.token_ids)
-                if cfg.mode == "self-talk":
-                    if s.n_assistant >= cfg.turns:
-                        s.stop_reason = "max_turns"
-                    else:
-                        s.needs_user_simulation = True
             if cfg.mode == "self-talk":
-                self._simulate_users(states, backend, fmt)
-            finished = sum(1 for s in states if not s.active)
-            self.progress(finished - reported, tokens)
-            reported = finished
+                self._simulate_users(states, backend, fmt, limit)
+            done = [i for i, s in enumerate(states) if not s.active and i not in saved]
+            self._save([states[i] for i in done], store, limit)
+            saved.update(done)
+            self.progress(len(done), tokens)
 
+    def _simulate_users(self, states: list[ConversationState], backend: Backend, fmt: ChatFormat, limit: int) -> None:
+        """Self-talk: the model, prompted as the user, writes each conversation's next user message."""
+        batch, requests = [], []
+        for s in states:
+            if s.active and s.needs_user_simulation and (ids := s.user_sim_prompt(fmt, self.cfg, limit, self.user_prompt)):
+                batch.append(s)
+                requests.append(self._request(ids, s, "user", 0))
+        for s, comp in zip(batch, backend.generate(requests)):
+            s.add_user(comp, fmt, self.cfg)
+
+    def _save(self, states: list[ConversationState], store: ShardStore, limit: int) -> None:
+        """Append finished conversations to the journal (one fsynced entry)."""
         rows, rejects = [], []
         for s in states:
-            if s.n_assistant == 0:
-                rejects.append(Rejection(s.conv.id, s.conv.source, "context_length",
-                                         f"the first prompt does not fit in {limit} tokens with {cfg.max_new_tokens} new tokens",
-                                         stage="generate").to_dict())
-            else:
-                rows.append(s.to_row(self.enc))
-        return rows, rejects
+            row, reject = s.result(self.enc, self.cfg, limit)
+            rows += [row] if row else []
+            rejects += [reject] if reject else []
+        store.append(rows, rejects)
+        self.new[0] += len(rows)
+        self.new[1] += sum(r["n_generated_tokens"] for r in rows)
+
+    # -- the server backend: a stream of independent conversations -----------------------------
+    async def _run_stream(self, todo: list[Conversation], backend, fmt: ChatFormat, store: ShardStore) -> None:
+        """``concurrency`` workers, each taking the next seed conversation and running it to its end."""
+        cfg = self.cfg
+        limit = self._context_limit(backend)
+        queue = iter(todo)
+        writing = asyncio.Lock()  # one writer at a time; the fsync runs off the event loop, which keeps serving the rest
+
+        async def worker() -> None:
+            for conv in queue:  # one event loop: taking the next item is atomic
+                s = ConversationState(conv, cfg)
+                await self._converse(s, backend, fmt, limit)
+                async with writing:
+                    await asyncio.to_thread(self._save_and_compact, s, store, limit)
+                self.progress(1, 0)
+
+        async with backend.session():
+            try:
+                async with asyncio.TaskGroup() as group:  # a failure cancels the other workers
+                    for _ in range(min(cfg.concurrency, len(todo))):
+                        group.create_task(worker())
+            except ExceptionGroup as group_error:
+                raise _first_error(group_error) from None
+
+    def _save_and_compact(self, s: ConversationState, store: ShardStore, limit: int) -> None:
+        self._save([s], store, limit)
+        if store.pending >= self.cfg.shard_size:
+            store.flush(self.order)
+
+    async def _converse(self, s: ConversationState, backend, fmt: ChatFormat, limit: int) -> None:
+        cfg = self.cfg
+        while s.active:
+            if s.needs_user_simulation:
+                if (ids := s.user_sim_prompt(fmt, cfg, limit, self.user_prompt)) is not None:
+                    s.add_user(await backend.agenerate(self._request(ids, s, "user", 0)), fmt, cfg)
+            elif s.open_turn(fmt, cfg, limit):
+                comp = await backend.agenerate(self._request(list(s.ids), s, "assistant", cfg.topk))
+                s.add_reply(comp, fmt, cfg)
+                self.progress(0, len(comp.token_ids))
 
     def _context_limit(self, backend: Backend) -> int:
         return min(backend.max_model_len, self.cfg.max_model_len or backend.max_model_len)
@@ -370,28 +504,3 @@ class Generator:
         c = self.cfg
         seed = _request_seed(c.sampling_seed, s.conv.id, s.n_assistant, kind)
         return Request(ids, c.max_new_tokens, seed, topk, temperature=c.temperature, top_p=c.top_p)
-
-    def _simulate_users(self, states: list[ConversationState], backend: Backend, fmt: ChatFormat) -> None:
-        """Self-talk: the model, prompted as the user, writes each conversation's next user message."""
-        cfg = self.cfg
-        batch, requests = [], []
-        for s in states:
-            if not (s.active and s.needs_user_simulation):
-                continue
-            s.needs_user_simulation = False
-            flipped = [{"role": "system", "content": self.user_prompt}] + [
-                {"role": "assistant" if m["role"] == "user" else "user", "content": m["content"]}
-                for m in s.messages if m["role"] != "system"
-            ]
-            ids = fmt.first_prompt(flipped)
-            if len(ids) + cfg.max_new_tokens > self._context_limit(backend):
-                s.stop_reason = "context_length"
-                continue
-            batch.append(s)
-            requests.append(self._request(ids, s, "user", 0))
-        for s, comp in zip(batch, backend.generate(requests)):
-            text = fmt.decode_reply(comp.token_ids).strip()
-            if not text or cfg.end_marker in text:
-                s.stop_reason = "user_ended"
-            else:
-                s.pending_users.append(text)

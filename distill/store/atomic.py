@@ -49,6 +49,7 @@ def atomic_file(path: Path) -> Iterator[Path]:
             os.fsync(f.fileno())
         public_mode(tmp)
         os.replace(tmp, path)
+        fsync_dir(path.parent)  # the new name is durable too
     finally:
         if tmp.exists():
             tmp.unlink()
@@ -152,13 +153,13 @@ class StagedFiles(_Staging):
         _fsync_tree(self.path)
         for name in self.markers:
             (self.folder / name).unlink(missing_ok=True)
-        _fsync_dir(self.folder)
+        fsync_dir(self.folder)
         for name in [n for n in names if n not in self.markers] + [n for n in self.markers if n in names]:
             target = self.folder / name
             if target.is_dir() and not target.is_symlink():
                 shutil.rmtree(target)
             os.replace(self.path / name, target)
-        _fsync_dir(self.folder)
+        fsync_dir(self.folder)
         self.path.rmdir()
         return self.folder
 
@@ -172,8 +173,8 @@ def _fsync_tree(root: Path) -> None:
                 os.fsync(f.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
-    """Make the renames inside ``path`` durable (POSIX; a no-op where folders cannot be opened)."""
+def fsync_dir(path: Path) -> None:
+    """Make the renames and new names inside ``path`` durable (POSIX; a no-op where folders cannot be opened)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:

@@ -15,7 +15,14 @@ the manifest is then rewritten the same way. Resume is by ``id``. On opening:
 - a shard file that is not in the manifest (a crash between the two renames) is adopted
   when it reads back whole, was written with this config and holds only new ids; it is
   moved aside otherwise (``*.corrupt``, logged with the reason);
-- a folder that holds no row yet may be reused with another config (it is reset).
+- a folder that holds no row yet may be reused with another config (it is reset);
+- the journal (:mod:`distill.store.journal`) is read back: its entries whose ids a shard
+  already holds (a crash between a shard commit and the journal's removal) are dropped,
+  the rest count as done and go into the next shard.
+
+Finished conversations reach a shard through the journal: :meth:`ShardStore.append`
+makes them durable at once, :meth:`ShardStore.flush` writes the journal's rows as one
+shard, commits the manifest, then empties the journal.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import pyarrow.parquet as pq
 
 from distill.errors import StoreError
 from distill.store.atomic import atomic_file, atomic_write_bytes, atomic_write_json
+from distill.store.journal import Journal, journal_schema
 from distill.store.lock import FolderLock
 
 log = logging.getLogger("distill.store")
@@ -151,6 +159,7 @@ class ShardStore:
         self.totals: dict[str, Any] = {}
         self.seed_rejects: list[dict] = []
         self._lock = FolderLock(self.root)
+        self.journal = Journal(self.root, journal_schema(shard_schema(id_dtype), config_key))
 
     # -- opening / resuming -------------------------------------------------------------
     def open(self) -> "ShardStore":
@@ -164,7 +173,8 @@ class ShardStore:
         return self
 
     def close(self) -> None:
-        """Release the folder's lock (the manifest is already committed)."""
+        """Close the journal and release the folder's lock (what was appended stays in the journal)."""
+        self.journal.close()
         self._lock.release()
 
     def __enter__(self) -> "ShardStore":
@@ -200,6 +210,7 @@ class ShardStore:
             self.shards = shards
         self._check_listed()
         self._adopt_unlisted()
+        self._recover_journal()
 
     def _check_listed(self) -> None:
         """Every listed shard is there, whole and unaltered, or the run refuses (see :func:`shard_problem`)."""
@@ -233,14 +244,41 @@ class ShardStore:
             self.shards.sort(key=lambda s: s.file)
             self.commit()
 
+    def _recover_journal(self) -> None:
+        """Keep the journal's entries that no shard holds yet (see the module docstring)."""
+        batches = self.journal.recover()
+        if batches:
+            known = self.shard_ids()
+            kept, dropped = [], 0
+            for b in batches:
+                ids = b.column("id").to_pylist()
+                if known.isdisjoint(ids):
+                    kept.append(b)
+                    known.update(ids)
+                else:  # compacted into a shard already, or a repeat: never counted twice
+                    dropped += 1
+            if dropped:
+                log.info("%s: %d journal entries are already in shards; dropped them", self.root, dropped)
+            if kept:
+                log.warning("%s: resumed %d finished conversations from the journal", self.root, sum(b.num_rows for b in kept))
+            batches = kept
+        self.journal.start(batches)
+
     # -- what is done -------------------------------------------------------------------
-    def done_ids(self) -> set[str]:
-        """Ids already written (in shards) or rejected while generating."""
+    def shard_ids(self) -> set[str]:
+        """Ids in shards or in the manifest's generation rejects (not the journal's)."""
         ids: set[str] = set()
         for s in self.shards:
             if s.file:
                 ids.update(pq.read_table(self.root / s.file, columns=["id"])["id"].to_pylist())
             ids.update(r["id"] for r in s.rejects)
+        return ids
+
+    def done_ids(self) -> set[str]:
+        """Ids already written (in shards or the journal) or rejected while generating."""
+        ids = self.shard_ids()
+        for b in self.journal.batches:
+            ids.update(b.column("id").to_pylist())
         return ids
 
     def _next_index(self) -> int:
@@ -254,14 +292,16 @@ class ShardStore:
         A chunk whose conversations were all rejected writes no file; its rejects
         still go into the manifest (as an empty entry) so resume skips them.
         """
-        chunk_rejects = list(chunk_rejects)
-        if not rows and not chunk_rejects:
+        return self._write(pa.Table.from_pylist(rows, schema=self.schema), list(chunk_rejects))
+
+    def _write(self, table: pa.Table, chunk_rejects: list[dict]) -> ShardInfo | None:
+        if not table.num_rows and not chunk_rejects:
             return None
         path = self.root / f"shard-{self._next_index():05d}.parquet"
-        if rows:
+        if table.num_rows:
             meta = dict(self.meta, chunk_rejects=chunk_rejects)
             schema = self.schema.with_metadata({META_KEY: json.dumps(meta, sort_keys=True).encode()})
-            table = pa.Table.from_pylist(rows, schema=schema)
+            table = table.cast(schema)
             with atomic_file(path) as tmp:
                 pq.write_table(table, tmp, compression="zstd", compression_level=9, row_group_size=256)
             info = ShardInfo.of_file(path, rejects=chunk_rejects)
@@ -269,6 +309,37 @@ class ShardStore:
             info = ShardInfo(file="", rows=0, bytes=0, sha256="", prompt_tokens=0, generated_tokens=0, rejects=chunk_rejects)
         self.shards.append(info)
         self.commit()
+        return info
+
+    # -- the journal -----------------------------------------------------------------------
+    def append(self, rows: list[dict], rejects: Iterable[dict] = ()) -> None:
+        """Make finished rows and generation rejects durable now (one fsynced journal entry)."""
+        entries = [dict(r, reject=None) for r in rows]
+        entries += [{"id": r["id"], "source": r.get("source"), "reject": json.dumps(r)} for r in rejects]
+        self.journal.append(entries)
+
+    @property
+    def pending(self) -> int:
+        """Entries (rows and rejects) in the journal, waiting for the next shard."""
+        return len(self.journal)
+
+    def flush(self, order: dict[str, int] | None = None) -> ShardInfo | None:
+        """Compact the journal into one shard (rows sorted by ``order[id]`` when given), then empty it.
+
+        The shard and the manifest are committed before the journal is removed, so a crash
+        in between leaves entries that :meth:`open` finds in a shard and drops.
+        """
+        if not len(self.journal):
+            return None
+        table = self.journal.table()
+        is_reject = pc.is_valid(table["reject"])
+        rejects = [json.loads(r) for r in table.filter(is_reject)["reject"].to_pylist()]
+        rows = table.filter(pc.invert(is_reject)).drop_columns(["reject"])
+        if order is not None and rows.num_rows:
+            rank = pa.array([order.get(i, len(order)) for i in rows["id"].to_pylist()], pa.int64())
+            rows = rows.take(pc.array_sort_indices(rank))  # stable: ties keep journal order
+        info = self._write(rows, rejects)
+        self.journal.clear()
         return info
 
     @property
