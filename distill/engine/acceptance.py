@@ -106,10 +106,15 @@ def uniform(rows: int, cols: int, generators: Sequence[torch.Generator | None], 
     return torch.stack([torch.rand(cols, generator=g, device=device) for g in generators])
 
 
+def _at(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Per-row positions: x (B, T, ...) at index (B, M) -> (B, M, ...)."""
+    return x[torch.arange(x.shape[0], device=x.device)[:, None], index]
+
+
 def _parent_probs(probs: torch.Tensor, tokens: torch.Tensor, buffers: TreeBuffers) -> torch.Tensor:
     """p_{parent(i)}(token_i) for every tree position (B, T); 0 at the root."""
-    par = buffers.parent.clamp(min=0)  # (T,)
-    pp = probs[:, par, :].gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # (B, T)
+    par = buffers.rows(tokens.shape[0]).parent.clamp(min=0)  # (B, T)
+    pp = _at(probs, par).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # (B, T)
     pp[:, 0] = 0.0
     return pp
 
@@ -120,17 +125,18 @@ def longest_path(node_ok: torch.Tensor, buffers: TreeBuffers) -> tuple[torch.Ten
     The longest path of consecutive acceptable nodes from the root; ties go to the first
     leaf path in retrieval order.
     """
-    ret = buffers.retrieve  # (P, D+1)
     B = node_ok.shape[0]
-    if ret.shape[1] == 1:  # root only: plain decoding
+    ret = buffers.rows(B).retrieve  # (B, P, D+1)
+    if ret.shape[-1] == 1:  # root only: plain decoding
         zeros = torch.zeros(B, dtype=torch.long, device=node_ok.device)
         return zeros, zeros[:, None].clone(), zeros
-    nodes = ret[:, 1:]  # (P, D)
-    ok = node_ok[:, nodes.clamp(min=0)] & (nodes >= 0)  # (B, P, D)
+    nodes = ret[:, :, 1:]  # (B, P, D)
+    P, D = nodes.shape[1:]
+    ok = node_ok.gather(1, nodes.clamp(min=0).reshape(B, P * D)).view(B, P, D) & (nodes >= 0)  # (B, P, D)
     lengths = ok.long().cumprod(-1).sum(-1)  # (B, P)
     best = lengths.argmax(-1)  # (B,) first maximum
     length = lengths.gather(1, best[:, None]).squeeze(1)  # (B,)
-    path = ret[best].clamp(min=0)  # (B, D+1)
+    path = _at(ret, best[:, None])[:, 0].clamp(min=0)  # (B, D+1)
     last = path.gather(1, length[:, None]).squeeze(1)  # (B,)
     return length, path, last
 
@@ -138,7 +144,7 @@ def longest_path(node_ok: torch.Tensor, buffers: TreeBuffers) -> tuple[torch.Ten
 def greedy_accept(tokens: torch.Tensor, logits: torch.Tensor, buffers: TreeBuffers) -> Acceptance:
     """Greedy verification: tokens (B, T), logits (B, T, V) -> Acceptance."""
     target = logits.argmax(-1)  # (B, T)
-    node_ok = tokens == target[:, buffers.parent.clamp(min=0)]  # (B, T)
+    node_ok = tokens == target.gather(1, buffers.rows(tokens.shape[0]).parent.clamp(min=0))  # (B, T)
     node_ok[:, 0] = False
     length, path, last = longest_path(node_ok, buffers)
     next_token = target.gather(1, last[:, None]).squeeze(1)
@@ -161,7 +167,7 @@ def typical_accept(
 ) -> Acceptance:
     """Typical acceptance: tokens (B, T), target distributions probs (B, T, V) -> Acceptance."""
     thr = typical_threshold(probs, epsilon, delta)  # (B, T)
-    node_ok = _parent_probs(probs, tokens, buffers) > thr[:, buffers.parent.clamp(min=0)]  # (B, T)
+    node_ok = _parent_probs(probs, tokens, buffers) > thr.gather(1, buffers.rows(tokens.shape[0]).parent.clamp(min=0))  # (B, T)
     node_ok[:, 0] = False
     length, path, last = longest_path(node_ok, buffers)
     last_p = probs[torch.arange(probs.shape[0], device=probs.device), last]  # (B, V)
@@ -175,14 +181,15 @@ def rejection_accept(
     B, T, V = probs.shape
     dev = probs.device
     rows = torch.arange(B, device=dev)
-    D = buffers.retrieve.shape[1] - 1
+    buffers = buffers.rows(B)
+    D = buffers.retrieve.shape[-1] - 1
     cur = torch.zeros(B, dtype=torch.long, device=dev)  # current node per sequence
     alive = torch.ones(B, dtype=torch.bool, device=dev)  # still descending
     length = torch.zeros(B, dtype=torch.long, device=dev)
     path = torch.zeros(B, D + 1, dtype=torch.long, device=dev)
-    C = buffers.children.shape[1]
+    C = buffers.children.shape[-1]
     for d in range(1, D + 1):
-        kids = buffers.children[cur]  # (B, C) tree positions, -1 padded
+        kids = buffers.children[rows, cur]  # (B, C) tree positions, -1 padded
         has = kids >= 0
         alive = alive & has[:, 0]
         if not bool(alive.any()):
@@ -203,7 +210,7 @@ def rejection_accept(
         alive = accepted
     # Residual at the last accepted node: its children (all tried and rejected, if any) zeroed.
     p = probs[rows, cur]  # (B, V)
-    kids = buffers.children[cur]  # (B, C)
+    kids = buffers.children[rows, cur]  # (B, C)
     kid_tok = tokens.gather(1, kids.clamp(min=0))  # (B, C)
     tried = torch.zeros_like(p).scatter_reduce(1, kid_tok, (kids >= 0).float(), reduce="amax")  # (B, V)
     residual = p * (1.0 - tried)
