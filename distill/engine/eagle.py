@@ -91,7 +91,8 @@ class Eagle:
         self.embed = embed  # the target's input embedding (frozen, shared)
         self.feature_layers = tuple(drafter.config.aux_layer_ids)
         self.max_nodes, self.depth, self.topk = nodes, depth, topk
-        self.accuracy = accuracy or default_eagle_accuracy(depth, topk)
+        acc = [list(r) for r in (accuracy or default_eagle_accuracy(depth, topk))]
+        self.accuracy = (acc + [acc[-1]] * depth)[:depth]  # a shallower calibration: its deepest row repeats
         p = next(drafter.parameters())
         attn = drafter.midlayer.self_attn
         conf = drafter.config.llama_config()

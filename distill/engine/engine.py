@@ -66,6 +66,7 @@ from distill.engine.tree import ResolvedTree, TreeBuffers, build_buffers, resolv
 from distill.engine.weights import prepare_linears
 from distill.errors import ConfigError, ModelError
 from distill.heads.eagle import EagleDrafter, is_eagle3_folder
+from distill.heads.tree import load_tree
 from distill.heads.model import MedusaHeads, read_distill_meta
 from distill.runtime import canonical_dtype, stage_dtype, torch_dtype
 
@@ -210,6 +211,7 @@ class Engine:
         model_name: str = "",
         tree: ResolvedTree | None = None,
     ):
+        """``tree``: Medusa's resolved tree; for an EAGLE drafter, its calibrated accuracy only (no paths)."""
         self.config = config or EngineConfig()
         self.model = model.eval()
         # the model's linear layers, prepared in place (values unchanged) where the rule says they multiply faster
@@ -260,11 +262,12 @@ class Engine:
             layers = model.config.get_text_config().num_hidden_layers
             if max(hc.aux_layer_ids) >= layers:
                 raise ModelError(f"the drafter fuses layers {hc.aux_layer_ids} but the model has {layers}")
-            if tree is not None or self.config.tree is not None:
+            if (tree is not None and tree.paths) or self.config.tree is not None:
                 raise ConfigError("an EAGLE drafter drafts a dynamic tree: set draft_nodes / draft_depth / draft_topk "
                                   "(--draft-nodes ...), not a Medusa tree")
             c = self.config
-            return Eagle(heads, model.get_input_embeddings(), c.draft_nodes, c.draft_depth, c.draft_topk)
+            return Eagle(heads, model.get_input_embeddings(), c.draft_nodes, c.draft_depth, c.draft_topk,
+                         accuracy=tree.accuracy if tree is not None and tree.accuracy else None)
         return Medusa(heads, tree or resolve_tree(self.config.tree, hc.num_heads), self.device)
 
     @property
@@ -301,12 +304,7 @@ class Engine:
         device = torch.device(config.device)
         lm = AutoModelForCausalLM.from_pretrained(resolved.path, dtype=config.torch_dtype).to(device).eval()
         tok = AutoTokenizer.from_pretrained(resolved.path)
-        mh, tree = None, None
-        if heads is not None and is_eagle3_folder(Path(heads)):
-            mh = EagleDrafter.load(Path(heads), device=device, dtype=config.torch_dtype)
-        elif heads is not None:
-            mh = MedusaHeads.load(Path(heads), device=device, dtype=config.torch_dtype)
-            tree = resolve_tree(config.tree, mh.config.num_heads, heads_folder=Path(heads))
+        mh, tree = load_heads(heads, config) if heads is not None else (None, None)
         return cls(lm, tok, mh, config, model_name=resolved.name, tree=tree)
 
     def _eos_ids(self) -> set[int]:
@@ -584,6 +582,24 @@ class _Batch:
         stats.step_seconds.append(seconds)
         if e.policy is not None and speculative:
             e.policy.observe(B, buf.nodes, seconds, lengths_acc)
+
+
+def load_heads(folder: str | Path, config: EngineConfig) -> tuple[MedusaHeads | EagleDrafter, ResolvedTree | None]:
+    """A Medusa heads or EAGLE-3 drafter folder -> (heads or drafter on ``config``'s device and dtype, tree for the Engine).
+
+    Medusa: the tree ``config.tree`` names (its ``tree.json`` by default). EAGLE: no paths, only
+    the per-depth accuracy ``distill calibrate`` wrote into its ``tree.json`` (None without one).
+    """
+    folder = Path(folder)
+    device = torch.device(config.device)
+    if is_eagle3_folder(folder):
+        drafter = EagleDrafter.load(folder, device=device, dtype=config.torch_dtype)
+        tree = None
+        if (folder / "tree.json").is_file():  # `distill calibrate`: per-depth acceptance for the policy
+            tree = ResolvedTree([], load_tree(folder / "tree.json").get("accuracy") or [], f"{folder}/tree.json")
+        return drafter, tree
+    heads = MedusaHeads.load(folder, device=device, dtype=config.torch_dtype)
+    return heads, resolve_tree(config.tree, heads.config.num_heads, heads_folder=folder)
 
 
 #: Slot capacities are rounded up to a multiple of this (fewer distinct shapes, some room for joins).
