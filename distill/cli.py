@@ -493,7 +493,8 @@ def export(
 
 
 # == serving commands: distill serve, bench (issue 5) ==
-HeadsOpt = Annotated[Optional[Path], typer.Option("--heads", help="Medusa heads folder (from `distill train-heads`).")]
+HeadsOpt = Annotated[Optional[Path], typer.Option("--heads", help="Medusa heads or EAGLE-3 drafter folder (from `distill train-heads`).")]
+DraftNodesOpt = Annotated[Optional[int], typer.Option("--draft-nodes", help="EAGLE drafter: node budget of its dynamic tree (default 24).")]
 TreeOpt = Annotated[Optional[str], typer.Option("--tree", help="Verification tree: tree.json path, chain[-K], sparse-N, or Cartesian 3,2,2,1 (default: the heads' tree.json, else sparse-24).")]
 
 
@@ -516,6 +517,7 @@ def serve(
     max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", help="max_tokens of requests that give none (default 256).")] = None,
     max_model_len: Annotated[Optional[int], typer.Option(help="Context limit for prompt + max_tokens (default: the model's).")] = None,
     tree: TreeOpt = None,
+    draft_nodes: DraftNodesOpt = None,
     acceptance: Annotated[Optional[str], typer.Option(help="Acceptance for sampled requests: typical | rejection | greedy (temperature 0 is always greedy, lossless).")] = None,
     typical_epsilon: Annotated[Optional[float], typer.Option(help="Typical acceptance epsilon.")] = None,
     typical_delta: Annotated[Optional[float], typer.Option(help="Typical acceptance delta.")] = None,
@@ -531,7 +533,7 @@ def serve(
     print_command: Annotated[bool, typer.Option("--print-command", help="--engine vllm: print the vLLM server command and the "
                                                 "environment distill adds (JSON), and exit.")] = False,
 ) -> None:
-    """Serve the model (with Medusa heads) over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions).
+    """Serve the model (with Medusa heads or an EAGLE-3 drafter) over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions).
 
     With --engine vllm, everything after `--` goes to vLLM's server unchanged
     (e.g. `-- --tensor-parallel-size 2 --gpu-memory-utilization 0.85`).
@@ -563,7 +565,7 @@ def serve(
 
 @app.command()
 def bench(
-    heads: Annotated[Path, typer.Option("--heads", help="Medusa heads folder (from `distill train-heads`).")],
+    heads: Annotated[Path, typer.Option("--heads", help="Medusa heads or EAGLE-3 drafter folder (from `distill train-heads`).")],
     model: ModelOpt = None,
     prompts: Annotated[str, typer.Option(help="Seed of prompts (first user turn of each): mt-bench, a file, ...")] = "mt-bench",
     limit: Annotated[Optional[int], typer.Option(help="At most N prompts, round-robin over categories.")] = None,
@@ -571,6 +573,7 @@ def bench(
     modes: Annotated[str, typer.Option(help="Acceptance modes to measure: greedy,typical.")] = "greedy,typical",
     temperature: Annotated[float, typer.Option(help="Sampling temperature of the typical mode.")] = 0.7,
     tree: TreeOpt = None,
+    draft_nodes: DraftNodesOpt = None,
     full_tree: Annotated[bool, typer.Option("--full-tree", help="Verify the whole tree every step (speculation policy off): measures the tree itself.")] = False,
     sweep_tree: Annotated[bool, typer.Option("--sweep-tree", help="Also time step latency against tree size here and pick the node budget with the best predicted speedup (writes tree.json).")] = False,
     sweep_nodes: Annotated[str, typer.Option(help="Tree sizes of the sweep.")] = "1,2,4,8,16,32,64",
@@ -582,7 +585,7 @@ def bench(
     out: Annotated[Path, typer.Option("--out", "-o", help="Folder for bench.json, bench.md, bench.png (and sweep.png, tree.json).")] = Path("out/bench"),
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress lines.")] = False,
 ) -> None:
-    """Plain vs Medusa decoding on the same prompts: tokens/step, step overhead, tokens/s and speedup per category."""
+    """Plain vs speculative (Medusa or EAGLE) decoding on the same prompts: tokens/step, step overhead, tokens/s and speedup per category."""
     from distill.benchmark import BenchConfig, run_bench
     from distill.benchmark.report import markdown
 
@@ -594,7 +597,7 @@ def bench(
         heads=str(heads), model=model, prompts=prompts, limit=limit, max_tokens=max_tokens,
         modes=tuple(m.strip() for m in modes.split(",") if m.strip()), temperature=temperature, tree=tree, full_tree=full_tree,
         dtype=dtype, device=device, seed=seed, out=str(out), sweep_tree=sweep_tree, sweep_nodes=nodes, sweep_context=sweep_context,
-        sweep_repeats=sweep_repeats,
+        sweep_repeats=sweep_repeats, draft_nodes=draft_nodes,
     )
     result, paths = run_bench(cfg, progress=None if quiet else (lambda msg: console.print(f"[dim]bench[/dim] {msg}")))
     typer.echo(markdown(result))

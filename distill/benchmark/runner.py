@@ -77,7 +77,8 @@ class BenchRunner:
         if engine is None:
             ecfg = EngineConfig(acceptance="typical", typical_epsilon=config.typical_epsilon, typical_delta=config.typical_delta,
                                 tree=config.tree, max_batch=1,
-                                speculate_max_batch=1 if config.full_tree else None, dtype=config.dtype, device=config.device)
+                                speculate_max_batch=1 if config.full_tree else None, dtype=config.dtype, device=config.device,
+                                **({"draft_nodes": config.draft_nodes} if config.draft_nodes else {}))
             engine = Engine.from_pretrained(config.model, config.heads, ecfg)
         if engine.heads is None:
             raise ConfigError("the benchmark compares plain and speculative (Medusa or EAGLE) decoding: pass --heads DIR")
