@@ -126,8 +126,8 @@ def test_dynamic_tree_is_a_prefix_closed_tree_within_the_budget_drafted_from_the
     prompts = [[1, 5, 2], [3, 3, 7, 0, 1, 4]]
     seen = {}
 
-    def spy(state, root, end, longest, nodes):
-        out = Eagle.propose(eagle, state, root, end, longest, nodes)
+    def spy(state, root, end, longest, nodes, sampling=None):
+        out = Eagle.propose(eagle, state, root, end, longest, nodes, sampling)
         seen.setdefault("first", (out, state.logp.clone(), root.clone()))
         return out
 
@@ -178,13 +178,53 @@ def test_tiny_greedy_eagle_equals_plain_greedy_batched_and_joining(tiny):
         assert done[k].token_ids == plain[k][: 8 + 2 * (k - k % 3)]
 
 
+def test_multi_round_speculative_sampling_with_iid_drafts_emits_the_target_distribution():
+    """Three root children drawn i.i.d. from q (repeats allowed), one child with its own drawn child: 200,000 rows.
+
+    The first emitted token (accepted child or residual draw) ~ p_root, and the second token after an
+    accepted child ~ that child's p; chi-square at the 0.1% level. Point-mass treatment of the same
+    drafts is biased here (q is not a deterministic choice), which the same test catches.
+    """
+    from test_engine_acceptance import chi2_sf
+
+    g = torch.Generator().manual_seed(0)
+    n = 200_000
+    tree = build_buffers([(0,), (1,), (2,), (0, 0)])  # positions: root 0, children 1-3, grandchild 4 under 1
+    p = torch.softmax(torch.randn(5, V, generator=g) * 1.5, -1)  # (T, V) target distribution after each position
+    q = torch.softmax(torch.randn(5, V, generator=g) * 1.5, -1)  # (T, V) draft distribution of each position's children
+    kids = torch.multinomial(q[0], 3 * n, replacement=True, generator=g).view(n, 3)
+    grand = torch.multinomial(q[1], n, replacement=True, generator=g)
+    tokens = torch.cat([torch.zeros(n, 1, dtype=torch.long), kids, grand[:, None]], 1)  # (n, T)
+    probs, draft = p.expand(n, 5, V), q.expand(n, 5, V)
+    torch.manual_seed(1)
+
+    def first_tokens(acc):
+        return torch.where(acc.length > 0, tokens.gather(1, acc.path[:, 1:2]).squeeze(1), acc.next_token)
+
+    def pvalue(x, dist):
+        counts = torch.bincount(x, minlength=V).double()
+        exp = dist.double() * x.numel()
+        return chi2_sf(float(((counts - exp) ** 2 / exp).sum()), V - 1)
+
+    acc = rejection_accept(tokens, probs, tree, [None] * n, draft)
+    assert 0 < float((acc.length == 2).float().mean()) and pvalue(first_tokens(acc), p[0]) > 1e-3
+    second = acc.length >= 1
+    after_first = torch.where(acc.length == 2, tokens[:, 4], acc.next_token)[second & (acc.path[:, 1] == 1)]
+    assert pvalue(after_first, p[1]) > 1e-3
+    biased = rejection_accept(tokens, probs, tree, [None] * n)  # the same drafts as point masses
+    assert pvalue(first_tokens(biased), p[0]) < 1e-3
+
+
 @pytest.mark.usefixtures("one_torch_thread")
+@pytest.mark.parametrize("sample_drafts", [True, False], ids=["drafts-from-q", "top-k-point-masses"])
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
-def test_eagle_rejection_sampling_is_lossless(tiny, temperature, top_p):
+def test_eagle_rejection_sampling_is_lossless(tiny, temperature, top_p, sample_drafts):
     prompt = [1, 5, 2]
     exact = exact_distribution(tiny[0], prompt, temperature, top_p)
     params = [SamplingParams(max_tokens=CONT, temperature=temperature, top_p=top_p, seed=i) for i in range(SAMPLES)]
-    results, _ = tiny_engine(tiny, "rejection").generate([prompt] * SAMPLES, params)
+    engine = tiny_engine(tiny, "rejection")
+    engine.config.sample_drafts = sample_drafts
+    results, _ = engine.generate([prompt] * SAMPLES, params)
     assert all(len(r.token_ids) == CONT for r in results)
     assert max(a for r in results for a in r.accepted) >= 2  # the tree did accept candidates
     assert chi2_pvalue([r.token_ids for r in results], exact) > ALPHA

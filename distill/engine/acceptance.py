@@ -41,6 +41,14 @@ rejection (multi-candidate "recursive" rejection sampling, as in SpecInfer / Med
     next token from r. Each emitted token is then distributed exactly as ``p_n``
     (the residual trick makes "accept x or fall through to the residual" an exact
     draw from p), so the output is distributed as plain sampling.
+rejection with draft distributions (multi-round speculative sampling, SpecInfer; EAGLE Sec. 3.3)
+    when the children of node n were drawn i.i.d. from a draft distribution ``q_n``
+    (``draft``, (B, T, V)), walking them in order with residual ``r = p_n``: accept child x
+    with probability ``min(1, r(x)/q_n(x))``; on rejection ``r ← norm(max(r − q_n, 0))``;
+    if all are rejected, sample the next token from r. Lossless as long as, given
+    everything drafted outside n's children, their number does not depend on their values
+    and they are i.i.d. from ``q_n`` (:mod:`distill.engine.eagle`'s sampled tree keeps whole
+    sibling groups for that reason).
 """
 
 from __future__ import annotations
@@ -175,9 +183,16 @@ def typical_accept(
 
 
 def rejection_accept(
-    tokens: torch.Tensor, probs: torch.Tensor, buffers: TreeBuffers, generators: Sequence[torch.Generator | None]
+    tokens: torch.Tensor, probs: torch.Tensor, buffers: TreeBuffers, generators: Sequence[torch.Generator | None],
+    draft: torch.Tensor | None = None,
 ) -> Acceptance:
-    """Tree rejection sampling with point-mass proposals (see the module docstring): lossless."""
+    """Tree rejection sampling (see the module docstring): lossless.
+
+    ``draft`` None: the candidates are point-mass proposals (deterministic choices such as
+    top-k); ``draft`` (B, T, V): node n's children were drawn i.i.d. from ``draft[:, n]``.
+    """
+    if draft is not None:
+        return _rejection_with_drafts(tokens, probs, buffers, generators, draft)
     B, T, V = probs.shape
     dev = probs.device
     rows = torch.arange(B, device=dev)
@@ -217,6 +232,52 @@ def rejection_accept(
     mass = residual.sum(-1, keepdim=True)
     residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p)
     # path entries beyond the accepted length stay 0 (the root): valid indices, ignored by the caller
+    return Acceptance(length, path, sample(residual, generators), cur)
+
+
+def _rejection_with_drafts(tokens: torch.Tensor, probs: torch.Tensor, buffers: TreeBuffers,
+                           generators: Sequence[torch.Generator | None], draft: torch.Tensor) -> Acceptance:
+    """Multi-round speculative sampling down the tree: tokens (B, T), probs / draft (B, T, V)."""
+    B, T, V = probs.shape
+    dev = probs.device
+    rows = torch.arange(B, device=dev)
+    buffers = buffers.rows(B)
+    D = buffers.retrieve.shape[-1] - 1
+    C = buffers.children.shape[-1]
+    cur = torch.zeros(B, dtype=torch.long, device=dev)
+    alive = torch.ones(B, dtype=torch.bool, device=dev)  # still descending
+    length = torch.zeros(B, dtype=torch.long, device=dev)
+    path = torch.zeros(B, D + 1, dtype=torch.long, device=dev)
+    residual = probs[:, 0].clone()  # (B, V): where the walk stops, the distribution of the next token
+    for d in range(1, D + 1):
+        kids = buffers.children[rows, cur]  # (B, C)
+        q = draft[rows, cur].float()  # (B, V)
+        r = probs[rows, cur].clone()  # (B, V): fresh at the node
+        u = uniform(B, C, generators, dev)  # (B, C)
+        moved = torch.zeros(B, dtype=torch.bool, device=dev)
+        nxt = cur.clone()
+        for c in range(C):
+            has = alive & ~moved & (kids[:, c] >= 0)  # rows trying their c-th child now
+            x = tokens.gather(1, kids[:, c : c + 1].clamp(min=0)).squeeze(1)  # (B,)
+            rx, qx = r.gather(1, x[:, None]).squeeze(1), q.gather(1, x[:, None]).squeeze(1)
+            ok = has & (u[:, c] * qx < rx)  # u < min(1, r(x)/q(x))
+            nxt = torch.where(ok, kids[:, c], nxt)
+            moved = moved | ok
+            rej = has & ~ok
+            if bool(rej.any()):
+                rest = (r - q).clamp(min=0)
+                mass = rest.sum(-1, keepdim=True)
+                rest = torch.where(mass > 0, rest / mass.clamp_min(1e-30), r)
+                r = torch.where(rej[:, None], rest, r)
+        stop = alive & ~moved  # every child rejected (or a leaf): the next token comes from r here
+        residual = torch.where(stop[:, None], r, residual)
+        alive = alive & moved
+        cur = torch.where(alive, nxt, cur)
+        path[:, d] = torch.where(alive, nxt, path[:, d])
+        length = length + alive.long()
+        if not bool(alive.any()):
+            break
+    residual = torch.where(alive[:, None], probs[rows, cur], residual)  # walked to the deepest level: p at the last node
     return Acceptance(length, path, sample(residual, generators), cur)
 
 

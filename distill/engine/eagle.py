@@ -27,6 +27,13 @@ Dynamic Draft Trees", Sec. 4)
     the next depth. After D - 1 expansions, rerank: the N best-scoring candidates of all
     depths form the tree (a child never scores above its parent and ties keep the parent
     first, so the set is prefix-closed). Draft ids are mapped to target ids with ``d2t``.
+sampled tree (rejection sampling of sampled rows)
+    the same expansion, but each expanded node's K children are drawn i.i.d. from its draft
+    distribution q (the drafter's at the row's temperature; greedy rows keep their top-K),
+    and the rerank keeps whole sibling groups, ranked by their parent's score: the root's
+    group, then the best ``N // K - 1``. Whether a group exists then never depends on its
+    own draws, which multi-round speculative sampling with q needs to stay lossless
+    (:func:`~distill.engine.acceptance.rejection_accept` with ``draft``).
 proposal cost ``h(N)``
     weights the drafter reads per step, D passes (the catch-up and D - 1 expansions) of its
     layer, fc and draft LM head, over the weights of one target forward.
@@ -39,7 +46,7 @@ import torch
 from distill.engine import cache as kv
 from distill.engine.acceptance import Acceptance
 from distill.engine.policy import candidate_sizes
-from distill.engine.proposer import Proposal
+from distill.engine.proposer import DraftSampling, Proposal
 from distill.engine.tree import row_buffers
 from distill.errors import ConfigError
 from distill.heads.eagle import EagleDrafter
@@ -160,16 +167,24 @@ class Eagle:
         state.feature = last
         state.logp = torch.log_softmax(d.logits(last).float(), dim=-1)  # (B, Vd)
 
-    def propose(self, state: EagleState, root: torch.Tensor, end: torch.Tensor, longest: int, nodes: int) -> Proposal:
-        """The dynamic tree of at most ``nodes`` nodes (module docstring): tokens (B, N + 1) and per-row buffers."""
+    def propose(self, state: EagleState, root: torch.Tensor, end: torch.Tensor, longest: int, nodes: int,
+                sampling: DraftSampling | None = None) -> Proposal:
+        """The dynamic tree of at most ``nodes`` nodes (module docstring): tokens (B, N + 1) and per-row buffers.
+
+        ``sampling`` given: the sampled tree (module docstring), with each node's draft distribution.
+        """
         d = self.drafter
         N, D, K = self.shape(nodes)
         B, dev = root.shape[0], root.device
         S = (D - 1) * K  # scratch slots used
         window = longest + S
-        score, tok = state.logp.topk(K, dim=-1)  # (B, K): depth-1 candidates (draft ids)
+        logq = self._warp(state.logp, sampling)  # (B, Vd): the root's draft distribution
+        lp, tok = self._children(logq[:, None], K, sampling)  # (B, 1, K)
+        score, tok = lp[:, 0], tok[:, 0]  # (B, K): depth-1 candidates (draft ids), cumulative log q
         scores, tokens, parents, depths = [score], [tok], [torch.full((B, K), -1, dtype=torch.long, device=dev)], [1] * K
         probs = [score.exp()]  # (B, K): draft probability given the parent
+        qs, q_at = [logq[:, None]], [torch.full((B, 1), -1, dtype=torch.long, device=dev)]  # expanded nodes' log q, candidate index
+        groups, group_score = [], []  # sampled tree: per expanded node, its children's candidate indices and its score
         front = torch.arange(K, device=dev).expand(B, K)  # (B, K): candidate index of each expanded node
         f_score, f_tok = score, tok
         f_feat = state.feature[:, None].expand(B, K, state.feature.shape[-1])  # (B, K, H): their parents' outputs
@@ -182,14 +197,18 @@ class Eagle:
             state.cache.prepare(end[:, None] + own[None], window)
             keep = kv.step_allowed(end, anc, window)  # (B, 1, K, W)
             out = d(self.embed(self.target_ids[f_tok]), f_feat, pos, keep, state.cache)  # (B, K, H)
-            logp = torch.log_softmax(d.logits(out).float(), dim=-1)  # (B, K, Vd)
-            lp, ct = logp.topk(K, dim=-1)  # (B, K, K): each expanded node's top-K children
+            logq = self._warp(torch.log_softmax(d.logits(out).float(), dim=-1), sampling)  # (B, K, Vd)
+            lp, ct = self._children(logq, K, sampling)  # (B, K, K): each expanded node's K children
             cs = (f_score[:, :, None] + lp).flatten(1)  # (B, K²) cumulative scores
             scores.append(cs)
             tokens.append(ct.flatten(1))
             probs.append(lp.exp().flatten(1))
             parents.append(front[:, :, None].expand(B, K, K).flatten(1))
             depths += [depth + 1] * (K * K)
+            qs.append(logq)
+            q_at.append(front)
+            groups.append((base + torch.arange(K * K, device=dev).view(K, K)).expand(B, K, K))
+            group_score.append(f_score)
             if depth < D - 1:
                 f_score, pick = cs.topk(K, dim=-1)  # (B, K): the next depth's expanded nodes
                 up = pick // K  # (B, K): their parents among this depth's expanded nodes
@@ -199,7 +218,17 @@ class Eagle:
                 front = base + pick
             base += K * K
         score_all, tok_all, par_all = torch.cat(scores, 1), torch.cat(tokens, 1), torch.cat(parents, 1)  # (B, M)
-        chosen = score_all.sort(dim=1, descending=True, stable=True).indices[:, :N].sort(dim=1).values  # (B, N)
+        if sampling is None:  # rerank nodes: the N best of all depths
+            chosen = score_all.sort(dim=1, descending=True, stable=True).indices[:, :N]
+        else:  # rerank sibling groups by their parent's score: the root's, then the best N // K - 1 others
+            g = min(N // K - 1, len(groups) * K)
+            chosen = torch.arange(K, device=dev).expand(B, K)
+            if g > 0:
+                kids = torch.cat(groups, 1)  # (B, G, K)
+                best = torch.cat(group_score, 1).sort(dim=1, descending=True, stable=True).indices[:, :g]  # (B, g)
+                chosen = torch.cat([chosen, kids.gather(1, best[:, :, None].expand(B, g, K)).flatten(1)], 1)
+            N = chosen.shape[1]
+        chosen = chosen.sort(dim=1).values  # (B, N): candidate order, parents first
         position = torch.zeros_like(score_all, dtype=torch.long)  # (B, M): tree position of each chosen candidate
         position.scatter_(1, chosen, torch.arange(1, N + 1, device=dev).expand(B, N).contiguous())
         up = par_all.gather(1, chosen)  # (B, N) parent candidate, -1 = root
@@ -210,7 +239,40 @@ class Eagle:
         buffers = row_buffers(torch.cat([minus, parent], 1), torch.cat([zero, depth_all[chosen]], 1), D, K)
         tree_tokens = torch.cat([root[:, None], self.target_ids[tok_all.gather(1, chosen)]], 1)  # (B, N + 1)
         q = torch.cat([torch.ones(B, 1, device=dev), torch.cat(probs, 1).gather(1, chosen)], 1)  # (B, N + 1)
-        return Proposal(tree_tokens, buffers, q)
+        draft = None
+        if sampling is not None:  # each tree node's draft distribution (its children's), over the target vocabulary
+            at = torch.cat(q_at, 1)  # (B, E): candidate index of each expanded node (-1: the root)
+            where = torch.where(at < 0, torch.zeros_like(at), position.gather(1, at.clamp(min=0)))  # (B, E); 0 = outside
+            where = torch.where((at >= 0) & (where == 0), torch.full_like(where, N + 1), where)  # not in the tree: trash row
+            dq = torch.zeros(B, N + 2, self.target_ids.numel(), device=dev)
+            dq.scatter_(1, where[:, :, None].expand(-1, -1, dq.shape[-1]), torch.cat(qs, 1).exp())
+            draft = torch.zeros(B, N + 1, self.drafter.config.vocab_size, device=dev)
+            draft[:, :, self.target_ids] = dq[:, : N + 1]
+        return Proposal(tree_tokens, buffers, q, draft)
+
+    @staticmethod
+    def _warp(logp: torch.Tensor, sampling: DraftSampling | None) -> torch.Tensor:
+        """Draft log-probabilities (B, ..., Vd) at each sampled row's temperature (greedy rows unchanged)."""
+        if sampling is None:
+            return logp
+        t = torch.where(sampling.temperature > 0, sampling.temperature, torch.ones_like(sampling.temperature)).float()
+        return torch.log_softmax(logp / t.view(-1, *([1] * (logp.dim() - 1))), dim=-1)
+
+    @staticmethod
+    def _children(logq: torch.Tensor, K: int, sampling: DraftSampling | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """K children per node: logq (B, n, Vd) -> their log q and draft ids (B, n, K).
+
+        The top-K (deterministic); with ``sampling``, sampled rows draw K i.i.d. from q instead.
+        """
+        lp, ids = logq.topk(K, dim=-1)  # (B, n, K)
+        if sampling is None:
+            return lp, ids
+        for b, (t, gen) in enumerate(zip(sampling.temperature.tolist(), sampling.generators)):
+            if t > 0:
+                draws = torch.multinomial(logq[b].exp(), K, replacement=True, generator=gen)  # (n, K)
+                ids[b] = draws
+                lp[b] = logq[b].gather(-1, draws)
+        return lp, ids
 
 
 __all__ = ["DEFAULT_DEPTH", "DEFAULT_NODES", "DEFAULT_TOPK", "Eagle", "EagleState", "default_eagle_accuracy"]

@@ -61,7 +61,7 @@ from distill.engine.acceptance import (
 from distill.engine.eagle import DEFAULT_DEPTH, DEFAULT_NODES, DEFAULT_TOPK, Eagle
 from distill.engine.medusa import Medusa
 from distill.engine.policy import DEFAULT_COST_RATIO, AdaptivePolicy, choose_tree_size
-from distill.engine.proposer import Proposal, Proposer
+from distill.engine.proposer import DraftSampling, Proposal, Proposer
 from distill.engine.tree import ResolvedTree, TreeBuffers, build_buffers, resolve_tree
 from distill.engine.weights import prepare_linears
 from distill.errors import ConfigError, ModelError
@@ -105,6 +105,7 @@ class EngineConfig:
     draft_nodes: int = DEFAULT_NODES  # EAGLE: node budget N of the dynamic tree
     draft_depth: int = DEFAULT_DEPTH  # EAGLE: depth D of the dynamic tree
     draft_topk: int = DEFAULT_TOPK  # EAGLE: K, nodes expanded per depth and children per expanded node
+    sample_drafts: bool = True  # rejection mode, EAGLE: sampled rows' drafts drawn from q (multi-round speculative sampling); False: top-K point masses
     max_batch: int = 8  # largest batch generate() runs at once
     speculate_max_batch: int | None = None  # set: the full tree up to this batch size, plain above; None: the cost model decides
     dtype: str = "auto"  # auto: the heads' teacher dtype, else distill.runtime's rule
@@ -375,8 +376,11 @@ class Engine:
         features = captured["hidden"] if layers is None else torch.cat([captured[i] for i in layers], dim=-1)
         return out.logits.float(), features
 
-    def _accept(self, tokens, logits, buf: TreeBuffers, seqs: list[_Seq]) -> Acceptance:
-        """Greedy rows with greedy_accept, sampled rows with the configured rule; merged per row."""
+    def _accept(self, tokens, logits, buf: TreeBuffers, seqs: list[_Seq], draft: torch.Tensor | None = None) -> Acceptance:
+        """Greedy rows with greedy_accept, sampled rows with the configured rule; merged per row.
+
+        ``draft`` (B, T, V): the proposer drew each node's children from these (rejection mode).
+        """
         greedy_rows = [i for i, s in enumerate(seqs) if s.generator is None]
         if len(greedy_rows) == len(seqs):
             return greedy_accept(tokens, logits, buf)
@@ -393,7 +397,7 @@ class Engine:
         elif mode == "typical":
             sub = typical_accept(tokens[idx], probs, part, gens, self.config.typical_epsilon, self.config.typical_delta)
         else:
-            sub = rejection_accept(tokens[idx], probs, part, gens)
+            sub = rejection_accept(tokens[idx], probs, part, gens, draft[idx] if draft is not None else None)
         if not greedy_rows:
             return sub
         full = greedy_accept(tokens, logits, buf)
@@ -526,6 +530,14 @@ class _Batch:
         self.root = torch.cat([self.root, other.root])
         self.seqs = self.seqs + other.seqs
 
+    def _sampling(self) -> DraftSampling | None:
+        """In rejection mode with sampled rows: their temperatures and generators, so the proposer may draw its drafts."""
+        cfg = self.engine.config
+        if cfg.acceptance != "rejection" or not cfg.sample_drafts or all(s.generator is None for s in self.seqs):
+            return None
+        temps = [s.params.temperature if s.generator is not None else 0.0 for s in self.seqs]
+        return DraftSampling(torch.tensor(temps, device=self.root.device), [s.generator for s in self.seqs])
+
     def step(self, on_tokens, stats: StepStats) -> None:
         """One decoding step of every row (all unfinished): propose, verify, accept, compact, emit."""
         e = self.engine
@@ -543,7 +555,7 @@ class _Batch:
         end = torch.tensor(self.ends, dtype=torch.long, device=e.device)  # (B,)
         with record_function("distill.propose"):
             if nodes:
-                proposal = e.proposer.propose(self.draft, self.root, end, max(self.ends), nodes)
+                proposal = e.proposer.propose(self.draft, self.root, end, max(self.ends), nodes, self._sampling())
             else:
                 proposal = Proposal(self.root[:, None], e._plain)  # (B, 1)
         tokens, buf = proposal.tokens, proposal.buffers
@@ -557,7 +569,7 @@ class _Batch:
             layers = e.proposer.feature_layers if speculative else None
             logits, features = e._forward(tokens, end[:, None] + buf.depth, bias, self.cache, layers=layers)
         with record_function("distill.accept"):
-            acc = e._accept(tokens, logits, buf, active)
+            acc = e._accept(tokens, logits, buf, active, proposal.draft)
         with record_function("distill.compact"):
             if buf.nodes:  # the accepted nodes follow the root: tree slot end + path_k -> end + k
                 self.cache.move(end[:, None] + acc.path, end[:, None] + offsets[None, : acc.path.shape[1]])

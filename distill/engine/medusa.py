@@ -78,7 +78,9 @@ class Medusa:
         rows = torch.arange(features.shape[0], device=features.device)
         return MedusaState(features[rows, torch.tensor(lengths, device=features.device) - 1])  # (B, H)
 
-    def propose(self, state: MedusaState, root: torch.Tensor, end: torch.Tensor, longest: int, nodes: int) -> Proposal:
+    def propose(self, state: MedusaState, root: torch.Tensor, end: torch.Tensor, longest: int, nodes: int,
+                sampling=None) -> Proposal:
+        """The heads' top-I tree (point masses whatever ``sampling`` says)."""
         buf = self.buffers(nodes)
         return Proposal(self.tree_tokens(state.hidden, root, buf), buf)
 

@@ -26,7 +26,10 @@ proposal
     rejection rule treats each as a point-mass proposal ``q = δ_x``
     (:func:`~distill.engine.acceptance.rejection_accept`); ``draft_prob`` (B, T) keeps the
     drafter's own probability of each node given its parent (1 at the root; None when the
-    proposer has no distribution, as Medusa's tree positions are ranks).
+    proposer has no distribution, as Medusa's tree positions are ranks). A proposer asked to
+    sample (``DraftSampling``, rejection mode with sampled rows) may instead draw each node's
+    children i.i.d. from its draft distribution q and return q per node (``draft``): the
+    rejection rule then runs multi-round speculative sampling with q.
 
 The calls, per batch: ``start`` after the prefill (prefill hook), then per step ``propose``
 (a tree of at most ``nodes`` nodes) and ``commit`` with the accepted path (accept hook),
@@ -45,12 +48,21 @@ from distill.engine.tree import TreeBuffers
 
 
 @dataclass
+class DraftSampling:
+    """How a proposer may draw its drafts for rejection sampling: per row, temperature (0: a greedy row) and generator."""
+
+    temperature: torch.Tensor  # (B,) float
+    generators: list  # (B,) torch.Generator or None
+
+
+@dataclass
 class Proposal:
     """One step's tree (see the module docstring)."""
 
     tokens: torch.Tensor  # (B, T) long: root, then drafted nodes (target ids)
     buffers: TreeBuffers  # the tree: shared (T,) or per row (B, T)
     draft_prob: torch.Tensor | None = None  # (B, T) float: the drafter's probability of each node given its parent
+    draft: torch.Tensor | None = None  # (B, T, V): node n's children were drawn i.i.d. from draft[:, n] (None: deterministic)
 
 
 class DraftState(Protocol):
@@ -75,8 +87,13 @@ class Proposer(Protocol):
     def start(self, features: torch.Tensor, ids: torch.Tensor, lengths: list[int], root: torch.Tensor, slots: int) -> DraftState:
         """Prefill hook: features (B, P, F) of the right-padded prompts ids (B, P), their lengths, roots (B,)."""
 
-    def propose(self, state: DraftState, root: torch.Tensor, end: torch.Tensor, longest: int, nodes: int) -> Proposal:
-        """A tree of at most ``nodes`` nodes after each row's root (B,); ``end`` (B,) committed lengths, ``longest`` their max."""
+    def propose(self, state: DraftState, root: torch.Tensor, end: torch.Tensor, longest: int, nodes: int,
+                sampling: DraftSampling | None = None) -> Proposal:
+        """A tree of at most ``nodes`` nodes after each row's root (B,); ``end`` (B,) committed lengths, ``longest`` their max.
+
+        ``sampling`` (rejection sampling of sampled rows): a proposer may draw its drafts from
+        its distributions and return them as ``Proposal.draft``; it may also ignore it.
+        """
 
     def commit(self, state: DraftState, proposal: Proposal, features: torch.Tensor, acc: Acceptance, ends: list[int],
                lengths: list[int]) -> None:
@@ -84,4 +101,4 @@ class Proposer(Protocol):
         the step and accepted nodes per row (host)."""
 
 
-__all__ = ["DraftState", "Proposal", "Proposer"]
+__all__ = ["DraftSampling", "DraftState", "Proposal", "Proposer"]
