@@ -51,10 +51,11 @@ def held_out_acceptance(model, eagle_dir: Path, medusa_dir: Path, data: Path, to
     from distill.train.eagle import drafter_accuracy
 
     e = drafter_accuracy(model, EagleDrafter.load(eagle_dir), data, max_len=512, ranks=5, max_tokens=tokens, steps=depth)
-    heads = MedusaHeads.load(medusa_dir)
-    m = head_accuracy(model, heads, data, max_len=512, ranks=5, max_tokens=tokens)
-    return {"eagle_top1": e.topk(1), "eagle_top5": e.topk(5), "eagle_positions": e.counts,
-            "medusa_top1": m.topk(1), "medusa_top5": m.topk(5), "medusa_positions": m.counts, "tokens": e.tokens}
+    out = {"eagle_top1": e.topk(1), "eagle_top5": e.topk(5), "eagle_positions": e.counts, "tokens": e.tokens}
+    if medusa_dir is not None:
+        m = head_accuracy(model, MedusaHeads.load(medusa_dir), data, max_len=512, ranks=5, max_tokens=tokens)
+        out.update(medusa_top1=m.topk(1), medusa_top5=m.topk(5), medusa_positions=m.counts)
+    return out
 
 
 def depth_acceptance(accepted: list[int], depth: int) -> list[float]:
@@ -66,7 +67,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
     ap.add_argument("--eagle", required=True, type=Path)
-    ap.add_argument("--medusa", required=True, type=Path)
+    ap.add_argument("--medusa", type=Path, help="Medusa heads trained on the same data and budget (omit: EAGLE vs plain only)")
     ap.add_argument("--eval", type=Path, help="held-out dataset folder for teacher-forced per-depth acceptance")
     ap.add_argument("--eval-tokens", type=int, default=4000)
     ap.add_argument("--prompts", type=int, default=4)
@@ -103,6 +104,8 @@ def main() -> None:
         "medusa-full": (args.medusa, EngineConfig(max_batch=1, dtype="float32", device="cpu", tree=f"sparse-{args.medusa_nodes}", speculate_max_batch=1)),
         "eagle-full": (args.eagle, EngineConfig(max_batch=1, dtype="float32", device="cpu", speculate_max_batch=1, **eagle_tree)),
     }
+    if args.medusa is None:
+        configs = {k: v for k, v in configs.items() if not k.startswith("medusa")}
     engines = {}
     for name, (folder, cfg) in configs.items():
         heads, tree = load_heads(folder, cfg) if folder is not None else (None, None)
