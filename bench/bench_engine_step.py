@@ -147,15 +147,17 @@ def same_prefix(a: list[list[int]], b: list[list[int]]) -> list[int]:
 def fixed_proposal(engine: Engine) -> None:
     """Replace the proposer's work by fixed tokens (root, then ids 1..N): only verification is left to time."""
 
-    def propose(hidden, root, buf):
+    def tree_tokens(hidden, root, buf):
         tokens = torch.arange(buf.size, device=root.device)[None].repeat(root.shape[0], 1)  # (B, T)
         tokens[:, 0] = root
         return tokens
 
-    if hasattr(engine, "proposer"):
-        engine.proposer.propose = propose
-    else:  # the engine before the proposer interface
-        engine._propose = propose
+    if hasattr(engine.proposer, "tree_tokens"):  # the proposer interface (engine/proposer.py): Medusa's token layout
+        engine.proposer.tree_tokens = tree_tokens
+    elif hasattr(engine, "proposer"):  # the proposer before the interface
+        engine.proposer.propose = tree_tokens
+    else:  # the engine before the proposer class
+        engine._propose = tree_tokens
 
 
 def label_old_engine(engine: Engine) -> None:
@@ -228,7 +230,7 @@ def proposal_ms(engines: dict[int, Engine], heads, rounds: int = 20) -> dict[int
             ts = []
             for _ in range(rounds):
                 t0 = time.perf_counter()
-                med.propose(hidden, root, buf)
+                med.tree_tokens(hidden, root, buf)
                 ts.append(time.perf_counter() - t0)
             out[n] = 1000 * statistics.median(ts)
     return out

@@ -510,7 +510,8 @@ def export(
 
 
 # == serving commands: distill serve, bench ==
-HeadsOpt = Annotated[Optional[Path], typer.Option("--heads", help="Medusa heads folder (from `distill train-heads`).")]
+HeadsOpt = Annotated[Optional[Path], typer.Option("--heads", help="Medusa heads or EAGLE-3 drafter folder (from `distill train-heads`).")]
+DraftNodesOpt = Annotated[Optional[int], typer.Option("--draft-nodes", help="EAGLE drafter: node budget of its dynamic tree (default 24).")]
 TreeOpt = Annotated[Optional[str], typer.Option("--tree", help="Verification tree: tree.json path, chain[-K], sparse-N, or Cartesian 3,2,2,1 (default: the heads' tree.json, else sparse-24).")]
 
 
@@ -534,6 +535,7 @@ def serve(
     max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", help="max_tokens of requests that give none (default 256).")] = None,
     max_model_len: Annotated[Optional[int], typer.Option(help="Context limit for prompt + max_tokens (default: the model's).")] = None,
     tree: TreeOpt = None,
+    draft_nodes: DraftNodesOpt = None,
     acceptance: Annotated[Optional[str], typer.Option(help="Acceptance for sampled requests: typical | rejection | greedy (temperature 0 is always greedy, lossless).")] = None,
     typical_epsilon: Annotated[Optional[float], typer.Option(help="Typical acceptance epsilon.")] = None,
     typical_delta: Annotated[Optional[float], typer.Option(help="Typical acceptance delta.")] = None,
@@ -550,7 +552,7 @@ def serve(
     print_command: Annotated[bool, typer.Option("--print-command", help="--engine vllm: print the vLLM server command and the "
                                                 "environment distill adds (JSON), and exit.")] = False,
 ) -> None:
-    """Serve the model (with Medusa heads) over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions).
+    """Serve the model (with Medusa heads or an EAGLE-3 drafter) over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions).
 
     With --engine vllm, everything after `--` goes to vLLM's server unchanged
     (e.g. `-- --tensor-parallel-size 2 --gpu-memory-utilization 0.85`).
@@ -580,7 +582,7 @@ def serve(
 @app.command()
 def bench(
     ctx: typer.Context,
-    heads: Annotated[Optional[Path], typer.Option("--heads", help="Heads or drafter folder (from `distill train-heads`; default with --config: its train: out).")] = None,
+    heads: Annotated[Optional[Path], typer.Option("--heads", help="Medusa heads or EAGLE-3 drafter folder (from `distill train-heads`; default with --config: its train: out).")] = None,
     config: ConfigOpt = None,
     set_: SetOpt = None,
     model: ModelOpt = None,
@@ -592,6 +594,7 @@ def bench(
     tree: TreeOpt = None,
     typical_epsilon: Annotated[Optional[float], typer.Option(help="Typical acceptance epsilon.")] = None,
     typical_delta: Annotated[Optional[float], typer.Option(help="Typical acceptance delta.")] = None,
+    draft_nodes: DraftNodesOpt = None,
     full_tree: Annotated[Optional[bool], typer.Option("--full-tree/--policy-tree", help="Verify the whole tree every step (speculation policy off): measures the tree itself.")] = None,
     sweep_tree: Annotated[Optional[bool], typer.Option("--sweep-tree/--no-sweep-tree", help="Also time step latency against tree size here and pick the node budget with the best predicted speedup (writes tree.json).")] = None,
     sweep_nodes: Annotated[Optional[str], typer.Option(help="Tree sizes of the sweep, comma-separated.")] = None,
@@ -603,7 +606,7 @@ def bench(
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Folder for bench.json, bench.md, bench.png (and sweep.png, tree.json).")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress lines.")] = False,
 ) -> None:
-    """Plain vs speculative decoding on the same prompts: tokens/step, step overhead, tokens/s and speedup per category."""
+    """Plain vs speculative (Medusa or EAGLE) decoding on the same prompts: tokens/step, step overhead, tokens/s and speedup per category."""
     from distill.benchmark import BenchConfig, run_bench
     from distill.benchmark.report import markdown
     from distill.configs import config_from_options, stage_section

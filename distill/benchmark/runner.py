@@ -77,10 +77,11 @@ class BenchRunner:
         if engine is None:
             ecfg = EngineConfig(acceptance="typical", typical_epsilon=config.typical_epsilon, typical_delta=config.typical_delta,
                                 tree=config.tree, max_batch=1,
-                                speculate_max_batch=1 if config.full_tree else None, dtype=config.dtype, device=config.device)
+                                speculate_max_batch=1 if config.full_tree else None, dtype=config.dtype, device=config.device,
+                                **({"draft_nodes": config.draft_nodes} if config.draft_nodes else {}))
             engine = Engine.from_pretrained(config.model, config.heads, ecfg)
         if engine.heads is None:
-            raise ConfigError("the benchmark compares plain and Medusa decoding: pass --heads DIR")
+            raise ConfigError("the benchmark compares plain and speculative (Medusa or EAGLE) decoding: pass --heads DIR")
         self.engine = engine
 
     def _one(self, prompt: Prompt, ids: list[int], acceptance: str, speculative: bool, seed: int) -> Run:
@@ -115,12 +116,16 @@ class BenchRunner:
                     runs.append(self._one(p, ids, acceptance, spec, cfg.seed + i))
                 self.progress(f"{acceptance} {i + 1}/{len(prompts)} {p.id}")
         groups = summarize(runs)
-        tree = self.engine.tree
+        tree, proposer = self.engine.tree, self.engine.proposer
+        if tree is not None:
+            nodes, source = len(tree.paths), tree.source
+        else:  # EAGLE: a dynamic tree of up to max_nodes nodes, drafted per step
+            nodes, source = proposer.max_nodes, f"{proposer.name} dynamic (depth {proposer.depth}, top-{proposer.topk})"
         return BenchResult(
             config=dict(cfg.to_dict(), device=str(self.engine.device), dtype=str(self.engine.dtype).removeprefix("torch.")),
             machine=machine(str(self.engine.device)), date=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             model=self.engine.model_name, heads=str(cfg.heads),
-            tree={"nodes": len(tree.paths) if tree else 0, "source": tree.source if tree else None,
+            tree={"nodes": nodes, "source": source, "proposer": proposer.name,
                   "nodes_used_at_batch_1": self.engine.tree_size_for(1) if hasattr(self.engine, "tree_size_for") else None},
             groups=groups, runs=runs,
         )
@@ -130,6 +135,9 @@ class BenchRunner:
         from distill.benchmark.sweep import sweep_tree_sizes
 
         cfg = self.config
+        if self.engine.tree is None:
+            raise ConfigError("--sweep-tree sweeps Medusa's static trees; an EAGLE drafter's tree is drafted per step "
+                              "(size it with the engine's draft_nodes)")
         acc, source = accuracy_table(Path(cfg.heads), self.engine.heads.config.num_heads)
         return sweep_tree_sizes(self.engine.model, self.engine.heads, acc, cfg.sweep_nodes, cfg.sweep_context,
                                 cfg.sweep_repeats, source)

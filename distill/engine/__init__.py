@@ -1,8 +1,9 @@
-"""Inference engine: plain and Medusa (tree) decoding with greedy, typical and rejection acceptance.
+"""Inference engine: plain, Medusa and EAGLE (tree) decoding with greedy, typical and rejection acceptance.
 
 ``Engine.from_pretrained(model, heads, EngineConfig(...)).generate(prompts, params)``, or
 ``engine.running_batch()`` for continuous batching; see
-:mod:`distill.engine.engine` for the decoding step, :mod:`distill.engine.tree` for tree buffers
+:mod:`distill.engine.engine` for the decoding step, :mod:`distill.engine.proposer` for the proposer
+contract (:mod:`distill.engine.medusa`, :mod:`distill.engine.eagle`), :mod:`distill.engine.tree` for tree buffers
 and named trees, :mod:`distill.engine.acceptance` for the acceptance rules and
 :mod:`distill.engine.policy` for when to speculate.
 """

@@ -41,6 +41,14 @@ rejection (multi-candidate "recursive" rejection sampling, as in SpecInfer / Med
     next token from r. Each emitted token is then distributed exactly as ``p_n``
     (the residual trick makes "accept x or fall through to the residual" an exact
     draw from p), so the output is distributed as plain sampling.
+rejection with draft distributions (multi-round speculative sampling, SpecInfer; EAGLE Sec. 3.3)
+    when the children of node n were drawn i.i.d. from a draft distribution ``q_n``
+    (``draft``, (B, T, V)), walking them in order with residual ``r = p_n``: accept child x
+    with probability ``min(1, r(x)/q_n(x))``; on rejection ``r ← norm(max(r − q_n, 0))``;
+    if all are rejected, sample the next token from r. Lossless as long as, given
+    everything drafted outside n's children, their number does not depend on their values
+    and they are i.i.d. from ``q_n`` (:mod:`distill.engine.eagle`'s sampled tree keeps whole
+    sibling groups for that reason).
 """
 
 from __future__ import annotations
@@ -106,10 +114,15 @@ def uniform(rows: int, cols: int, generators: Sequence[torch.Generator | None], 
     return torch.stack([torch.rand(cols, generator=g, device=device) for g in generators])
 
 
+def _at(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Per-row positions: x (B, T, ...) at index (B, M) -> (B, M, ...)."""
+    return x[torch.arange(x.shape[0], device=x.device)[:, None], index]
+
+
 def _parent_probs(probs: torch.Tensor, tokens: torch.Tensor, buffers: TreeBuffers) -> torch.Tensor:
     """p_{parent(i)}(token_i) for every tree position (B, T); 0 at the root."""
-    par = buffers.parent.clamp(min=0)  # (T,)
-    pp = probs[:, par, :].gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # (B, T)
+    par = buffers.rows(tokens.shape[0]).parent.clamp(min=0)  # (B, T)
+    pp = _at(probs, par).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # (B, T)
     pp[:, 0] = 0.0
     return pp
 
@@ -120,17 +133,18 @@ def longest_path(node_ok: torch.Tensor, buffers: TreeBuffers) -> tuple[torch.Ten
     The longest path of consecutive acceptable nodes from the root; ties go to the first
     leaf path in retrieval order.
     """
-    ret = buffers.retrieve  # (P, D+1)
     B = node_ok.shape[0]
-    if ret.shape[1] == 1:  # root only: plain decoding
+    ret = buffers.rows(B).retrieve  # (B, P, D+1)
+    if ret.shape[-1] == 1:  # root only: plain decoding
         zeros = torch.zeros(B, dtype=torch.long, device=node_ok.device)
         return zeros, zeros[:, None].clone(), zeros
-    nodes = ret[:, 1:]  # (P, D)
-    ok = node_ok[:, nodes.clamp(min=0)] & (nodes >= 0)  # (B, P, D)
+    nodes = ret[:, :, 1:]  # (B, P, D)
+    P, D = nodes.shape[1:]
+    ok = node_ok.gather(1, nodes.clamp(min=0).reshape(B, P * D)).view(B, P, D) & (nodes >= 0)  # (B, P, D)
     lengths = ok.long().cumprod(-1).sum(-1)  # (B, P)
     best = lengths.argmax(-1)  # (B,) first maximum
     length = lengths.gather(1, best[:, None]).squeeze(1)  # (B,)
-    path = ret[best].clamp(min=0)  # (B, D+1)
+    path = _at(ret, best[:, None])[:, 0].clamp(min=0)  # (B, D+1)
     last = path.gather(1, length[:, None]).squeeze(1)  # (B,)
     return length, path, last
 
@@ -138,7 +152,7 @@ def longest_path(node_ok: torch.Tensor, buffers: TreeBuffers) -> tuple[torch.Ten
 def greedy_accept(tokens: torch.Tensor, logits: torch.Tensor, buffers: TreeBuffers) -> Acceptance:
     """Greedy verification: tokens (B, T), logits (B, T, V) -> Acceptance."""
     target = logits.argmax(-1)  # (B, T)
-    node_ok = tokens == target[:, buffers.parent.clamp(min=0)]  # (B, T)
+    node_ok = tokens == target.gather(1, buffers.rows(tokens.shape[0]).parent.clamp(min=0))  # (B, T)
     node_ok[:, 0] = False
     length, path, last = longest_path(node_ok, buffers)
     next_token = target.gather(1, last[:, None]).squeeze(1)
@@ -161,7 +175,7 @@ def typical_accept(
 ) -> Acceptance:
     """Typical acceptance: tokens (B, T), target distributions probs (B, T, V) -> Acceptance."""
     thr = typical_threshold(probs, epsilon, delta)  # (B, T)
-    node_ok = _parent_probs(probs, tokens, buffers) > thr[:, buffers.parent.clamp(min=0)]  # (B, T)
+    node_ok = _parent_probs(probs, tokens, buffers) > thr.gather(1, buffers.rows(tokens.shape[0]).parent.clamp(min=0))  # (B, T)
     node_ok[:, 0] = False
     length, path, last = longest_path(node_ok, buffers)
     last_p = probs[torch.arange(probs.shape[0], device=probs.device), last]  # (B, V)
@@ -169,20 +183,28 @@ def typical_accept(
 
 
 def rejection_accept(
-    tokens: torch.Tensor, probs: torch.Tensor, buffers: TreeBuffers, generators: Sequence[torch.Generator | None]
+    tokens: torch.Tensor, probs: torch.Tensor, buffers: TreeBuffers, generators: Sequence[torch.Generator | None],
+    draft: torch.Tensor | None = None,
 ) -> Acceptance:
-    """Tree rejection sampling with point-mass proposals (see the module docstring): lossless."""
+    """Tree rejection sampling (see the module docstring): lossless.
+
+    ``draft`` None: the candidates are point-mass proposals (deterministic choices such as
+    top-k); ``draft`` (B, T, V): node n's children were drawn i.i.d. from ``draft[:, n]``.
+    """
+    if draft is not None:
+        return _rejection_with_drafts(tokens, probs, buffers, generators, draft)
     B, T, V = probs.shape
     dev = probs.device
     rows = torch.arange(B, device=dev)
-    D = buffers.retrieve.shape[1] - 1
+    buffers = buffers.rows(B)
+    D = buffers.retrieve.shape[-1] - 1
     cur = torch.zeros(B, dtype=torch.long, device=dev)  # current node per sequence
     alive = torch.ones(B, dtype=torch.bool, device=dev)  # still descending
     length = torch.zeros(B, dtype=torch.long, device=dev)
     path = torch.zeros(B, D + 1, dtype=torch.long, device=dev)
-    C = buffers.children.shape[1]
+    C = buffers.children.shape[-1]
     for d in range(1, D + 1):
-        kids = buffers.children[cur]  # (B, C) tree positions, -1 padded
+        kids = buffers.children[rows, cur]  # (B, C) tree positions, -1 padded
         has = kids >= 0
         alive = alive & has[:, 0]
         if not bool(alive.any()):
@@ -203,13 +225,59 @@ def rejection_accept(
         alive = accepted
     # Residual at the last accepted node: its children (all tried and rejected, if any) zeroed.
     p = probs[rows, cur]  # (B, V)
-    kids = buffers.children[cur]  # (B, C)
+    kids = buffers.children[rows, cur]  # (B, C)
     kid_tok = tokens.gather(1, kids.clamp(min=0))  # (B, C)
     tried = torch.zeros_like(p).scatter_reduce(1, kid_tok, (kids >= 0).float(), reduce="amax")  # (B, V)
     residual = p * (1.0 - tried)
     mass = residual.sum(-1, keepdim=True)
     residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p)
     # path entries beyond the accepted length stay 0 (the root): valid indices, ignored by the caller
+    return Acceptance(length, path, sample(residual, generators), cur)
+
+
+def _rejection_with_drafts(tokens: torch.Tensor, probs: torch.Tensor, buffers: TreeBuffers,
+                           generators: Sequence[torch.Generator | None], draft: torch.Tensor) -> Acceptance:
+    """Multi-round speculative sampling down the tree: tokens (B, T), probs / draft (B, T, V)."""
+    B, T, V = probs.shape
+    dev = probs.device
+    rows = torch.arange(B, device=dev)
+    buffers = buffers.rows(B)
+    D = buffers.retrieve.shape[-1] - 1
+    C = buffers.children.shape[-1]
+    cur = torch.zeros(B, dtype=torch.long, device=dev)
+    alive = torch.ones(B, dtype=torch.bool, device=dev)  # still descending
+    length = torch.zeros(B, dtype=torch.long, device=dev)
+    path = torch.zeros(B, D + 1, dtype=torch.long, device=dev)
+    residual = probs[:, 0].clone()  # (B, V): where the walk stops, the distribution of the next token
+    for d in range(1, D + 1):
+        kids = buffers.children[rows, cur]  # (B, C)
+        q = draft[rows, cur].float()  # (B, V)
+        r = probs[rows, cur].clone()  # (B, V): fresh at the node
+        u = uniform(B, C, generators, dev)  # (B, C)
+        moved = torch.zeros(B, dtype=torch.bool, device=dev)
+        nxt = cur.clone()
+        for c in range(C):
+            has = alive & ~moved & (kids[:, c] >= 0)  # rows trying their c-th child now
+            x = tokens.gather(1, kids[:, c : c + 1].clamp(min=0)).squeeze(1)  # (B,)
+            rx, qx = r.gather(1, x[:, None]).squeeze(1), q.gather(1, x[:, None]).squeeze(1)
+            ok = has & (u[:, c] * qx < rx)  # u < min(1, r(x)/q(x))
+            nxt = torch.where(ok, kids[:, c], nxt)
+            moved = moved | ok
+            rej = has & ~ok
+            if bool(rej.any()):
+                rest = (r - q).clamp(min=0)
+                mass = rest.sum(-1, keepdim=True)
+                rest = torch.where(mass > 0, rest / mass.clamp_min(1e-30), r)
+                r = torch.where(rej[:, None], rest, r)
+        stop = alive & ~moved  # every child rejected (or a leaf): the next token comes from r here
+        residual = torch.where(stop[:, None], r, residual)
+        alive = alive & moved
+        cur = torch.where(alive, nxt, cur)
+        path[:, d] = torch.where(alive, nxt, path[:, d])
+        length = length + alive.long()
+        if not bool(alive.any()):
+            break
+    residual = torch.where(alive[:, None], probs[rows, cur], residual)  # walked to the deepest level: p at the last node
     return Acceptance(length, path, sample(residual, generators), cur)
 
 

@@ -100,16 +100,23 @@ def prefill_allowed(length: int, device: torch.device) -> torch.Tensor:
 
 
 def step_allowed(end: torch.Tensor, tree_mask: torch.Tensor, window: int) -> torch.Tensor:
-    """end (B,), tree mask (T, T) -> allowed (B, 1, T, window) of one decoding step.
+    """end (B,), tree mask (Q, S) or per row (B, Q, S) -> allowed (B, 1, Q, window) of one decoding step.
 
-    Tree position i of row b (at slot ``end_b + i``) sees the row's committed slots
-    ``0 .. end_b - 1`` and the slots ``end_b + j`` of its tree ancestors-or-self j.
+    Query i of row b sees the row's committed slots ``0 .. end_b - 1`` and the slots
+    ``end_b + j`` (j < S) where ``tree_mask[i, j]``: in a verification step Q = S = T and
+    tree position i sits at slot ``end_b + i`` and sees its tree ancestors-or-self; a
+    drafter's queries see the draft slots of their own ancestors the same way.
     """
-    T = tree_mask.shape[0]
+    B = end.shape[0]
+    Q, S = tree_mask.shape[-2:]
     rel = torch.arange(window, device=end.device)[None, :] - end[:, None]  # (B, W): slot - end_b
-    in_tree = (rel >= 0) & (rel < T)  # (B, W)
-    tree = tree_mask[:, rel.clamp(0, T - 1)].transpose(0, 1) & in_tree[:, None, :]  # (B, T, W)
-    return (tree | (rel < 0)[:, None, :])[:, None]  # (B, 1, T, W)
+    in_tree = (rel >= 0) & (rel < S)  # (B, W)
+    cols = rel.clamp(0, S - 1)  # (B, W)
+    if tree_mask.dim() == 2:
+        tree = tree_mask[:, cols].transpose(0, 1)  # (B, Q, W)
+    else:
+        tree = tree_mask.gather(2, cols[:, None, :].expand(B, Q, window))  # (B, Q, W)
+    return ((tree & in_tree[:, None, :]) | (rel < 0)[:, None, :])[:, None]  # (B, 1, Q, W)
 
 
 class SlotLayer(CacheLayerMixin):

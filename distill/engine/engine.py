@@ -1,4 +1,4 @@
-"""The decoding engine: plain and speculative (Medusa) decoding of a batch, on any transformers decoder-only model.
+"""The decoding engine: plain and speculative (Medusa or EAGLE) decoding of a batch, on any transformers decoder-only model.
 
 Terms
 -----
@@ -8,22 +8,27 @@ prefill
 root
     the next token of a sequence, decided but not yet in the KV cache.
 step
-    one forward after the prefill. The proposer (:class:`~distill.engine.medusa.Medusa`) turns
-    the hidden state of each row's last committed token into tree tokens (root + candidates,
-    :class:`~distill.engine.tree.TreeBuffers`); the tree is written at each row's next slots
-    and verified in one forward with a tree attention bias and per-depth position ids; the
-    acceptance rule (:mod:`distill.engine.acceptance`) picks the accepted path; the accepted
-    nodes are compacted behind the root in the cache (:meth:`SlotCache.move`), the next token
-    becomes the new root, and the hidden state of the last accepted node is kept for the next
-    proposal. Plain decoding is the same step with the root alone (a tree of no nodes): the
-    same bias, cache and acceptance code, and nothing to compact.
+    one forward after the prefill. The proposer (:mod:`distill.engine.proposer`: Medusa heads
+    or an EAGLE drafter) turns its draft state into tree tokens (root + candidates, one
+    :class:`~distill.engine.tree.TreeBuffers` tree for all rows or one per row); the tree is
+    written at each row's next slots and verified in one forward with a tree attention bias
+    and per-depth position ids; the acceptance rule (:mod:`distill.engine.acceptance`) picks
+    the accepted path; the accepted nodes are compacted behind the root in the cache
+    (:meth:`SlotCache.move`), the next token becomes the new root, and the proposer's commit
+    hook reads the features of the accepted path. Plain decoding is the same step with the
+    root alone (a tree of no nodes): the same bias, cache and acceptance code, and nothing to
+    compact.
 emitted tokens
     per step: the accepted candidates and the next token, ``L + 1`` tokens
     (``GenerationResult.accepted``); the prefill emits the first token.
 hidden state
     the backbone's last hidden state after the final norm (what the LM head reads):
     the decoder's (``model.get_decoder()``) ``last_hidden_state``, equal to
-    ``hidden_states[-1]`` of the model's output.
+    ``hidden_states[-1]`` of the model's output. Medusa's feature.
+features
+    what the proposer reads from each forward (``Proposer.feature_layers``): the hidden
+    state, or the hidden states entering the listed decoder layers (EAGLE-3's aux layers,
+    ``hidden_states[i]``), taken with forward hooks for the duration of the call.
 host state
     per step, one transfer from the device brings the emitted tokens and accepted lengths
     to the host; each row's committed length (``end``) lives there and is sent back with
@@ -53,11 +58,15 @@ from distill.engine.acceptance import (
     typical_accept,
     warp,
 )
+from distill.engine.eagle import DEFAULT_DEPTH, DEFAULT_NODES, DEFAULT_TOPK, Eagle
 from distill.engine.medusa import Medusa
-from distill.engine.policy import DEFAULT_COST_RATIO, AdaptivePolicy, choose_tree_size, taus_for
+from distill.engine.policy import DEFAULT_COST_RATIO, AdaptivePolicy, choose_tree_size
+from distill.engine.proposer import DraftSampling, Proposal, Proposer
 from distill.engine.tree import ResolvedTree, TreeBuffers, build_buffers, resolve_tree
 from distill.engine.weights import prepare_linears
 from distill.errors import ConfigError, ModelError
+from distill.heads.eagle import EagleDrafter, is_eagle3_folder
+from distill.heads.tree import load_tree
 from distill.heads.model import MedusaHeads, read_distill_meta
 from distill.models import context_limit
 from distill.runtime import canonical_dtype, stage_dtype, torch_dtype
@@ -93,7 +102,11 @@ class EngineConfig:
     acceptance: str = "typical"  # what sampled (temperature > 0) requests use; temperature 0 always uses greedy
     typical_epsilon: float = TYPICAL_EPSILON
     typical_delta: float = TYPICAL_DELTA
-    tree: str | None = None  # tree.json path, chain[-K], sparse-N, Cartesian "3,2,2,1"; None = heads' tree.json or sparse-24
+    tree: str | None = None  # Medusa: tree.json path, chain[-K], sparse-N, Cartesian "3,2,2,1"; None = heads' tree.json or sparse-24
+    draft_nodes: int = DEFAULT_NODES  # EAGLE: node budget N of the dynamic tree
+    draft_depth: int = DEFAULT_DEPTH  # EAGLE: depth D of the dynamic tree
+    draft_topk: int = DEFAULT_TOPK  # EAGLE: K, nodes expanded per depth and children per expanded node
+    sample_drafts: bool = True  # rejection mode, EAGLE: sampled rows' drafts drawn from q (multi-round speculative sampling); False: top-K point masses
     max_batch: int = 8  # largest batch generate() runs at once
     speculate_max_batch: int | None = None  # set: the full tree up to this batch size, plain above; None: the cost model decides
     dtype: str = "auto"  # auto: the heads' teacher dtype, else distill.runtime's rule
@@ -116,6 +129,9 @@ class EngineConfig:
             raise ConfigError(f"weight_layout must be one of {', '.join(WEIGHT_LAYOUTS)}; got '{self.weight_layout}'")
         if self.step_cost_ratio is not None and self.step_cost_ratio < 0:
             raise ConfigError(f"step_cost_ratio must be >= 0, got {self.step_cost_ratio}")
+        if min(self.draft_nodes, self.draft_depth, self.draft_topk) < 1:
+            raise ConfigError(f"draft_nodes, draft_depth and draft_topk must be >= 1; got {self.draft_nodes}, "
+                              f"{self.draft_depth}, {self.draft_topk}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -180,8 +196,9 @@ class _Seq:
 
 
 class Engine:
-    """Plain and Medusa decoding (see the module docstring). One generate() at a time per instance.
+    """Plain, Medusa and EAGLE decoding (see the module docstring). One generate() at a time per instance.
 
+    ``heads``: Medusa heads (:class:`MedusaHeads`) or an EAGLE-3 drafter (:class:`EagleDrafter`).
     The engine prepares the model (and heads) it is given, in place, values unchanged: weights
     re-laid out per ``EngineConfig.weight_layout`` (:mod:`distill.engine.weights`) and ``sdpa``
     attention switched to ``distill_sdpa`` (:mod:`distill.engine.attention`).
@@ -191,11 +208,12 @@ class Engine:
         self,
         model,
         tokenizer,
-        heads: MedusaHeads | None = None,
+        heads: MedusaHeads | EagleDrafter | None = None,
         config: EngineConfig | None = None,
         model_name: str = "",
         tree: ResolvedTree | None = None,
     ):
+        """``tree``: Medusa's resolved tree; for an EAGLE drafter, its calibrated accuracy only (no paths)."""
         self.config = config or EngineConfig()
         self.model = model.eval()
         # the model's linear layers, prepared in place (values unchanged) where the rule says they multiply faster
@@ -209,24 +227,12 @@ class Engine:
         self.stop_ids = self._eos_ids()
         self.kv_shape = kv.KVShape.of(model)
         self._plain = build_buffers([]).to(self.device)
-        self.proposer: Medusa | None = None
+        self.proposer: Proposer | None = None
         self._taus: dict[int, float] = {}
         self._proposal: dict[int, float] = {}
         if heads is not None:
-            hc = heads.config
-            hp = next(heads.parameters())
-            if hp.dtype != self.dtype or hp.device != self.device:
-                raise ModelError(f"heads are {hp.dtype} on {hp.device} but the model is {self.dtype} on {self.device}: "
-                                 "load both with the same dtype and device")
-            if hc.hidden_size != model.config.get_text_config().hidden_size:
-                raise ModelError(f"heads hidden_size {hc.hidden_size} != model's {model.config.get_text_config().hidden_size}")
-            if hc.vocab_size != model.get_output_embeddings().weight.shape[0]:
-                raise ModelError(f"heads vocab_size {hc.vocab_size} != model's {model.get_output_embeddings().weight.shape[0]}")
-            if self.config.weight_layout == "auto":
-                for k, v in prepare_linears(heads).items():
-                    self.linear_bytes[k] = self.linear_bytes.get(k, 0) + v
-            self.proposer = Medusa(heads, tree or resolve_tree(self.config.tree, hc.num_heads), self.device)
-            self._taus = taus_for(self.proposer.tree.paths, self.proposer.tree.accuracy)
+            self.proposer = self._proposer(heads, tree)
+            self._taus = self.proposer.taus()
             forward = self._forward_weights()
             self._proposal = {n: self.proposer.proposal_cost(n, forward) for n in self._taus}
         self.policy: AdaptivePolicy | None = None
@@ -234,13 +240,45 @@ class Engine:
             self.policy = AdaptivePolicy(self._taus, self._cost_ratio(), self._proposal)
         self.max_len = context_limit(model.config, self.max_tree_size - 1)  # prompt + max_tokens, at most
 
+    def _proposer(self, heads: MedusaHeads | EagleDrafter, tree: ResolvedTree | None) -> Proposer:
+        """Check the heads or drafter against the model, prepare its linears, wrap it in its proposer."""
+        model = self.model
+        hp = next(heads.parameters())
+        if hp.dtype != self.dtype or hp.device != self.device:
+            raise ModelError(f"heads are {hp.dtype} on {hp.device} but the model is {self.dtype} on {self.device}: "
+                             "load both with the same dtype and device")
+        hidden, vocab = model.config.get_text_config().hidden_size, model.get_output_embeddings().weight.shape[0]
+        hc = heads.config
+        if hc.hidden_size != hidden:
+            raise ModelError(f"heads hidden_size {hc.hidden_size} != model's {hidden}")
+        if hc.vocab_size != vocab:
+            raise ModelError(f"heads vocab_size {hc.vocab_size} != model's {vocab}")
+        if self.config.weight_layout == "auto":
+            for k, v in prepare_linears(heads).items():
+                self.linear_bytes[k] = self.linear_bytes.get(k, 0) + v
+        if isinstance(heads, EagleDrafter):
+            layers = model.config.get_text_config().num_hidden_layers
+            if max(hc.aux_layer_ids) >= layers:
+                raise ModelError(f"the drafter fuses layers {hc.aux_layer_ids} but the model has {layers}")
+            if (tree is not None and tree.paths) or self.config.tree is not None:
+                raise ConfigError("an EAGLE drafter drafts a dynamic tree: set draft_nodes / draft_depth / draft_topk "
+                                  "(--draft-nodes ...), not a Medusa tree")
+            c = self.config
+            return Eagle(heads, model.get_input_embeddings(), c.draft_nodes, c.draft_depth, c.draft_topk,
+                         accuracy=tree.accuracy if tree is not None and tree.accuracy else None)
+        return Medusa(heads, tree or resolve_tree(self.config.tree, hc.num_heads), self.device)
+
     @property
-    def heads(self) -> MedusaHeads | None:
-        return self.proposer.heads if self.proposer is not None else None
+    def heads(self) -> MedusaHeads | EagleDrafter | None:
+        """The Medusa heads or the EAGLE drafter (None: plain decoding only)."""
+        if self.proposer is None:
+            return None
+        return self.proposer.heads if isinstance(self.proposer, Medusa) else self.proposer.drafter
 
     @property
     def tree(self) -> ResolvedTree | None:
-        return self.proposer.tree if self.proposer is not None else None
+        """Medusa's static tree (None for EAGLE, whose tree is drafted per step, and without heads)."""
+        return self.proposer.tree if isinstance(self.proposer, Medusa) else None
 
     @property
     def max_tree_size(self) -> int:
@@ -250,7 +288,8 @@ class Engine:
     # -- construction ------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, model: str | None, heads: str | Path | None, config: EngineConfig | None = None) -> "Engine":
-        """model: None = the bundled default, a local folder or Hub id; heads: a heads folder or None (plain only)."""
+        """model: None = the bundled default, a local folder or Hub id; heads: a Medusa heads or EAGLE-3 drafter folder
+        (:func:`~distill.heads.eagle.is_eagle3_folder`), or None (plain only)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from distill.models import resolve_model
@@ -263,10 +302,7 @@ class Engine:
         device = torch.device(config.device)
         lm = AutoModelForCausalLM.from_pretrained(resolved.path, dtype=config.torch_dtype).to(device).eval()
         tok = AutoTokenizer.from_pretrained(resolved.path)
-        mh, tree = None, None
-        if heads is not None:
-            mh = MedusaHeads.load(Path(heads), device=device, dtype=config.torch_dtype)
-            tree = resolve_tree(config.tree, mh.config.num_heads, heads_folder=Path(heads))
+        mh, tree = load_heads(heads, config) if heads is not None else (None, None)
         return cls(lm, tok, mh, config, model_name=resolved.name, tree=tree)
 
     def _eos_ids(self) -> set[int]:
@@ -303,36 +339,45 @@ class Engine:
             return self.policy.best(batch)
         return choose_tree_size(batch, self._taus, self._cost_ratio(), None, self._proposal)
 
-    def buffers(self, nodes: int) -> TreeBuffers:
-        """Buffers of the tree's ``nodes`` most probable nodes (built once per size); 0: plain decoding."""
-        if nodes <= 0:
-            return self._plain
-        assert self.proposer is not None
-        return self.proposer.buffers(nodes)
-
     # -- model calls -------------------------------------------------------------------------
-    def _forward(self, ids, positions, bias, cache: kv.SlotCache, keep: int | torch.Tensor = 0):
-        """ids/positions (B, T), bias (B or 1, 1, T, window) -> logits (B, T', V) float32, hidden (B, T, H).
+    def _forward(self, ids, positions, bias, cache: kv.SlotCache, keep: int | torch.Tensor = 0,
+                 layers: tuple[int, ...] | None = None):
+        """ids/positions (B, T), bias (B or 1, 1, T, window) -> logits (B, T', V) float32, features (B, T, F).
 
         ``keep``: which positions get logits (0: all; a tensor: those indices, ``logits_to_keep``).
-        The hidden state is the decoder's ``last_hidden_state`` (after the final norm), taken with a
-        forward hook for the duration of the call, so no other layer's states are kept.
+        ``layers`` None: the features are the decoder's ``last_hidden_state`` (after the final norm);
+        layer ids: the hidden states entering those decoder layers, concatenated (EAGLE-3's aux
+        layers). Either is taken with forward hooks for the duration of the call, so no other
+        layer's states are kept.
         """
-        captured: dict[str, torch.Tensor] = {}
+        captured: dict = {}
 
         def grab(module, args, output):
             captured["hidden"] = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
 
-        handle = self._decoder.register_forward_hook(grab)
+        def entering(i):
+            def hook(module, args, kwargs):
+                captured[i] = args[0] if args else kwargs["hidden_states"]
+            return hook
+
+        if layers is None:
+            handles = [self._decoder.register_forward_hook(grab)]
+        else:
+            handles = [self._decoder.layers[i].register_forward_pre_hook(entering(i), with_kwargs=True) for i in layers]
         try:
             out = self.model(input_ids=ids, position_ids=positions, attention_mask=bias, past_key_values=cache,
                              use_cache=True, logits_to_keep=keep)
         finally:
-            handle.remove()
-        return out.logits.float(), captured["hidden"]
+            for h in handles:
+                h.remove()
+        features = captured["hidden"] if layers is None else torch.cat([captured[i] for i in layers], dim=-1)
+        return out.logits.float(), features
 
-    def _accept(self, tokens, logits, buf: TreeBuffers, seqs: list[_Seq]) -> Acceptance:
-        """Greedy rows with greedy_accept, sampled rows with the configured rule; merged per row."""
+    def _accept(self, tokens, logits, buf: TreeBuffers, seqs: list[_Seq], draft: torch.Tensor | None = None) -> Acceptance:
+        """Greedy rows with greedy_accept, sampled rows with the configured rule; merged per row.
+
+        ``draft`` (B, T, V): the proposer drew each node's children from these (rejection mode).
+        """
         greedy_rows = [i for i, s in enumerate(seqs) if s.generator is None]
         if len(greedy_rows) == len(seqs):
             return greedy_accept(tokens, logits, buf)
@@ -343,12 +388,13 @@ class Engine:
         probs = warp(logits[idx], temp, top_p)
         gens = [seqs[i].generator for i in sampled_rows]
         mode = self.config.acceptance
+        part = buf.take(idx)
         if mode == "greedy":
-            sub = greedy_accept(tokens[idx], logits[idx], buf)
+            sub = greedy_accept(tokens[idx], logits[idx], part)
         elif mode == "typical":
-            sub = typical_accept(tokens[idx], probs, buf, gens, self.config.typical_epsilon, self.config.typical_delta)
+            sub = typical_accept(tokens[idx], probs, part, gens, self.config.typical_epsilon, self.config.typical_delta)
         else:
-            sub = rejection_accept(tokens[idx], probs, buf, gens)
+            sub = rejection_accept(tokens[idx], probs, part, gens, draft[idx] if draft is not None else None)
         if not greedy_rows:
             return sub
         full = greedy_accept(tokens, logits, buf)
@@ -387,10 +433,10 @@ class Engine:
         B = self.config.max_batch
         speculative = speculative and self.proposer is not None
         for lo in range(0, len(prompts), B):
-            batch = _Batch.prefill(self, prompts[lo : lo + B], seqs[lo : lo + B], on_tokens, stats)
+            batch = _Batch.prefill(self, prompts[lo : lo + B], seqs[lo : lo + B], on_tokens, stats, speculative)
             batch.compact()
             while len(batch):
-                batch.step(speculative, on_tokens, stats)
+                batch.step(on_tokens, stats)
                 batch.compact()
         stats.tokens = sum(len(s.tokens) for s in seqs)
         return [s.result() for s in seqs], stats
@@ -403,43 +449,49 @@ class Engine:
 class _Batch:
     """The rows decoding together: their sequences, KV cache and per-row state (see engine.cache).
 
-    Row b's state: ``ends[b]`` its committed length (host), ``root[b]`` its next token and
-    ``hidden[b]`` the hidden state of its last committed token (device).
+    Row b's state: ``ends[b]`` its committed length (host), ``root[b]`` its next token (device),
+    and, when the batch speculates, its row of the proposer's draft state ``draft``
+    (:mod:`distill.engine.proposer`; None for plain decoding throughout).
     """
 
-    def __init__(self, engine: Engine, seqs: list[_Seq], cache: kv.SlotCache, ends: list[int], root: torch.Tensor,
-                 hidden: torch.Tensor):
+    def __init__(self, engine: Engine, seqs: list[_Seq], cache: kv.SlotCache, ends: list[int], root: torch.Tensor, draft):
         self.engine = engine
         self.seqs = seqs
         self.cache = cache
         self.ends = ends
         self.root = root  # (B,)
-        self.hidden = hidden  # (B, H)
+        self.draft = draft  # the proposer's DraftState, or None
 
     def __len__(self) -> int:
         return len(self.seqs)
 
     @classmethod
-    def prefill(cls, engine: Engine, prompts: list[list[int]], seqs: list[_Seq], on_tokens, stats: StepStats) -> "_Batch":
-        """One forward over the right-padded prompts into a fresh cache; emits each sequence's first token."""
+    def prefill(cls, engine: Engine, prompts: list[list[int]], seqs: list[_Seq], on_tokens, stats: StepStats,
+                speculative: bool) -> "_Batch":
+        """One forward over the right-padded prompts into a fresh cache; emits each sequence's first token.
+
+        ``speculative``: the proposer's prefill hook runs (its draft state follows the batch).
+        """
         with record_function("distill.prefill"):
-            return cls._prefill(engine, prompts, seqs, on_tokens, stats)
+            return cls._prefill(engine, prompts, seqs, on_tokens, stats, speculative and engine.proposer is not None)
 
     @classmethod
-    def _prefill(cls, engine: Engine, prompts: list[list[int]], seqs: list[_Seq], on_tokens, stats: StepStats) -> "_Batch":
+    def _prefill(cls, engine: Engine, prompts: list[list[int]], seqs: list[_Seq], on_tokens, stats: StepStats,
+                 speculative: bool) -> "_Batch":
         dev = engine.device
         t0 = time.perf_counter()
         lengths = [len(p) for p in prompts]
         P = max(lengths)
-        slots = max(n + s.params.max_tokens for n, s in zip(lengths, seqs)) + engine.max_tree_size
-        cache = kv.SlotCache(engine.kv_shape, len(prompts), -(-slots // SLOT_ROUND) * SLOT_ROUND)
+        slots = -(-(max(n + s.params.max_tokens for n, s in zip(lengths, seqs)) + engine.max_tree_size) // SLOT_ROUND) * SLOT_ROUND
+        cache = kv.SlotCache(engine.kv_shape, len(prompts), slots)
         ids = torch.tensor([list(p) + [0] * (P - len(p)) for p in prompts], dtype=torch.long, device=dev)  # (B, P)
         positions = torch.arange(P, device=dev)[None].expand(len(prompts), P)  # (B, P)
         cache.prepare(positions, P)
         last = sorted(set(n - 1 for n in lengths))  # the positions whose logits are needed
         keep = torch.tensor(last, dtype=torch.long, device=dev)
         bias = kv.attention_bias(kv.prefill_allowed(P, dev), engine.dtype)  # (1, 1, P, P)
-        logits, hidden = engine._forward(ids, positions, bias, cache, keep)  # (B, U, V), (B, P, H)
+        layers = engine.proposer.feature_layers if speculative else None
+        logits, features = engine._forward(ids, positions, bias, cache, keep, layers)  # (B, U, V), (B, P, F)
         rows = torch.arange(len(prompts), device=dev)
         col = torch.tensor([last.index(n - 1) for n in lengths], device=dev)
         first = engine._accept(torch.zeros(len(seqs), 1, dtype=torch.long, device=dev), logits[rows, col][:, None],
@@ -447,35 +499,48 @@ class _Batch:
         root = first.next_token  # (B,)
         for s, tok in zip(seqs, root.tolist()):
             s.emit([tok], on_tokens)
-        h = hidden[rows, torch.tensor(lengths, device=dev) - 1]  # (B, H)
+        draft = engine.proposer.start(features, ids, lengths, root, slots) if speculative else None
         stats.prefill_seconds += time.perf_counter() - t0
         stats.kv_bytes = max(stats.kv_bytes, cache.nbytes)
-        return cls(engine, list(seqs), cache, lengths, root, h)
+        return cls(engine, list(seqs), cache, lengths, root, draft)
 
     def compact(self) -> list[_Seq]:
         """Drop the finished rows (the cache keeps the others, moved to the front); -> the finished sequences."""
         keep = [i for i, s in enumerate(self.seqs) if s.finish is None]
         done = [s for s in self.seqs if s.finish is not None]
         if done:
-            self.cache.keep_rows(keep, max((self.ends[i] for i in keep), default=0))
-            rows = torch.tensor(keep, dtype=torch.long, device=self.root.device)
-            self.root, self.hidden = self.root[rows], self.hidden[rows]
+            used = max((self.ends[i] for i in keep), default=0)
+            self.cache.keep_rows(keep, used)
+            if self.draft is not None:
+                self.draft.keep(keep, used)
+            self.root = self.root[torch.tensor(keep, dtype=torch.long, device=self.root.device)]
             self.ends = [self.ends[i] for i in keep]
             self.seqs = [self.seqs[i] for i in keep]
         return done
 
     def join(self, other: "_Batch") -> None:
-        """Append ``other``'s rows (their cache included) after this batch's."""
+        """Append ``other``'s rows (their cache and draft state included) after this batch's."""
         self.cache.append(other.cache, max(other.ends))
+        if self.draft is not None:
+            self.draft.join(other.draft, max(other.ends))
         self.ends = self.ends + other.ends
-        self.root, self.hidden = torch.cat([self.root, other.root]), torch.cat([self.hidden, other.hidden])
+        self.root = torch.cat([self.root, other.root])
         self.seqs = self.seqs + other.seqs
 
-    def step(self, speculative: bool, on_tokens, stats: StepStats) -> None:
+    def _sampling(self) -> DraftSampling | None:
+        """In rejection mode with sampled rows: their temperatures and generators, so the proposer may draw its drafts."""
+        cfg = self.engine.config
+        if cfg.acceptance != "rejection" or not cfg.sample_drafts or all(s.generator is None for s in self.seqs):
+            return None
+        temps = [s.params.temperature if s.generator is not None else 0.0 for s in self.seqs]
+        return DraftSampling(torch.tensor(temps, device=self.root.device), [s.generator for s in self.seqs])
+
+    def step(self, on_tokens, stats: StepStats) -> None:
         """One decoding step of every row (all unfinished): propose, verify, accept, compact, emit."""
         e = self.engine
         active = self.seqs
         B = len(active)
+        speculative = self.draft is not None
         stats.batch_size = max(stats.batch_size, B)
         t0 = time.perf_counter()
         if not speculative:
@@ -484,41 +549,41 @@ class _Batch:
             nodes = e.policy.next_size(B)
         else:
             nodes = e.tree_size_for(B)
-        buf = e.buffers(nodes)
-        T = buf.size
         end = torch.tensor(self.ends, dtype=torch.long, device=e.device)  # (B,)
         with record_function("distill.propose"):
-            if buf.nodes:
-                assert e.proposer is not None
-                tokens = e.proposer.propose(self.hidden, self.root, buf)  # (B, T)
+            if nodes:
+                proposal = e.proposer.propose(self.draft, self.root, end, max(self.ends), nodes, self._sampling())
             else:
-                tokens = self.root[:, None]  # (B, 1)
+                proposal = Proposal(self.root[:, None], e._plain)  # (B, 1)
+        tokens, buf = proposal.tokens, proposal.buffers
+        T = buf.size
         with record_function("distill.mask"):
             offsets = torch.arange(T, device=e.device)
             window = max(self.ends) + T  # the longest row's committed slots and its tree
             self.cache.prepare(end[:, None] + offsets[None], window)
             bias = kv.attention_bias(kv.step_allowed(end, buf.mask, window), e.dtype)  # (B, 1, T, W)
         with record_function("distill.forward"):
-            logits, tree_hidden = e._forward(tokens, end[:, None] + buf.depth[None], bias, self.cache)
+            layers = e.proposer.feature_layers if speculative else None
+            logits, features = e._forward(tokens, end[:, None] + buf.depth, bias, self.cache, layers=layers)
         with record_function("distill.accept"):
-            acc = e._accept(tokens, logits, buf, active)
+            acc = e._accept(tokens, logits, buf, active, proposal.draft)
         with record_function("distill.compact"):
             if buf.nodes:  # the accepted nodes follow the root: tree slot end + path_k -> end + k
                 self.cache.move(end[:, None] + acc.path, end[:, None] + offsets[None, : acc.path.shape[1]])
-            rows = torch.arange(B, device=e.device)
-            self.hidden = tree_hidden[rows, acc.last]  # (B, H)
             self.root = acc.next_token
         with record_function("distill.host"):  # the one transfer of the step: accepted candidates, next token, length
             host = torch.cat([tokens.gather(1, acc.path[:, 1:]), self.root[:, None], acc.length[:, None]], dim=1).tolist()
+        lengths_acc = [row[-1] for row in host]
+        if speculative:
+            with record_function("distill.commit"):
+                e.proposer.commit(self.draft, proposal, features, acc, self.ends, lengths_acc)
         stats.steps += 1
         stats.tree_nodes = max(stats.tree_nodes, buf.nodes)
         stats.tree_nodes_per_step.append(buf.nodes)
-        lengths_acc = []
         for b, (s, row) in enumerate(zip(active, host)):
             L = row[-1]
             new = row[:L] + [row[-2]]
             self.ends[b] += L + 1
-            lengths_acc.append(L)
             s.steps += 1
             s.accepted.append(len(new))
             s.emit(new, on_tokens)
@@ -526,6 +591,24 @@ class _Batch:
         stats.step_seconds.append(seconds)
         if e.policy is not None and speculative:
             e.policy.observe(B, buf.nodes, seconds, lengths_acc)
+
+
+def load_heads(folder: str | Path, config: EngineConfig) -> tuple[MedusaHeads | EagleDrafter, ResolvedTree | None]:
+    """A Medusa heads or EAGLE-3 drafter folder -> (heads or drafter on ``config``'s device and dtype, tree for the Engine).
+
+    Medusa: the tree ``config.tree`` names (its ``tree.json`` by default). EAGLE: no paths, only
+    the per-depth accuracy ``distill calibrate`` wrote into its ``tree.json`` (None without one).
+    """
+    folder = Path(folder)
+    device = torch.device(config.device)
+    if is_eagle3_folder(folder):
+        drafter = EagleDrafter.load(folder, device=device, dtype=config.torch_dtype)
+        tree = None
+        if (folder / "tree.json").is_file():  # `distill calibrate`: per-depth acceptance for the policy
+            tree = ResolvedTree([], load_tree(folder / "tree.json").get("accuracy") or [], f"{folder}/tree.json")
+        return drafter, tree
+    heads = MedusaHeads.load(folder, device=device, dtype=config.torch_dtype)
+    return heads, resolve_tree(config.tree, heads.config.num_heads, heads_folder=folder)
 
 
 #: Slot capacities are rounded up to a multiple of this (fewer distinct shapes, some room for joins).
@@ -567,7 +650,7 @@ class RunningBatch:
         if len(keys) != len(prompts):
             raise ConfigError(f"{len(prompts)} prompts but {len(keys)} keys")
         seqs = [_Seq(k, sp, e.stop_ids, e.device) for k, sp in zip(keys, params)]
-        new = _Batch.prefill(e, prompts, seqs, self.on_tokens, self.stats)
+        new = _Batch.prefill(e, prompts, seqs, self.on_tokens, self.stats, self.speculative)
         done = new.compact()
         if len(new):
             if self._batch is None:
@@ -582,7 +665,7 @@ class RunningBatch:
         """One decoding step of every row; -> the sequences that finished in it."""
         if self._batch is None:
             return []
-        self._batch.step(self.speculative, self.on_tokens, self.stats)
+        self._batch.step(self.on_tokens, self.stats)
         return self._finished(self._batch.compact())
 
     def clear(self) -> list:

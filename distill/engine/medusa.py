@@ -16,28 +16,51 @@ proposal cost ``h(N)``
     the weights the heads read for a tree of N nodes over the weights one model forward
     reads (see :mod:`distill.engine.policy`).
 
-The engine's step is proposer-agnostic: it asks :meth:`Medusa.propose` for the tokens of a
-tree shape, verifies them in one forward, accepts and compacts the KV cache itself. The only
-state Medusa reads is the hidden state of each row's last committed token, which the
-engine keeps per row.
+The engine's step is proposer-agnostic (:mod:`distill.engine.proposer`): it asks
+:meth:`Medusa.propose` for the tokens of a tree shape, verifies them in one forward, accepts
+and compacts the KV cache itself. The only state Medusa reads is the hidden state of each
+row's last committed token (:class:`MedusaState`), set by :meth:`Medusa.start` and
+:meth:`Medusa.commit`.
 """
 
 from __future__ import annotations
 
 import torch
 
+from distill.engine.acceptance import Acceptance
+from distill.engine.policy import taus_for
+from distill.engine.proposer import Proposal
 from distill.engine.tree import ResolvedTree, TreeBuffers, build_buffers, subtree
 from distill.heads.model import MedusaHeads
 
 
+class MedusaState:
+    """Per row: the hidden state of the last committed token (B, H)."""
+
+    def __init__(self, hidden: torch.Tensor):
+        self.hidden = hidden  # (B, H)
+
+    def keep(self, rows: list[int], used: int) -> None:
+        self.hidden = self.hidden[torch.tensor(rows, dtype=torch.long, device=self.hidden.device)]
+
+    def join(self, other: "MedusaState", used: int) -> None:
+        self.hidden = torch.cat([self.hidden, other.hidden])
+
+
 class Medusa:
-    """Medusa heads and their tree (see the module docstring)."""
+    """Medusa heads and their tree (see the module docstring); a :class:`~distill.engine.proposer.Proposer`."""
+
+    name = "medusa"
+    feature_layers = None  # the last hidden state
 
     def __init__(self, heads: MedusaHeads, tree: ResolvedTree, device: torch.device):
         self.heads = heads.eval()
         self.tree = tree
         self.device = device
         self._buffers: dict[int, TreeBuffers] = {}
+
+    def taus(self) -> dict[int, float]:
+        return taus_for(self.tree.paths, self.tree.accuracy)
 
     @property
     def max_nodes(self) -> int:
@@ -49,7 +72,24 @@ class Medusa:
             self._buffers[nodes] = build_buffers(subtree(self.tree.paths, self.tree.accuracy, nodes)).to(self.device)
         return self._buffers[nodes]
 
-    def propose(self, hidden: torch.Tensor, root: torch.Tensor, buf: TreeBuffers) -> torch.Tensor:
+    # -- the proposer's calls ---------------------------------------------------------------------
+    def start(self, features: torch.Tensor, ids: torch.Tensor, lengths: list[int], root: torch.Tensor, slots: int) -> MedusaState:
+        """The hidden state at each prompt's last token: features (B, P, H)."""
+        rows = torch.arange(features.shape[0], device=features.device)
+        return MedusaState(features[rows, torch.tensor(lengths, device=features.device) - 1])  # (B, H)
+
+    def propose(self, state: MedusaState, root: torch.Tensor, end: torch.Tensor, longest: int, nodes: int,
+                sampling=None) -> Proposal:
+        """The heads' top-I tree (point masses whatever ``sampling`` says)."""
+        buf = self.buffers(nodes)
+        return Proposal(self.tree_tokens(state.hidden, root, buf), buf)
+
+    def commit(self, state: MedusaState, proposal: Proposal, features: torch.Tensor, acc: Acceptance, ends: list[int],
+               lengths: list[int]) -> None:
+        """The hidden state of the last accepted node: features (B, T, H)."""
+        state.hidden = features[torch.arange(features.shape[0], device=features.device), acc.last]  # (B, H)
+
+    def tree_tokens(self, hidden: torch.Tensor, root: torch.Tensor, buf: TreeBuffers) -> torch.Tensor:
         """Heads' top-I tokens laid out as the tree: hidden (B, H), root (B,) -> tokens (B, T)."""
         D = buf.num_heads_used
         if self.heads.config.share_lm_head:  # one LM head: one matmul for all heads
@@ -72,4 +112,4 @@ class Medusa:
         return (depth * block + (1 if hc.share_lm_head else depth) * lm) / forward_weights
 
 
-__all__ = ["Medusa"]
+__all__ = ["Medusa", "MedusaState"]

@@ -21,6 +21,12 @@ retrieval indices
 children
     ``children[i]`` lists the tree positions of node i's children in rank order,
     padded with ``-1``: (T, C).
+per-row trees
+    a proposer that drafts a different tree for every row (EAGLE's dynamic tree) gives
+    the same buffers with a leading batch axis: depth and parent (B, T), mask (B, T, T),
+    retrieve (B, P, D + 1), children (B, T, C), built by :func:`row_buffers` from each
+    row's parent array. :meth:`TreeBuffers.rows` gives every tree that form (a view), so
+    the verification code reads one layout.
 
 Named trees (``resolve_tree``)
 -----
@@ -69,26 +75,49 @@ def default_accuracy(num_heads: int, ranks: int = DEFAULT_RANKS) -> list[list[fl
 
 @dataclass(frozen=True)
 class TreeBuffers:
-    """Index tensors for one tree (all on one device); T = nodes + 1 positions."""
+    """Index tensors for one tree, or one tree per row (a leading (B,) axis; see "per-row trees"); T = nodes + 1."""
 
-    paths: tuple[tuple[int, ...], ...]
-    depth: torch.Tensor  # (T,) long
-    parent: torch.Tensor  # (T,) long, -1 for the root
-    mask: torch.Tensor  # (T, T) bool, ancestor-or-self
+    paths: tuple[tuple[int, ...], ...]  # the shared tree's paths; () for per-row trees
+    depth: torch.Tensor  # (T,) long, or (B, T)
+    parent: torch.Tensor  # (T,) long, -1 for the root, or (B, T)
+    mask: torch.Tensor  # (T, T) bool, ancestor-or-self, or (B, T, T)
     cand_index: torch.Tensor  # (T,) long into the flattened (K, I) head top-I table; 0 for the root (unused)
-    retrieve: torch.Tensor  # (P, D + 1) long, -1 padded
-    children: torch.Tensor  # (T, C) long, -1 padded (C >= 1)
+    retrieve: torch.Tensor  # (P, D + 1) long, -1 padded, or (B, P, D + 1)
+    children: torch.Tensor  # (T, C) long, -1 padded (C >= 1), or (B, T, C)
     num_heads_used: int  # D: deepest path
     max_rank: int  # I: ranks per head the heads must supply
 
     @property
     def size(self) -> int:
         """T: tokens in one verification forward (nodes + root)."""
-        return int(self.depth.numel())
+        return int(self.depth.shape[-1])
 
     @property
     def nodes(self) -> int:
-        return len(self.paths)
+        return self.size - 1
+
+    @property
+    def per_row(self) -> bool:
+        """Whether every row has its own tree (a leading batch axis)."""
+        return self.depth.dim() == 2
+
+    def rows(self, batch: int) -> "TreeBuffers":
+        """The per-row form for ``batch`` rows: per-row buffers as they are, a shared tree expanded (views, no copies)."""
+        if self.per_row:
+            if self.depth.shape[0] != batch:
+                raise ValueError(f"per-row tree buffers hold {self.depth.shape[0]} rows, not {batch}")
+            return self
+        grow = {k: getattr(self, k).expand(batch, *getattr(self, k).shape) for k in ("depth", "parent", "mask", "retrieve", "children")}
+        return TreeBuffers(paths=self.paths, cand_index=self.cand_index, num_heads_used=self.num_heads_used,
+                           max_rank=self.max_rank, **grow)
+
+    def take(self, index: torch.Tensor) -> "TreeBuffers":
+        """The trees of batch rows ``index`` (B',): per-row buffers indexed, a shared tree as it is."""
+        if not self.per_row:
+            return self
+        part = {k: getattr(self, k)[index] for k in ("depth", "parent", "mask", "retrieve", "children")}
+        return TreeBuffers(paths=self.paths, cand_index=self.cand_index, num_heads_used=self.num_heads_used,
+                           max_rank=self.max_rank, **part)
 
     def to(self, device: str | torch.device) -> "TreeBuffers":
         move = {k: getattr(self, k).to(device) for k in ("depth", "parent", "mask", "cand_index", "retrieve", "children")}
@@ -129,6 +158,39 @@ def build_buffers(paths: Sequence[Sequence[int]]) -> TreeBuffers:
     for i, k in enumerate(kids):
         children[i, : len(k)] = torch.tensor(k, dtype=torch.long)
     return TreeBuffers(tuple(tree), depth, parent, mask, cand_index, retrieve, children, D, max(max_rank, 0))
+
+
+def row_buffers(parent: torch.Tensor, depth: torch.Tensor, max_depth: int, max_children: int) -> TreeBuffers:
+    """Per-row tree buffers from each row's parent array, built with tensor ops on its device (no host sync).
+
+    parent (B, T) long: tree position of each node's parent, -1 at the root (position 0);
+    every parent comes before its children. depth (B, T) long: 0 at the root, the parent's
+    + 1 elsewhere, at most ``max_depth`` (D). No node has more than ``max_children`` (C)
+    children. Children keep position order; ``retrieve`` lists the path to every position
+    (P = T, not only the leaves), so the longest accepted path is found as for a shared tree;
+    equally long accepted paths go to the one ending at the lowest position.
+    """
+    B, T = parent.shape
+    dev = parent.device
+    D, C = max_depth, max(1, max_children)
+    up = parent.clamp(min=0)  # (B, T); the root points at itself
+    eye = torch.eye(T, dtype=torch.bool, device=dev).expand(B, T, T)
+    mask = eye.clone()  # (B, T, T)
+    for _ in range(D):  # after k passes every node of depth <= k has all its ancestors
+        mask = eye | mask.gather(1, up[:, :, None].expand(B, T, T))
+    pos = torch.arange(T, device=dev)
+    before = (parent[:, :, None] == parent[:, None, :]) & (pos[None, None, :] < pos[None, :, None])  # (B, T, T)
+    rank = before.sum(-1)  # (B, T): earlier siblings
+    trash = T * C
+    flat = torch.where((depth > 0) & (rank < C), up * C + rank, torch.full_like(rank, trash))  # (B, T)
+    kids = torch.full((B, trash + 1), -1, dtype=torch.long, device=dev)
+    kids.scatter_(1, flat, pos.expand(B, T).contiguous())
+    children = kids[:, :trash].view(B, T, C)
+    column = torch.where(mask, depth[:, None, :], torch.full_like(mask, D + 1, dtype=torch.long))  # (B, T, T)
+    retrieve = torch.full((B, T, D + 2), -1, dtype=torch.long, device=dev)
+    retrieve.scatter_(2, column, pos.expand(B, T, T).contiguous())
+    return TreeBuffers(paths=(), depth=depth, parent=parent, mask=mask, cand_index=torch.zeros(T, dtype=torch.long, device=dev),
+                       retrieve=retrieve[:, :, : D + 1], children=children, num_heads_used=D, max_rank=C)
 
 
 _CHAIN = re.compile(r"^chain(?:-(\d+))?$")
@@ -204,5 +266,6 @@ __all__ = [
     "build_buffers",
     "default_accuracy",
     "resolve_tree",
+    "row_buffers",
     "subtree",
 ]

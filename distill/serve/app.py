@@ -76,6 +76,8 @@ def create_app(engine, settings: AppSettings, worker_thread: bool = True) -> Fas
     from distill.engine import SamplingParams
 
     metrics = ServerMetrics()
+    proposer = getattr(engine, "proposer", None)
+    metrics.proposer.labels(proposer.name if proposer is not None and settings.speculative else "none").set(1)
     scheduler = Scheduler(engine, queue_size=settings.queue_size, max_batch=settings.max_batch,
                           speculative=settings.speculative, metrics=metrics)
     tokenizer = engine.tokenizer

@@ -35,6 +35,7 @@ class ServeConfig:
     default_max_tokens: int = 256
     max_model_len: int | None = None  # default: the model's context length
     tree: str | None = None  # tree.json, a named default, or a Cartesian spec "3,2,2,1"
+    draft_nodes: int | None = None  # EAGLE drafter: node budget of its dynamic tree (None: the engine's default)
     acceptance: str = "typical"
     typical_epsilon: float = 0.09
     typical_delta: float = 0.3
@@ -76,7 +77,7 @@ class ServeConfig:
             raise ConfigError(f"--max-body-bytes must be at least 1024; got {self.max_body_bytes}")
         if self.engine == "vllm":
             if self.heads is None:
-                raise ConfigError("--engine vllm serves the model with Medusa heads: pass --heads DIR")
+                raise ConfigError("--engine vllm serves the model with Medusa heads or an EAGLE-3 drafter: pass --heads DIR")
             if self.tree is not None:
                 raise ConfigError("--engine vllm verifies a single chain of head top-1 guesses; --tree applies to the distill engine only")
         if self.step_cost_ratio is not None and self.step_cost_ratio < 0:

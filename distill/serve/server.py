@@ -47,7 +47,7 @@ def build_app(cfg: ServeConfig, worker_thread: bool = True):
     engine_cfg = EngineConfig(
         acceptance=cfg.acceptance, typical_epsilon=cfg.typical_epsilon, typical_delta=cfg.typical_delta,
         tree=cfg.tree, max_batch=cfg.engine_batch, dtype=cfg.dtype, device=cfg.device, step_cost_ratio=cfg.step_cost_ratio,
-        adaptive=cfg.adaptive,
+        adaptive=cfg.adaptive, **({"draft_nodes": cfg.draft_nodes} if cfg.draft_nodes else {}),
     )
     engine = Engine.from_pretrained(cfg.model, cfg.heads, engine_cfg)
     max_len = engine.max_len  # distill.models.context_limit: the model's context less the tree's margin
@@ -125,6 +125,9 @@ def serve(cfg: ServeConfig, log_level: str = "info") -> None:
 
 
 # -- --engine vllm -------------------------------------------------------------------------
+#: Drafts per step vLLM's EAGLE-3 proposer makes when --num-speculative-tokens is not given (vLLM's examples use 3).
+VLLM_EAGLE_TOKENS = 3
+
 def vllm_command(cfg: ServeConfig, python: str | None = None) -> list[str]:
     """The command that starts vLLM's OpenAI server with the heads as its Medusa speculator.
 
@@ -134,6 +137,7 @@ def vllm_command(cfg: ServeConfig, python: str | None = None) -> list[str]:
     own defaults stand for everything else, and ``cfg.vllm_args`` (what followed ``--``
     on the command line) are appended unchanged.
     """
+    from distill.heads.eagle import is_eagle3_folder
     from distill.heads.model import HeadsConfig, read_distill_meta
     from distill.models import resolve_model
     from distill.runtime import stage_dtype
@@ -141,16 +145,19 @@ def vllm_command(cfg: ServeConfig, python: str | None = None) -> list[str]:
     heads = Path(cfg.heads).expanduser().resolve()
     if not (heads / "config.json").is_file():
         raise ConfigError(f"--heads {cfg.heads} is not a heads folder (needs config.json and model.safetensors)")
-    try:
-        hcfg = HeadsConfig.from_vllm_config(json.loads((heads / "config.json").read_text()))
-    except (ValueError, KeyError) as exc:
-        raise ConfigError(f"{heads}/config.json is not a Medusa heads config: {exc}") from None
-    k = cfg.num_speculative_tokens or hcfg.num_heads
-    if k > hcfg.num_heads:
-        raise ConfigError(f"--num-speculative-tokens {k} exceeds the {hcfg.num_heads} heads in {heads}")
+    if is_eagle3_folder(heads):  # vLLM's llama_eagle3 drafter: a chain of num_speculative_tokens drafts
+        method, k = "eagle3", cfg.num_speculative_tokens or VLLM_EAGLE_TOKENS
+    else:
+        try:
+            hcfg = HeadsConfig.from_vllm_config(json.loads((heads / "config.json").read_text()))
+        except (ValueError, KeyError) as exc:
+            raise ConfigError(f"{heads}/config.json is not a Medusa heads config: {exc}") from None
+        method, k = "medusa", cfg.num_speculative_tokens or hcfg.num_heads
+        if k > hcfg.num_heads:
+            raise ConfigError(f"--num-speculative-tokens {k} exceeds the {hcfg.num_heads} heads in {heads}")
     resolved = resolve_model(cfg.model)
     where = stage_dtype(resolved.path, "auto", cfg.dtype, read_distill_meta(heads).get("teacher_dtype"), what=f"the heads in {heads}")
-    spec = {"method": "medusa", "model": str(heads), "num_speculative_tokens": k}
+    spec = {"method": method, "model": str(heads), "num_speculative_tokens": k}
     cmd = [
         python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(resolved.path),

@@ -10,6 +10,10 @@ accuracy table ``acc[j][i]``
     Tree terms (paths, expected acceptance length, sparse tree) are defined in
     :mod:`distill.heads.tree`.
 
+An EAGLE-3 drafter folder is calibrated the same way, its draft depths 1..5 in the place of
+heads: ``acc[j][i]`` = the drafter's rank-i hit at depth j+1 when depths 1..j were right
+(:func:`distill.train.eagle.drafter_accuracy`); the engine's EAGLE policy reads that table.
+
 Outputs (in ``out``, default the heads folder): ``tree.json`` (the ``distill-tree/v1``
 contract with ``accuracy``), ``calibration.json`` (table, counts, losses, expected
 acceptance length vs node count, the Cartesian comparison), ``tree.png`` and
@@ -24,6 +28,7 @@ from pathlib import Path
 import torch
 
 from distill.errors import ConfigError
+from distill.heads.eagle import EagleDrafter, is_eagle3_folder
 from distill.heads.model import MedusaHeads, read_distill_meta
 from distill.runtime import canonical_dtype, stage_dtype
 from distill.heads.tree import cartesian_tree, expected_acceptance_length, save_tree, sparse_tree
@@ -32,6 +37,9 @@ from distill.train.data import iter_batches
 from distill.train.losses import hard_ce, shifted_targets
 
 CALIBRATION_FILE = "calibration.json"
+#: Draft depths measured for an EAGLE-3 drafter (its "heads"): depth j's rank-i hit given a correct prefix (teacher
+#: forced), what the engine's dynamic tree needs to predict its expected tokens per step.
+EAGLE_CALIBRATED_DEPTHS = 5
 
 
 @dataclass
@@ -173,18 +181,29 @@ def calibrate(cfg: CalibrateConfig) -> CalibrationResult:
             model = base.get("path") or base.get("id")
     resolved = resolve_model(model)
     where = stage_dtype(resolved.path, cfg.device, cfg.dtype, meta.get("teacher_dtype"), what=f"the heads in {heads_dir}")
-    heads = MedusaHeads.load(heads_dir, device=where.device, dtype=where.torch_dtype())
+    eagle = is_eagle3_folder(heads_dir)
+    if eagle:  # per draft depth, the drafter unrolled on its own features (teacher-forced tokens)
+        from distill.train.eagle import drafter_accuracy
+
+        heads = EagleDrafter.load(heads_dir, device=where.device, dtype=where.torch_dtype())
+        depths = EAGLE_CALIBRATED_DEPTHS
+    else:
+        heads = MedusaHeads.load(heads_dir, device=where.device, dtype=where.torch_dtype())
+        depths = heads.config.num_heads
     backbone = AutoModelForCausalLM.from_pretrained(resolved.path, dtype=where.torch_dtype()).to(where.device).eval()
     if backbone.get_output_embeddings().weight.shape[0] != heads.config.vocab_size:
         raise ConfigError(f"the heads have a {heads.config.vocab_size}-token vocabulary but {resolved.name} has another: pass the right --model")
-    stats = head_accuracy(backbone, heads, Path(cfg.data), cfg.max_len, cfg.batch_size, cfg.ranks, cfg.max_tokens)
+    if eagle:
+        stats = drafter_accuracy(backbone, heads, Path(cfg.data), cfg.max_len, cfg.batch_size, cfg.ranks, cfg.max_tokens, steps=depths)
+    else:
+        stats = head_accuracy(backbone, heads, Path(cfg.data), cfg.max_len, cfg.batch_size, cfg.ranks, cfg.max_tokens)
     if min(stats.counts) == 0:
-        raise ConfigError(f"{cfg.data} has no generated token {heads.config.num_heads + 1} positions ahead: use more held-out data")
+        raise ConfigError(f"{cfg.data} has no generated token {depths + 1} positions ahead: use more held-out data")
     acc = stats.table
-    capacity = sum(cfg.ranks ** d for d in range(1, heads.config.num_heads + 1))
+    capacity = sum(cfg.ranks ** d for d in range(1, depths + 1))
     nodes = min(cfg.nodes, capacity)
     if nodes != cfg.nodes:
-        raise ConfigError(f"--nodes {cfg.nodes} exceeds the {capacity} paths of {heads.config.num_heads} heads x top-{cfg.ranks}")
+        raise ConfigError(f"--nodes {cfg.nodes} exceeds the {capacity} paths of {depths} heads x top-{cfg.ranks}")
     tree = sparse_tree(acc, nodes)
     eal = expected_acceptance_length(tree, acc)
     curve = [expected_acceptance_length(sparse_tree(acc, n), acc) for n in range(1, nodes + 1)]
@@ -192,7 +211,7 @@ def calibrate(cfg: CalibrateConfig) -> CalibrationResult:
     cart_doc = {"spec": cart[0], "nodes": nodes, "expected_acceptance_length": cart[1]} if cart else {}
     out = Path(cfg.out) if cfg.out else heads_dir
     out.mkdir(parents=True, exist_ok=True)
-    save_tree(out / "tree.json", tree, heads.config.num_heads, accuracy=acc, expected_acceptance_length=eal, source="calibrate")
+    save_tree(out / "tree.json", tree, depths, accuracy=acc, expected_acceptance_length=eal, source="calibrate")
     result = CalibrationResult(out=str(out), nodes=nodes, expected_acceptance_length=eal, cartesian=cart_doc, accuracy=acc,
                                top1=stats.topk(1), positions=stats.counts, curve=curve)
     doc = {"heads": str(heads_dir), "data": str(cfg.data), "model": resolved.model_id,

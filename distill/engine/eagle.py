@@ -1,0 +1,278 @@
+"""The EAGLE proposer: an EAGLE-3 drafter with its own KV cache drafts a dynamic tree (EAGLE-2) per row.
+
+Terms (the drafter's own are in :mod:`distill.heads.eagle`)
+-----
+features
+    the hidden states entering the drafter's aux layers, concatenated (B, T, A·H): the
+    engine captures them in every target forward (``feature_layers``); the drafter fuses them.
+drafter cache
+    a :class:`~distill.engine.cache.SlotCache` of the drafter's one layer, laid out as the
+    target's: row b's committed slots ``0 .. end_b - 1`` hold the drafter's keys for the
+    committed tokens (slot = position), computed from the target's features. The slots from
+    ``end_b`` on are the draft scratch: ``(D - 1)·K`` slots, depth d's expanded nodes at
+    ``end_b + (d - 1)·K + j``. They are overwritten by the next catch-up.
+catch-up
+    one drafter pass over the tokens a forward committed (the prompt after the prefill; the
+    root and the accepted nodes after a step): at position t it reads the target's feature
+    at t and the embedding of the token after t, writes its keys at slot t, and its output at
+    the last committed position gives the depth-1 draft distribution and the feature the
+    depth-1 nodes are expanded with. Rows accept different lengths: the pass is padded to the
+    longest, padded queries write free slots and are never read.
+dynamic tree (EAGLE-2: Li et al. 2024, "EAGLE-2: Faster Inference of Language Models with
+Dynamic Draft Trees", Sec. 4)
+    node score = cumulative draft log-probability of its path. Depth 1: the root's top-K
+    tokens. Expansion: the K best-scoring nodes of the newest depth are run through the
+    drafter together (one pass, position ``end - 1 + d``, each seeing the committed slots and
+    its own ancestors' scratch slots); each gets its top-K children, the K² candidates of
+    the next depth. After D - 1 expansions, rerank: the N best-scoring candidates of all
+    depths form the tree (a child never scores above its parent and ties keep the parent
+    first, so the set is prefix-closed). Draft ids are mapped to target ids with ``d2t``.
+sampled tree (rejection sampling of sampled rows)
+    the same expansion, but each expanded node's K children are drawn i.i.d. from its draft
+    distribution q (the drafter's at the row's temperature; greedy rows keep their top-K),
+    and the rerank keeps whole sibling groups, ranked by their parent's score: the root's
+    group, then the best ``N // K - 1``. Whether a group exists then never depends on its
+    own draws, which multi-round speculative sampling with q needs to stay lossless
+    (:func:`~distill.engine.acceptance.rejection_accept` with ``draft``).
+proposal cost ``h(N)``
+    weights the drafter reads per step, D passes (the catch-up and D - 1 expansions) of its
+    layer, fc and draft LM head, over the weights of one target forward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from distill.engine import cache as kv
+from distill.engine.acceptance import Acceptance
+from distill.engine.policy import candidate_sizes
+from distill.engine.proposer import DraftSampling, Proposal
+from distill.engine.tree import row_buffers
+from distill.errors import ConfigError
+from distill.heads.eagle import EagleDrafter
+
+#: Default dynamic tree: node budget N, depth D, top-K per expanded node. N sized for a CPU, where a verification
+#: forward costs more per token than on a GPU (EAGLE-2's GPU default is 60 nodes, depth 6, top-10).
+DEFAULT_NODES, DEFAULT_DEPTH, DEFAULT_TOPK = 24, 5, 8
+#: Per-depth acceptance assumed until ``distill calibrate`` measures it: the probability that depth d's rank-i draft is
+#: the target's token given a correct prefix, top-1 0.6 at every depth (EAGLE reports 0.6-0.8 on 7B chat models),
+#: halving per rank. Used only by the policy's expected tokens per step.
+DEFAULT_TOP1, DEFAULT_RANK_DECAY = 0.6, 0.5
+
+
+def default_eagle_accuracy(depth: int, ranks: int) -> list[list[float]]:
+    """The (D, I) acceptance table the policy assumes without a calibration (see :data:`DEFAULT_TOP1`)."""
+    return [[DEFAULT_TOP1 * DEFAULT_RANK_DECAY**i for i in range(ranks)] for _ in range(depth)]
+
+
+class EagleState:
+    """Per batch: the drafter's cache, and per row the depth-1 draft (log-probabilities) and its parent feature."""
+
+    def __init__(self, cache: kv.SlotCache):
+        self.cache = cache
+        self.feature: torch.Tensor | None = None  # (B, H): the drafter output at the last committed position
+        self.logp: torch.Tensor | None = None  # (B, Vd) float32: its draft log-probabilities (the depth-1 draft)
+
+    def keep(self, rows: list[int], used: int) -> None:
+        self.cache.keep_rows(rows, used)
+        index = torch.tensor(rows, dtype=torch.long, device=self.logp.device)
+        self.feature, self.logp = self.feature[index], self.logp[index]
+
+    def join(self, other: "EagleState", used: int) -> None:
+        self.cache.append(other.cache, used)
+        self.feature, self.logp = torch.cat([self.feature, other.feature]), torch.cat([self.logp, other.logp])
+
+
+class Eagle:
+    """An EAGLE-3 drafter drafting EAGLE-2 dynamic trees; a :class:`~distill.engine.proposer.Proposer`."""
+
+    name = "eagle3"
+
+    def __init__(self, drafter: EagleDrafter, embed: torch.nn.Module, nodes: int = DEFAULT_NODES, depth: int = DEFAULT_DEPTH,
+                 topk: int = DEFAULT_TOPK, accuracy: list[list[float]] | None = None):
+        if nodes < 1 or depth < 1 or topk < 1:
+            raise ConfigError(f"an EAGLE tree needs nodes, depth and top-k >= 1; got {nodes}, {depth}, {topk}")
+        if topk > drafter.config.draft_vocab_size:
+            raise ConfigError(f"top-k {topk} exceeds the draft vocabulary ({drafter.config.draft_vocab_size} tokens)")
+        self.drafter = drafter.eval()
+        self.embed = embed  # the target's input embedding (frozen, shared)
+        self.feature_layers = tuple(drafter.config.aux_layer_ids)
+        self.max_nodes, self.depth, self.topk = nodes, depth, topk
+        acc = [list(r) for r in (accuracy or default_eagle_accuracy(depth, topk))]
+        self.accuracy = (acc + [acc[-1]] * depth)[:depth]  # a shallower calibration: its deepest row repeats
+        p = next(drafter.parameters())
+        attn = drafter.midlayer.self_attn
+        conf = drafter.config.llama_config()
+        head_dim = getattr(conf, "head_dim", None) or conf.hidden_size // conf.num_attention_heads
+        self.kv_shape = kv.KVShape(1, attn.k_proj.out_features // head_dim, head_dim, head_dim, p.dtype, p.device)
+        self.target_ids = drafter.vocab.target_ids.to(p.device)  # (Vd,): draft id -> target id (d2t applied)
+
+    def shape(self, nodes: int) -> tuple[int, int, int]:
+        """(N, D, K) of a tree of at most ``nodes`` nodes."""
+        n = min(nodes, self.max_nodes)
+        return n, min(self.depth, n), min(self.topk, n)
+
+    @property
+    def scratch(self) -> int:
+        """Draft slots after a row's end: the expanded nodes' (D - 1)·K, and room for a catch-up's padding."""
+        return max((self.depth - 1) * self.topk, self.depth + 1)
+
+    # -- the policy's figures ------------------------------------------------------------------
+    def taus(self) -> dict[int, float]:
+        """Expected tokens per step of N nodes: the best static tree of N nodes under the acceptance table."""
+        from distill.heads.tree import expected_acceptance_length, sparse_tree
+
+        acc = self.accuracy
+        return {n: expected_acceptance_length(sparse_tree(acc, n), acc) for n in candidate_sizes(self.max_nodes) if n}
+
+    def proposal_cost(self, nodes: int, forward_weights: int) -> float:
+        _, D, _ = self.shape(nodes)
+        per_pass = sum(p.numel() for p in self.drafter.parameters())
+        return D * per_pass / forward_weights
+
+    # -- the proposer's calls --------------------------------------------------------------------
+    def start(self, features: torch.Tensor, ids: torch.Tensor, lengths: list[int], root: torch.Tensor, slots: int) -> EagleState:
+        """Catch up on the prompts: features (B, P, A·H), ids (B, P) right-padded, roots (B,)."""
+        B, P = ids.shape
+        state = EagleState(kv.SlotCache(self.kv_shape, B, slots + self.scratch))
+        count = torch.tensor(lengths, dtype=torch.long, device=ids.device)  # (B,)
+        nxt = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)  # (B, P): the token after each position
+        nxt.scatter_(1, (count - 1)[:, None], root[:, None])  # the root follows each prompt's last token
+        self._catch_up(state, nxt, features, torch.zeros_like(count), count, P)
+        return state
+
+    def commit(self, state: EagleState, proposal: Proposal, features: torch.Tensor, acc: Acceptance, ends: list[int],
+               lengths: list[int]) -> None:
+        """Catch up on the root and the accepted nodes with the verification's features (B, T, A·H)."""
+        Q = max(lengths) + 1
+        path = acc.path[:, :Q]  # (B, Q): root, a_1..a_L, then don't-care
+        committed = proposal.tokens.gather(1, path)  # (B, Q)
+        nxt = torch.cat([committed[:, 1:], committed[:, :1]], dim=1)  # the token after each committed one
+        nxt.scatter_(1, acc.length[:, None], acc.next_token[:, None])  # after a_L: the next token (the new root)
+        feats = features.gather(1, path[:, :, None].expand(-1, -1, features.shape[-1]))  # (B, Q, A·H)
+        start = torch.tensor(ends, dtype=torch.long, device=path.device)
+        self._catch_up(state, nxt, feats, start, acc.length + 1, max(ends) + Q)
+
+    def _catch_up(self, state: EagleState, nxt: torch.Tensor, features: torch.Tensor, start: torch.Tensor,
+                  count: torch.Tensor, window: int) -> None:
+        """Drafter pass over Q committed positions per row: next tokens (B, Q), features (B, Q, A·H), first slot (B,),
+        real positions per row (B,), attention window (host)."""
+        d = self.drafter
+        B, Q = nxt.shape
+        pos = start[:, None] + torch.arange(Q, device=nxt.device)[None]  # (B, Q): slot = position
+        state.cache.prepare(pos, window)
+        keep = (torch.arange(window, device=nxt.device)[None, None, :] <= pos[:, :, None])[:, None]  # (B, 1, Q, W) causal
+        out = d(self.embed(nxt), d.fuse(features), pos, keep, state.cache)  # (B, Q, H)
+        last = out[torch.arange(B, device=out.device), count - 1]  # (B, H)
+        state.feature = last
+        state.logp = torch.log_softmax(d.logits(last).float(), dim=-1)  # (B, Vd)
+
+    def propose(self, state: EagleState, root: torch.Tensor, end: torch.Tensor, longest: int, nodes: int,
+                sampling: DraftSampling | None = None) -> Proposal:
+        """The dynamic tree of at most ``nodes`` nodes (module docstring): tokens (B, N + 1) and per-row buffers.
+
+        ``sampling`` given: the sampled tree (module docstring), with each node's draft distribution.
+        """
+        d = self.drafter
+        N, D, K = self.shape(nodes)
+        B, dev = root.shape[0], root.device
+        S = (D - 1) * K  # scratch slots used
+        window = longest + S
+        logq = self._warp(state.logp, sampling)  # (B, Vd): the root's draft distribution
+        lp, tok = self._children(logq[:, None], K, sampling)  # (B, 1, K)
+        score, tok = lp[:, 0], tok[:, 0]  # (B, K): depth-1 candidates (draft ids), cumulative log q
+        scores, tokens, parents, depths = [score], [tok], [torch.full((B, K), -1, dtype=torch.long, device=dev)], [1] * K
+        probs = [score.exp()]  # (B, K): draft probability given the parent
+        qs, q_at = [logq[:, None]], [torch.full((B, 1), -1, dtype=torch.long, device=dev)]  # expanded nodes' log q, candidate index
+        groups, group_score = [], []  # sampled tree: per expanded node, its children's candidate indices and its score
+        front = torch.arange(K, device=dev).expand(B, K)  # (B, K): candidate index of each expanded node
+        f_score, f_tok = score, tok
+        f_feat = state.feature[:, None].expand(B, K, state.feature.shape[-1])  # (B, K, H): their parents' outputs
+        anc = torch.zeros(B, K, max(S, 1), dtype=torch.bool, device=dev)  # (B, K, S): scratch slots each may see
+        base = K
+        for depth in range(1, D):  # expand the K best nodes of depth `depth`
+            own = (depth - 1) * K + torch.arange(K, device=dev)  # (K,) their scratch slots
+            anc[:, torch.arange(K, device=dev), own] = True
+            pos = (end - 1 + depth)[:, None].expand(B, K)  # (B, K)
+            state.cache.prepare(end[:, None] + own[None], window)
+            keep = kv.step_allowed(end, anc, window)  # (B, 1, K, W)
+            out = d(self.embed(self.target_ids[f_tok]), f_feat, pos, keep, state.cache)  # (B, K, H)
+            logq = self._warp(torch.log_softmax(d.logits(out).float(), dim=-1), sampling)  # (B, K, Vd)
+            lp, ct = self._children(logq, K, sampling)  # (B, K, K): each expanded node's K children
+            cs = (f_score[:, :, None] + lp).flatten(1)  # (B, K²) cumulative scores
+            scores.append(cs)
+            tokens.append(ct.flatten(1))
+            probs.append(lp.exp().flatten(1))
+            parents.append(front[:, :, None].expand(B, K, K).flatten(1))
+            depths += [depth + 1] * (K * K)
+            qs.append(logq)
+            q_at.append(front)
+            groups.append((base + torch.arange(K * K, device=dev).view(K, K)).expand(B, K, K))
+            group_score.append(f_score)
+            if depth < D - 1:
+                f_score, pick = cs.topk(K, dim=-1)  # (B, K): the next depth's expanded nodes
+                up = pick // K  # (B, K): their parents among this depth's expanded nodes
+                f_tok = ct.flatten(1).gather(1, pick)
+                f_feat = out.gather(1, up[:, :, None].expand(B, K, out.shape[-1]))
+                anc = anc.gather(1, up[:, :, None].expand(B, K, anc.shape[-1]))
+                front = base + pick
+            base += K * K
+        score_all, tok_all, par_all = torch.cat(scores, 1), torch.cat(tokens, 1), torch.cat(parents, 1)  # (B, M)
+        if sampling is None:  # rerank nodes: the N best of all depths
+            chosen = score_all.sort(dim=1, descending=True, stable=True).indices[:, :N]
+        else:  # rerank sibling groups by their parent's score: the root's, then the best N // K - 1 others
+            g = min(N // K - 1, len(groups) * K)
+            chosen = torch.arange(K, device=dev).expand(B, K)
+            if g > 0:
+                kids = torch.cat(groups, 1)  # (B, G, K)
+                best = torch.cat(group_score, 1).sort(dim=1, descending=True, stable=True).indices[:, :g]  # (B, g)
+                chosen = torch.cat([chosen, kids.gather(1, best[:, :, None].expand(B, g, K)).flatten(1)], 1)
+            N = chosen.shape[1]
+        chosen = chosen.sort(dim=1).values  # (B, N): candidate order, parents first
+        position = torch.zeros_like(score_all, dtype=torch.long)  # (B, M): tree position of each chosen candidate
+        position.scatter_(1, chosen, torch.arange(1, N + 1, device=dev).expand(B, N).contiguous())
+        up = par_all.gather(1, chosen)  # (B, N) parent candidate, -1 = root
+        parent = torch.where(up < 0, torch.zeros_like(up), position.gather(1, up.clamp(min=0)))  # (B, N)
+        depth_all = torch.tensor(depths, dtype=torch.long, device=dev)
+        minus = torch.full((B, 1), -1, dtype=torch.long, device=dev)
+        zero = torch.zeros(B, 1, dtype=torch.long, device=dev)
+        buffers = row_buffers(torch.cat([minus, parent], 1), torch.cat([zero, depth_all[chosen]], 1), D, K)
+        tree_tokens = torch.cat([root[:, None], self.target_ids[tok_all.gather(1, chosen)]], 1)  # (B, N + 1)
+        q = torch.cat([torch.ones(B, 1, device=dev), torch.cat(probs, 1).gather(1, chosen)], 1)  # (B, N + 1)
+        draft = None
+        if sampling is not None:  # each tree node's draft distribution (its children's), over the target vocabulary
+            at = torch.cat(q_at, 1)  # (B, E): candidate index of each expanded node (-1: the root)
+            where = torch.where(at < 0, torch.zeros_like(at), position.gather(1, at.clamp(min=0)))  # (B, E); 0 = outside
+            where = torch.where((at >= 0) & (where == 0), torch.full_like(where, N + 1), where)  # not in the tree: trash row
+            dq = torch.zeros(B, N + 2, self.target_ids.numel(), device=dev)
+            dq.scatter_(1, where[:, :, None].expand(-1, -1, dq.shape[-1]), torch.cat(qs, 1).exp())
+            draft = torch.zeros(B, N + 1, self.drafter.config.vocab_size, device=dev)
+            draft[:, :, self.target_ids] = dq[:, : N + 1]
+        return Proposal(tree_tokens, buffers, q, draft)
+
+    @staticmethod
+    def _warp(logp: torch.Tensor, sampling: DraftSampling | None) -> torch.Tensor:
+        """Draft log-probabilities (B, ..., Vd) at each sampled row's temperature (greedy rows unchanged)."""
+        if sampling is None:
+            return logp
+        t = torch.where(sampling.temperature > 0, sampling.temperature, torch.ones_like(sampling.temperature)).float()
+        return torch.log_softmax(logp / t.view(-1, *([1] * (logp.dim() - 1))), dim=-1)
+
+    @staticmethod
+    def _children(logq: torch.Tensor, K: int, sampling: DraftSampling | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """K children per node: logq (B, n, Vd) -> their log q and draft ids (B, n, K).
+
+        The top-K (deterministic); with ``sampling``, sampled rows draw K i.i.d. from q instead.
+        """
+        lp, ids = logq.topk(K, dim=-1)  # (B, n, K)
+        if sampling is None:
+            return lp, ids
+        for b, (t, gen) in enumerate(zip(sampling.temperature.tolist(), sampling.generators)):
+            if t > 0:
+                draws = torch.multinomial(logq[b].exp(), K, replacement=True, generator=gen)  # (n, K)
+                ids[b] = draws
+                lp[b] = logq[b].gather(-1, draws)
+        return lp, ids
+
+
+__all__ = ["DEFAULT_DEPTH", "DEFAULT_NODES", "DEFAULT_TOPK", "Eagle", "EagleState", "default_eagle_accuracy"]
