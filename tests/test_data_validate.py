@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from distill.data.validate import validate_dataset
-from distill.store.shards import sha256_path
+from distill.store.atomic import sha256_file
 from conftest import DISTILL
 
 pytestmark = pytest.mark.vllm
@@ -33,7 +33,7 @@ def rewrite_shard(root, name, edit_rows):
     manifest = json.loads((root / "manifest.json").read_text())
     for s in manifest["shards"]:
         if s["file"] == name:
-            s.update(bytes=path.stat().st_size, sha256=sha256_path(path))
+            s.update(bytes=path.stat().st_size, sha256=sha256_file(path))
     (root / "manifest.json").write_text(json.dumps(manifest))
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from conftest import DISTILL, REPO
-from distill.store.shards import sha256_path
+from distill.store.atomic import sha256_file
 
 
 def _cli(args, env, timeout=600, check=True):
@@ -31,7 +31,7 @@ def _assert_consistent(out: Path, seed_ids_expected: int):
     for s in listed:
         path = out / s["file"]
         table = pq.read_table(path)  # every shard reads back whole
-        assert table.num_rows == s["rows"] and path.stat().st_size == s["bytes"] and sha256_path(path) == s["sha256"]
+        assert table.num_rows == s["rows"] and path.stat().st_size == s["bytes"] and sha256_file(path) == s["sha256"]
         ids += table["id"].to_pylist()
     assert len(ids) == len(set(ids)) == seed_ids_expected
     assert manifest["totals"]["rows"] == len(ids)
@@ -92,11 +92,11 @@ def test_a_different_config_into_the_same_folder_is_refused_and_nothing_is_lost(
     out = tmp_path / "out"
     base = ["generate", "--seed", "mt-bench", "--backend", "hf", "--max-new-tokens", "8", "--limit", "1", "--out", str(out), "-q"]
     _cli(base, cli_env)
-    before = {p.name: sha256_path(p) for p in out.iterdir()}
+    before = {p.name: sha256_file(p) for p in out.iterdir()}
     proc = _cli(base + ["--temperature", "0.2"], cli_env, check=False)
     assert proc.returncode == 2
     assert "different config" in proc.stderr and "temperature" in proc.stderr and "Traceback" not in proc.stderr
-    assert before == {p.name: sha256_path(p) for p in out.iterdir()}
+    assert before == {p.name: sha256_file(p) for p in out.iterdir()}
 
 
 def test_bad_input_gets_one_line_errors(tmp_path, cli_env):

@@ -48,7 +48,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from distill.data.dataset import BATCH_ROWS
-from distill.store.shards import FORMAT, MANIFEST, META_KEY, REJECTS, SHARD_RE, sha256_path, shard_schema
+from distill.store.shards import FORMAT, MANIFEST, META_KEY, REJECTS, SHARD_RE, sha256_file, shard_schema
 from distill.store.teacher import TeacherEncoding, manifest_encoding
 
 MAX_LISTED = 10  # problems listed per (file, check); the rest are counted
@@ -347,7 +347,7 @@ def validate_dataset(root: Path | str, checksums: bool = True) -> ValidationRepo
         size = path.stat().st_size
         if size != entry.get("bytes"):
             out.add(path.name, "size", f"{size} bytes, manifest says {entry.get('bytes')} (truncated or altered)")
-        if checksums and sha256_path(path) != entry.get("sha256"):
+        if checksums and sha256_file(path) != entry.get("sha256"):
             out.add(path.name, "checksum", "SHA-256 differs from the manifest (the file was altered or damaged)")
         _check_shard(path, entry, enc, id_dtype, rows, out, report)
 

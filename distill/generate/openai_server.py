@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 
 from distill.errors import BackendError, ConfigError
-from distill.generate.backends import BackendOptions, Completion, Request, _config_max_len, _vocab_size, best_distinct
+from distill.generate.backends import BackendOptions, Completion, Request, _context_limit, _vocab_size, best_distinct
 from distill.models import stop_token_ids
 
 log = logging.getLogger("distill.generate")
@@ -157,7 +157,7 @@ class OpenAIBackend:
                 raise BackendError(f"server {server.url} serves {len(models)} models ({', '.join(m.get('id', '?') for m in models)}); "
                                    "the openai backend needs a server with exactly one")
             server.model = models[0]["id"]
-            info: dict = {"max_model_len": int(models[0].get("max_model_len") or _config_max_len(self.model_path))}
+            info: dict = {"max_model_len": int(models[0].get("max_model_len") or _context_limit(self.model_path))}
             r = self._get(client, server, "/version")
             info["version"] = f"vllm {r.json().get('version')} (server)" if r.status_code == 200 else "unknown (server)"
             r = self._get(client, server, "/server_info", params={"config_format": "json"})

@@ -16,6 +16,7 @@ set that mixes two writes.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -53,6 +54,12 @@ def atomic_file(path: Path) -> Iterator[Path]:
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def sha256_file(path: Path) -> str:
+    """The hex SHA-256 of a file's bytes (what manifests record and resume verifies)."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

@@ -27,7 +27,6 @@ shard, commits the manifest, then empties the journal.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -41,7 +40,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from distill.errors import StoreError
-from distill.store.atomic import atomic_file, atomic_write_bytes, atomic_write_json
+from distill.store.atomic import atomic_file, atomic_write_bytes, atomic_write_json, sha256_file
 from distill.store.journal import Journal, journal_schema
 from distill.store.lock import FolderLock
 
@@ -84,13 +83,6 @@ def shard_schema(id_dtype: str) -> pa.Schema:
     )
 
 
-def sha256_path(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
-    return h.hexdigest()
-
 
 def read_shard_meta(path: Path) -> dict:
     md = pq.read_schema(path).metadata or {}
@@ -117,7 +109,7 @@ class ShardInfo:
             file=path.name,
             rows=table.num_rows,
             bytes=path.stat().st_size,
-            sha256=sha256_path(path),
+            sha256=sha256_file(path),
             prompt_tokens=int(pc.sum(table["n_prompt_tokens"]).as_py() or 0),
             generated_tokens=int(pc.sum(table["n_generated_tokens"]).as_py() or 0),
             ids_first=table["id"][0].as_py() if table.num_rows else "",
@@ -132,7 +124,7 @@ def shard_problem(root: Path, info: ShardInfo) -> str | None:
         return "listed in the manifest but missing"
     if p.stat().st_size != info.bytes:
         return f"{p.stat().st_size} bytes, the manifest says {info.bytes} (truncated or altered)"
-    if sha256_path(p) != info.sha256:
+    if sha256_file(p) != info.sha256:
         return "SHA-256 differs from the manifest (altered or damaged)"
     try:
         rows = pq.ParquetFile(p).metadata.num_rows
