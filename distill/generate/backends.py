@@ -18,6 +18,7 @@ from typing import Protocol
 import numpy as np
 
 from distill.errors import BackendError
+from distill.generate.config import MAX_TOPK
 from distill.models import context_limit, stop_token_ids
 
 #: vLLM on a CPU prefills whole prompts (no chunking): its batch budget is at least this many tokens.
@@ -147,7 +148,7 @@ class VLLMBackend:
             seed=opts.seed,
             enforce_eager=eager,
             logprobs_mode="raw_logprobs",
-            max_logprobs=64,  # the largest --topk GenerateConfig accepts
+            max_logprobs=MAX_TOPK,  # the largest --topk GenerateConfig accepts
             tensor_parallel_size=opts.tensor_parallel_size,
         )
         # the one context rule (distill.models.context_limit) unless --max-model-len says otherwise

@@ -16,6 +16,10 @@ DEFAULT_USER_PROMPT = "selftalk_user.md"
 DEFAULT_SELFTALK_TURNS = 4
 
 
+#: The most teacher candidates stored per token (the vLLM backend asks its engine for this many).
+MAX_TOPK = 64
+
+
 @dataclass
 class GenerateConfig:
     """Everything ``distill generate`` does is decided here (stored in every shard's metadata).
@@ -55,8 +59,8 @@ class GenerateConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ConfigError(f"--mode must be one of {', '.join(MODES)}; got '{self.mode}'")
-        if not 1 <= self.topk <= 64:
-            raise ConfigError(f"--topk must be between 1 and 64; got {self.topk}")
+        if not 1 <= self.topk <= MAX_TOPK:
+            raise ConfigError(f"--topk must be between 1 and {MAX_TOPK}; got {self.topk}")
         if self.temperature < 0:
             raise ConfigError(f"--temperature must be >= 0; got {self.temperature}")
         if not 0 < self.top_p <= 1:

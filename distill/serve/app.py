@@ -66,139 +66,134 @@ def default_body_limit(max_model_len: int) -> int:
     return max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * max_model_len)
 
 
-def create_app(engine, settings: AppSettings, worker_thread: bool = True) -> FastAPI:
-    """An app serving ``engine``.
+class _ChatShape:
+    """The response schema of ``/v1/chat/completions`` (a message per choice; streamed as deltas after a role chunk)."""
 
-    ``worker_thread``: the app's lifespan starts the scheduler's worker on a thread of its
-    own; False leaves it to the caller (``app.state.scheduler.run()``, as ``distill serve``
-    does on the main thread). Either way the lifespan's end stops it.
-    """
-    from distill.engine import SamplingParams
+    id_prefix, object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
-    metrics = ServerMetrics()
-    proposer = getattr(engine, "proposer", None)
-    metrics.proposer.labels(proposer.name if proposer is not None and settings.speculative else "none").set(1)
-    scheduler = Scheduler(engine, queue_size=settings.queue_size, max_batch=settings.max_batch,
-                          speculative=settings.speculative, metrics=metrics)
-    tokenizer = engine.tokenizer
-    vocab_size = len(tokenizer)
+    @staticmethod
+    def choice(index: int, text: str, finish_reason: str) -> dict:
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish_reason}
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
-        if worker_thread:
-            scheduler.start()
-        yield
-        scheduler.stop()
+    @staticmethod
+    def opening(indices: list[int]) -> list[dict] | None:
+        return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None} for i in indices]
 
-    app = FastAPI(title="distill serve", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.scheduler = scheduler
-    app.state.metrics = metrics
-    app.state.settings = settings
+    @staticmethod
+    def delta(index: int, text: str) -> dict:
+        return {"index": index, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
 
-    # -- errors, auth, request counting ------------------------------------------------
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status)
+    @staticmethod
+    def finish(index: int, finish_reason: str) -> dict:
+        return {"index": index, "delta": {}, "logprobs": None, "finish_reason": finish_reason}
 
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        msg = first.get("msg", "invalid request")
-        return JSONResponse(APIError(400, f"{loc}: {msg}" if loc else msg, param=loc or None).body(), status_code=400)
 
-    app.add_middleware(_Gate, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes, metrics=metrics)
+class _CompletionShape:
+    """The response schema of ``/v1/completions`` (text per choice; streamed as text pieces, no opening chunk)."""
 
-    # -- plain endpoints -------------------------------------------------------------------
-    @app.get("/health")
-    async def health():
-        if not scheduler.alive:
-            detail = scheduler.error or ("draining: finishing admitted requests" if scheduler.draining else "shutting down")
-            return JSONResponse({"status": "error", "detail": detail}, status_code=503)
-        return {"status": "ok", "model": settings.model_name, "speculative": settings.speculative}
+    id_prefix, object, chunk_object = "cmpl", "text_completion", "text_completion"
 
-    @app.get("/metrics")
-    async def prometheus():
-        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+    @staticmethod
+    def choice(index: int, text: str, finish_reason: str) -> dict:
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
 
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "created": _STARTED, "owned_by": "distill"}]}
+    @staticmethod
+    def opening(indices: list[int]) -> list[dict] | None:
+        return None
 
-    # -- completions -----------------------------------------------------------------------
-    def check_common(req) -> None:
-        if req.model != settings.model_name:
-            raise APIError(404, f"model '{req.model}' is not served here; this server serves '{settings.model_name}'",
+    @staticmethod
+    def delta(index: int, text: str) -> dict:
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": None}
+
+    @staticmethod
+    def finish(index: int, finish_reason: str) -> dict:
+        return {"index": index, "text": "", "logprobs": None, "finish_reason": finish_reason}
+
+
+class _Service:
+    """What the endpoints do, over one scheduler: validate, tokenize, queue a job, answer it whole or streamed."""
+
+    def __init__(self, engine, settings: AppSettings, metrics: ServerMetrics, scheduler: Scheduler):
+        self.settings, self.metrics, self.scheduler = settings, metrics, scheduler
+        self.tokenizer = engine.tokenizer
+        self.vocab_size = len(engine.tokenizer)
+
+    # -- a request becomes a job --------------------------------------------------------------
+    def check_common(self, req) -> None:
+        name = self.settings.model_name
+        if req.model != name:
+            raise APIError(404, f"model '{req.model}' is not served here; this server serves '{name}'",
                            param="model", code="model_not_found")
         bad = req.unsupported()
         if bad:
             raise APIError(400, f"not supported by this server: {', '.join(bad)}", param=bad[0])
 
-    def make_params(req, prompt_len: int, index: int):
+    def make_params(self, req, prompt_len: int, index: int):
+        from distill.engine import SamplingParams
+
+        context = self.settings.max_model_len
         limit = req.token_limit()
-        room = settings.max_model_len - prompt_len
+        room = context - prompt_len
         if room < 1:
-            raise APIError(400, f"the prompt has {prompt_len} tokens; this model's context is {settings.max_model_len} tokens",
+            raise APIError(400, f"the prompt has {prompt_len} tokens; this model's context is {context} tokens",
                            param="messages" if isinstance(req, ChatCompletionRequest) else "prompt", code="context_length_exceeded")
         if limit is None:
-            limit = min(settings.default_max_tokens, room)
+            limit = min(self.settings.default_max_tokens, room)
         elif limit > room:
             raise APIError(400, f"max_tokens={limit} plus the prompt's {prompt_len} tokens exceed this model's context of "
-                           f"{settings.max_model_len} tokens", param="max_tokens", code="context_length_exceeded")
+                           f"{context} tokens", param="max_tokens", code="context_length_exceeded")
         seed = None if req.seed is None else req.seed + index
         try:
             return SamplingParams(max_tokens=limit, temperature=req.temperature, top_p=req.top_p, seed=seed,
-                                  stop_token_ids=settings.stop_token_ids)
+                                  stop_token_ids=self.settings.stop_token_ids)
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
 
-    def make_job(req, prompts: list[list[int]]) -> Job:
-        if len(prompts) * req.n > settings.queue_size:
-            raise APIError(400, f"{len(prompts) * req.n} choices exceed the server's queue of {settings.queue_size}", param="n")
+    def make_job(self, req, prompts: list[list[int]]) -> Job:
+        queue = self.settings.queue_size
+        if len(prompts) * req.n > queue:
+            raise APIError(400, f"{len(prompts) * req.n} choices exceed the server's queue of {queue}", param="n")
         seqs = []
         for p, ids in enumerate(prompts):
             for c in range(req.n):
                 index = p * req.n + c
-                seqs.append(Sequence(index, ids, make_params(req, len(ids), index), StreamDecoder(tokenizer, req.stop_strings())))
+                seqs.append(Sequence(index, ids, self.make_params(req, len(ids), index), StreamDecoder(self.tokenizer, req.stop_strings())))
         job = Job(seqs, asyncio.get_running_loop(), prompt_tokens=sum(len(ids) for ids in prompts))
         try:
-            scheduler.submit(job)
+            self.scheduler.submit(job)
         except QueueFull as exc:
-            metrics.rejected.inc()
+            self.metrics.rejected.inc()
             raise APIError(503, str(exc), type="server_overloaded", code="queue_full") from None
         except ShuttingDown as exc:
             raise APIError(503, str(exc), type="server_unavailable", code="shutting_down") from None
         return job
 
-    async def tokenize(fn, *args):
+    async def tokenize(self, fn, *args):
         """``fn(*args)`` on a worker thread, off the event loop: prompts may take seconds to tokenize."""
-        metrics.tokenizing.inc()
+        self.metrics.tokenizing.inc()
         try:
             return await asyncio.to_thread(fn, *args)
         finally:
-            metrics.tokenizing.dec()
+            self.metrics.tokenizing.dec()
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest, request: Request):
-        check_common(req)
+    # -- the endpoints ----------------------------------------------------------------------
+    async def chat(self, req: ChatCompletionRequest, request: Request):
+        self.check_common(req)
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
-        ids = await tokenize(_chat_ids, messages, tokenizer)
-        job = make_job(req, [ids])
-        return await respond(job, req, request, chat=True)
+        ids = await self.tokenize(_chat_ids, messages, self.tokenizer)
+        return await self.respond(self.make_job(req, [ids]), req, request, _ChatShape)
 
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, request: Request):
-        check_common(req)
-        prompts = await tokenize(_prompt_ids, req.prompt, tokenizer, vocab_size)
-        job = make_job(req, prompts)
-        return await respond(job, req, request, chat=False)
+    async def complete(self, req: CompletionRequest, request: Request):
+        self.check_common(req)
+        prompts = await self.tokenize(_prompt_ids, req.prompt, self.tokenizer, self.vocab_size)
+        return await self.respond(self.make_job(req, prompts), req, request, _CompletionShape)
 
-    async def respond(job: Job, req, request: Request, chat: bool):
-        rid = new_id("chatcmpl" if chat else "cmpl")
-        created = now()
+    # -- answering a job ----------------------------------------------------------------------
+    async def respond(self, job: Job, req, request: Request, shape):
+        rid, created = new_id(shape.id_prefix), now()
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(_sse(job, rid, created, chat, include_usage), media_type="text/event-stream",
+            return StreamingResponse(self.sse(job, rid, created, shape, include_usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         texts = {s.index: [] for s in job.sequences}
         done: dict[int, Done] = {}
@@ -219,50 +214,36 @@ def create_app(engine, settings: AppSettings, worker_thread: bool = True) -> Fas
                 job.cancel()
         if job.cancelled.is_set():
             return Response(status_code=499)  # nobody is listening (nginx's "client closed request")
-        _record(done.values(), job)
-        prompt_tokens = job.prompt_tokens
-        completion_tokens = sum(d.completion_tokens for d in done.values())
-        choices = []
-        for i in sorted(done):
-            text = "".join(texts[i])
-            if chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": done[i].finish_reason})
-            else:
-                choices.append({"index": i, "text": text, "logprobs": None, "finish_reason": done[i].finish_reason})
-        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                "model": settings.model_name, "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+        self.record(job)
+        choices = [shape.choice(i, "".join(texts[i]), done[i].finish_reason) for i in sorted(done)]
+        return {"id": rid, "object": shape.object, "created": created, "model": self.settings.model_name, "choices": choices,
+                "usage": usage(job.prompt_tokens, sum(d.completion_tokens for d in done.values()))}
 
-    async def _sse(job: Job, rid: str, created: int, chat: bool, include_usage: bool) -> AsyncIterator[str]:
-        obj = "chat.completion.chunk" if chat else "text_completion"
+    async def sse(self, job: Job, rid: str, created: int, shape, include_usage: bool) -> AsyncIterator[str]:
         n = len(job.sequences)
         done: dict[int, Done] = {}
 
         def chunk(choices: list[dict], **extra) -> str:
-            body = {"id": rid, "object": obj, "created": created, "model": settings.model_name, "choices": choices, **extra}
+            body = {"id": rid, "object": shape.chunk_object, "created": created, "model": self.settings.model_name,
+                    "choices": choices, **extra}
             return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
         try:
-            if chat:
-                yield chunk([{"index": s.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-                             for s in job.sequences])
+            opening = shape.opening([s.index for s in job.sequences])
+            if opening is not None:
+                yield chunk(opening)
             while len(done) < n:
                 ev = await job.events.get()
                 if isinstance(ev, Delta):
-                    if chat:
-                        yield chunk([{"index": ev.index, "delta": {"content": ev.text}, "logprobs": None, "finish_reason": None}])
-                    else:
-                        yield chunk([{"index": ev.index, "text": ev.text, "logprobs": None, "finish_reason": None}])
+                    yield chunk([shape.delta(ev.index, ev.text)])
                 elif isinstance(ev, Done):
                     done[ev.index] = ev
-                    if chat:
-                        yield chunk([{"index": ev.index, "delta": {}, "logprobs": None, "finish_reason": ev.finish_reason}])
-                    else:
-                        yield chunk([{"index": ev.index, "text": "", "logprobs": None, "finish_reason": ev.finish_reason}])
+                    yield chunk([shape.finish(ev.index, ev.finish_reason)])
                 elif isinstance(ev, Failed):
                     yield f"data: {json.dumps(_failed_error(ev).body())}\n\n"
                     yield "data: [DONE]\n\n"
                     return
-            _record(done.values(), job)
+            self.record(job)
             if include_usage:
                 yield chunk([], usage=usage(job.prompt_tokens, sum(d.completion_tokens for d in done.values())))
             yield "data: [DONE]\n\n"
@@ -270,9 +251,72 @@ def create_app(engine, settings: AppSettings, worker_thread: bool = True) -> Fas
             if len(done) < n:
                 job.cancel()
 
-    def _record(done, job: Job) -> None:
-        metrics.request_latency.observe(time.monotonic() - job.arrived)
-        metrics.prompt_tokens.inc(job.prompt_tokens)
+    def record(self, job: Job) -> None:
+        self.metrics.request_latency.observe(time.monotonic() - job.arrived)
+        self.metrics.prompt_tokens.inc(job.prompt_tokens)
+
+
+def create_app(engine, settings: AppSettings, worker_thread: bool = True) -> FastAPI:
+    """An app serving ``engine``: the routes, error handlers and middleware around a :class:`_Service`.
+
+    ``worker_thread``: the app's lifespan starts the scheduler's worker on a thread of its
+    own; False leaves it to the caller (``app.state.scheduler.run()``, as ``distill serve``
+    does on the main thread). Either way the lifespan's end stops it.
+    """
+    metrics = ServerMetrics()
+    proposer = getattr(engine, "proposer", None)
+    metrics.proposer.labels(proposer.name if proposer is not None and settings.speculative else "none").set(1)
+    scheduler = Scheduler(engine, queue_size=settings.queue_size, max_batch=settings.max_batch,
+                          speculative=settings.speculative, metrics=metrics)
+    service = _Service(engine, settings, metrics, scheduler)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if worker_thread:
+            scheduler.start()
+        yield
+        scheduler.stop()
+
+    app = FastAPI(title="distill serve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.scheduler = scheduler
+    app.state.metrics = metrics
+    app.state.settings = settings
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        msg = first.get("msg", "invalid request")
+        return JSONResponse(APIError(400, f"{loc}: {msg}" if loc else msg, param=loc or None).body(), status_code=400)
+
+    app.add_middleware(_Gate, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes, metrics=metrics)
+
+    @app.get("/health")
+    async def health():
+        if not scheduler.alive:
+            detail = scheduler.error or ("draining: finishing admitted requests" if scheduler.draining else "shutting down")
+            return JSONResponse({"status": "error", "detail": detail}, status_code=503)
+        return {"status": "ok", "model": settings.model_name, "speculative": settings.speculative}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "created": _STARTED, "owned_by": "distill"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, request: Request):
+        return await service.chat(req, request)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        return await service.complete(req, request)
 
     return app
 

@@ -248,11 +248,9 @@ def _make_optimizer(groups: list[dict], cfg: TrainConfig, device: torch.device):
 
 
 def _has_bnb() -> bool:
-    try:
-        import bitsandbytes  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    import importlib.util
+
+    return importlib.util.find_spec("bitsandbytes") is not None
 
 
 def count_batches(data: Path, max_len: int, batch_size: int, context: int = 0, pack: bool = False,
