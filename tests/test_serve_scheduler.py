@@ -134,10 +134,10 @@ def test_a_sequence_whose_step_raises_fails_alone_and_the_others_resume_unchange
         bad.sequences[0].params = SamplingParams(max_tokens=16, temperature=0.7, seed=marked)
         real = engine._accept
 
-        def accept(tokens, logits, buf, seqs):  # the marked row breaks any step after its third token
+        def accept(tokens, logits, buf, seqs, *rest):  # the marked row breaks any step after its third token
             if any(s.params.seed == marked and (len(s.tokens) >= 3 or s.params.max_tokens < 16) for s in seqs):
                 raise RuntimeError("injected failure of one row")
-            return real(tokens, logits, buf, seqs)
+            return real(tokens, logits, buf, seqs, *rest)
 
         engine._accept = accept
         try:
