@@ -26,6 +26,7 @@ plain = test_serve_api.plain  # the engine's own greedy answers, the reference (
 pytestmark = pytest.mark.slow
 
 MAX_BODY = 8_000_000
+LONG_QUESTION = "Tell me a very long story about a dragon."
 GRACE_S = 30  # far beyond the short request's few tokens on a busy 2-core machine, far short of 4000 tokens
 QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "Write a haiku about the sea.",
              "How many legs does a spider have?", "Give me a synonym for happy.", "What is 12 times 12?"]
@@ -169,10 +170,11 @@ def test_sigterm_drains_finishes_the_short_request_ends_the_long_ones_cleanly_an
         first[name].set()
 
     with cf.ThreadPoolExecutor(3) as pool:
-        long_stream = pool.submit(stream, "long", "Tell me a very long story about a dragon.", 4000)
+        long_stream = pool.submit(stream, "long", LONG_QUESTION, 4000)
         assert first["long"].wait(240)
         running = metrics(server).get("distill_running_sequences", 0)
-        long_plain = pool.submit(httpx.post, f"{server.url}/v1/chat/completions", json=body("Tell me a long story.", max_tokens=4000),
+        # the long stream's own question (greedy: the same answer), started later: cut whenever the stream is
+        long_plain = pool.submit(httpx.post, f"{server.url}/v1/chat/completions", json=body(LONG_QUESTION, max_tokens=4000),
                                  timeout=300)
         wait_for(lambda: metrics(server).get("distill_running_sequences", 0) >= running + 1, "the second long request to decode")
         short = pool.submit(stream, "short", QUESTIONS[0], 6)
