@@ -54,7 +54,7 @@ import torch  # noqa: E402
 
 from distill.runtime import machine  # noqa: E402
 from distill.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
-from distill.seeds import load_seed  # noqa: E402
+from bench_batching import mt_bench_prompts  # noqa: E402  (one MT-Bench first-turn prompt set for the engine benches)
 from distill.store.atomic import atomic_write_bytes  # noqa: E402
 
 MATMUL = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "mkl::", "mkldnn::")
@@ -71,19 +71,6 @@ def rss_mib() -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return float("nan")
-
-
-def mt_bench_prompts(tokenizer, n: int) -> list[list[int]]:
-    out = []
-    for conv in load_seed("mt-bench"):
-        first = next((m for m in getattr(conv, "messages", []) if m.role == "user"), None)
-        if first is None:
-            continue
-        out.append(list(tokenizer.apply_chat_template([{"role": "user", "content": first.content}], add_generation_prompt=True,
-                                                      tokenize=True, return_dict=True)["input_ids"]))
-        if len(out) == n:
-            break
-    return out
 
 
 def cpu_description() -> dict:
