@@ -58,7 +58,7 @@ def test_serve_config_rejects_bad_options(options, message):
 
 def test_serve_cli_reports_a_bad_option_in_one_line(tmp_path):
     r = subprocess.run([DISTILL, "serve", "--engine", "vllm"], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and r.stderr.strip().splitlines() == ["error: --engine vllm serves the model with Medusa heads: pass --heads DIR"]
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == ["error: --engine vllm serves the model with Medusa heads or an EAGLE-3 drafter: pass --heads DIR"]
     r = subprocess.run([DISTILL, "serve", "--help"], capture_output=True, text=True, timeout=120)
     assert "single" in r.stdout and "chain" in r.stdout and "127.0.0.1" in r.stdout
     assert "DISTILL_API_KEY" in r.stdout and "(ps)" in r.stdout  # the key's safe way in, and why
