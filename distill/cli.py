@@ -510,7 +510,7 @@ def export(
 
 
 # == serving commands: distill serve, bench ==
-HeadsOpt = Annotated[Optional[Path], typer.Option("--heads", help="Medusa heads or EAGLE-3 drafter folder (from `distill train-heads`).")]
+HeadsOpt = Annotated[Optional[Path], typer.Option("--heads", help="Medusa heads or EAGLE-3 drafter folder (from `distill train-heads`), or `lookup`: draft from n-gram matches in each request's own context, nothing trained.")]
 DraftNodesOpt = Annotated[Optional[int], typer.Option("--draft-nodes", help="EAGLE drafter: node budget of its dynamic tree (default 24).")]
 TreeOpt = Annotated[Optional[str], typer.Option("--tree", help="Verification tree: tree.json path, chain[-K], sparse-N, or Cartesian 3,2,2,1 (default: the heads' tree.json, else sparse-24).")]
 
@@ -582,7 +582,7 @@ def serve(
 @app.command()
 def bench(
     ctx: typer.Context,
-    heads: Annotated[Optional[Path], typer.Option("--heads", help="Medusa heads or EAGLE-3 drafter folder (from `distill train-heads`; default with --config: its train: out).")] = None,
+    heads: Annotated[Optional[Path], typer.Option("--heads", help="Medusa heads or EAGLE-3 drafter folder (from `distill train-heads`; default with --config: its train: out), or `lookup`: draft from n-gram matches in each prompt's own context, nothing trained.")] = None,
     config: ConfigOpt = None,
     set_: SetOpt = None,
     model: ModelOpt = None,

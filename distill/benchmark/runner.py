@@ -80,8 +80,9 @@ class BenchRunner:
                                 speculate_max_batch=1 if config.full_tree else None, dtype=config.dtype, device=config.device,
                                 **({"draft_nodes": config.draft_nodes} if config.draft_nodes else {}))
             engine = Engine.from_pretrained(config.model, config.heads, ecfg)
-        if engine.heads is None:
-            raise ConfigError("the benchmark compares plain and speculative (Medusa or EAGLE) decoding: pass --heads DIR")
+        if engine.proposer is None:
+            raise ConfigError("the benchmark compares plain and speculative (Medusa, EAGLE or lookup) decoding: "
+                              "pass --heads DIR or --heads lookup")
         self.engine = engine
 
     def _one(self, prompt: Prompt, ids: list[int], acceptance: str, speculative: bool, seed: int) -> Run:
@@ -119,6 +120,8 @@ class BenchRunner:
         tree, proposer = self.engine.tree, self.engine.proposer
         if tree is not None:
             nodes, source = len(tree.paths), tree.source
+        elif proposer.name == "lookup":  # a tree of up to max_nodes nodes from n-gram matches in the context
+            nodes, source = proposer.max_nodes, f"lookup (n-gram matches in the context, depth {proposer.depth})"
         else:  # EAGLE: a dynamic tree of up to max_nodes nodes, drafted per step
             nodes, source = proposer.max_nodes, f"{proposer.name} dynamic (depth {proposer.depth}, top-{proposer.topk})"
         return BenchResult(
@@ -136,7 +139,7 @@ class BenchRunner:
 
         cfg = self.config
         if self.engine.tree is None:
-            raise ConfigError("--sweep-tree sweeps Medusa's static trees; an EAGLE drafter's tree is drafted per step "
+            raise ConfigError("--sweep-tree sweeps Medusa's static trees; an EAGLE or lookup tree is drafted per step "
                               "(size it with the engine's draft_nodes)")
         acc, source = accuracy_table(Path(cfg.heads), self.engine.heads.config.num_heads)
         return sweep_tree_sizes(self.engine.model, self.engine.heads, acc, cfg.sweep_nodes, cfg.sweep_context,

@@ -59,6 +59,7 @@ from distill.engine.acceptance import (
     warp,
 )
 from distill.engine.eagle import DEFAULT_DEPTH, DEFAULT_NODES, DEFAULT_TOPK, Eagle
+from distill.engine.lookup import Lookup
 from distill.engine.medusa import Medusa
 from distill.engine.policy import DEFAULT_COST_RATIO, AdaptivePolicy, choose_tree_size
 from distill.engine.proposer import DraftSampling, Proposal, Proposer
@@ -73,6 +74,8 @@ from distill.runtime import canonical_dtype, stage_dtype, torch_dtype
 
 ACCEPTANCE_MODES = ("greedy", "typical", "rejection")
 WEIGHT_LAYOUTS = ("auto", "as-loaded")
+#: The ``heads`` value (``--heads lookup``) that drafts from n-gram matches in the context (:mod:`distill.engine.lookup`).
+LOOKUP = "lookup"
 
 
 @dataclass
@@ -198,8 +201,8 @@ class _Seq:
 class Engine:
     """Plain, Medusa and EAGLE decoding (see the module docstring). One generate() at a time per instance.
 
-    ``heads``: Medusa heads (:class:`MedusaHeads`) or an EAGLE-3 drafter (:class:`EagleDrafter`).
-    The engine prepares the model (and heads) it is given, in place, values unchanged: weights
+    ``heads``: Medusa heads (:class:`MedusaHeads`), an EAGLE-3 drafter (:class:`EagleDrafter`), or
+    the lookup proposer (:class:`~distill.engine.lookup.Lookup`: n-gram matches in the context). The engine prepares the model (and heads) it is given, in place, values unchanged: weights
     re-laid out per ``EngineConfig.weight_layout`` (:mod:`distill.engine.weights`) and ``sdpa``
     attention switched to ``distill_sdpa`` (:mod:`distill.engine.attention`).
     """
@@ -208,7 +211,7 @@ class Engine:
         self,
         model,
         tokenizer,
-        heads: MedusaHeads | EagleDrafter | None = None,
+        heads: MedusaHeads | EagleDrafter | Lookup | None = None,
         config: EngineConfig | None = None,
         model_name: str = "",
         tree: ResolvedTree | None = None,
@@ -230,8 +233,8 @@ class Engine:
         self.proposer: Proposer | None = None
         self._taus: dict[int, float] = {}
         self._proposal: dict[int, float] = {}
-        if heads is not None:
-            self.proposer = self._proposer(heads, tree)
+        if heads is not None:  # a Lookup drafts from the context: nothing to check against the model
+            self.proposer = heads if isinstance(heads, Lookup) else self._proposer(heads, tree)
             self._taus = self.proposer.taus()
             forward = self._forward_weights()
             self._proposal = {n: self.proposer.proposal_cost(n, forward) for n in self._taus}
@@ -270,8 +273,8 @@ class Engine:
 
     @property
     def heads(self) -> MedusaHeads | EagleDrafter | None:
-        """The Medusa heads or the EAGLE drafter (None: plain decoding only)."""
-        if self.proposer is None:
+        """The Medusa heads or the EAGLE drafter (None: plain decoding only, or the lookup proposer)."""
+        if self.proposer is None or isinstance(self.proposer, Lookup):
             return None
         return self.proposer.heads if isinstance(self.proposer, Medusa) else self.proposer.drafter
 
@@ -289,20 +292,25 @@ class Engine:
     @classmethod
     def from_pretrained(cls, model: str | None, heads: str | Path | None, config: EngineConfig | None = None) -> "Engine":
         """model: None = the bundled default, a local folder or Hub id; heads: a Medusa heads or EAGLE-3 drafter folder
-        (:func:`~distill.heads.eagle.is_eagle3_folder`), or None (plain only)."""
+        (:func:`~distill.heads.eagle.is_eagle3_folder`), :data:`LOOKUP` (the lookup proposer: no drafter), or None
+        (plain only)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from distill.models import resolve_model
 
         config = config or EngineConfig()
         resolved = resolve_model(model)
-        teacher = read_distill_meta(Path(heads)).get("teacher_dtype") if heads is not None else None
+        lookup = heads == LOOKUP
+        teacher = read_distill_meta(Path(heads)).get("teacher_dtype") if heads is not None and not lookup else None
         where = stage_dtype(resolved.path, config.device, config.dtype, teacher, what=f"the heads in {heads}")
         config = dataclasses.replace(config, device=where.device, dtype=where.dtype)
         device = torch.device(config.device)
         lm = AutoModelForCausalLM.from_pretrained(resolved.path, dtype=config.torch_dtype).to(device).eval()
         tok = AutoTokenizer.from_pretrained(resolved.path)
-        mh, tree = load_heads(heads, config) if heads is not None else (None, None)
+        if lookup:
+            mh, tree = Lookup(max_nodes=config.draft_nodes), None
+        else:
+            mh, tree = load_heads(heads, config) if heads is not None else (None, None)
         return cls(lm, tok, mh, config, model_name=resolved.name, tree=tree)
 
     def _eos_ids(self) -> set[int]:

@@ -63,7 +63,7 @@ def build_app(cfg: ServeConfig, worker_thread: bool = True):
         max_batch=cfg.engine_batch,
         default_max_tokens=cfg.default_max_tokens,
         api_key=cfg.api_key,
-        speculative=engine.heads is not None,
+        speculative=engine.proposer is not None,
         max_body_bytes=cfg.max_body_bytes,
     )
     return create_app(engine, settings, worker_thread=worker_thread), settings
