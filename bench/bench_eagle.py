@@ -1,4 +1,4 @@
-"""EAGLE-3 vs Medusa-1 drafters trained on the same data and token budget: acceptance, tokens/step, wall-clock (issue 14).
+"""Drafters side by side: EAGLE-3 vs Medusa-1 trained on the same data and token budget, the lookup proposer, bare vLLM (issue 14).
 
     OMP_NUM_THREADS=2 python bench/bench_eagle.py --eagle out/eagle3 --medusa out/medusa --eval out/eagle-split/eval \\
         --out bench/results/eagle.json
@@ -19,7 +19,9 @@ wall-clock at batch 1
     tokens/s of plain decoding, each drafter with the engine's policy choosing the tree size,
     and each drafter with its full tree, over the same prompts, alternating the order per prompt;
     every greedy output must equal plain decoding's. ``--vllm`` adds bare vLLM plain decoding
-    (in-process engine core, eager, as bench/bench_engine_step.py times it) in the same rotation.
+    (in-process engine core, eager, as bench/bench_engine_step.py times it) in the same rotation;
+    ``--vllm-speculative JSON`` gives that vLLM a speculative config (its ``ngram`` prompt lookup,
+    the counterpart of ``--lookup``).
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ import torch  # noqa: E402
 
 from bench_engine_step import cpu_description, mt_bench_prompts, vllm, vllm_llm  # noqa: E402
 from distill.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
-from distill.engine.engine import load_heads  # noqa: E402
+from distill.engine.engine import LOOKUP, load_heads  # noqa: E402
+from distill.engine.lookup import Lookup  # noqa: E402
 from distill.store.atomic import atomic_write_bytes  # noqa: E402
 
 
@@ -66,7 +69,9 @@ def depth_acceptance(accepted: list[int], depth: int) -> list[float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
-    ap.add_argument("--eagle", required=True, type=Path)
+    ap.add_argument("--eagle", type=Path, help="EAGLE-3 drafter folder (omit: no EAGLE rows)")
+    ap.add_argument("--lookup", action="store_true", help="add the lookup proposer (n-gram matches in the context, nothing trained)")
+    ap.add_argument("--lookup-nodes", type=int, default=8, help="the lookup proposer's node budget")
     ap.add_argument("--medusa", type=Path, help="Medusa heads trained on the same data and budget (omit: EAGLE vs plain only)")
     ap.add_argument("--eval", type=Path, help="held-out dataset folder for teacher-forced per-depth acceptance")
     ap.add_argument("--eval-tokens", type=int, default=4000)
@@ -77,6 +82,9 @@ def main() -> None:
     ap.add_argument("--eagle-topk", type=int, default=8)
     ap.add_argument("--medusa-nodes", type=int, default=24, help="Medusa's full tree: its calibrated tree cut to this many nodes")
     ap.add_argument("--vllm", action="store_true")
+    ap.add_argument("--vllm-speculative", type=json.loads, default=None, metavar="JSON",
+                    help='vLLM\'s speculative_config for its row, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+                         '"prompt_lookup_max": 6, "prompt_lookup_min": 1}\' (vLLM\'s own prompt lookup)')
     ap.add_argument("--out", default="bench/results/eagle.json")
     args = ap.parse_args()
 
@@ -89,7 +97,7 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(resolved.path)
     result: dict = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "cpu": cpu_description(),
                     "model": resolved.name, "args": {k: str(v) for k, v in vars(args).items()}}
-    if args.eval:
+    if args.eval and args.eagle:
         t0 = time.perf_counter()
         with torch.inference_mode():
             result["held_out"] = held_out_acceptance(model, args.eagle, args.medusa, args.eval, args.eval_tokens, args.eagle_depth)
@@ -104,15 +112,20 @@ def main() -> None:
         "medusa-full": (args.medusa, EngineConfig(max_batch=1, dtype="float32", device="cpu", tree=f"sparse-{args.medusa_nodes}", speculate_max_batch=1)),
         "eagle-full": (args.eagle, EngineConfig(max_batch=1, dtype="float32", device="cpu", speculate_max_batch=1, **eagle_tree)),
     }
-    if args.medusa is None:
-        configs = {k: v for k, v in configs.items() if not k.startswith("medusa")}
+    if args.lookup:
+        configs["lookup-policy"] = (LOOKUP, EngineConfig(max_batch=1, dtype="float32", device="cpu"))
+        configs["lookup-full"] = (LOOKUP, EngineConfig(max_batch=1, dtype="float32", device="cpu", speculate_max_batch=1))
+    configs = {k: v for k, v in configs.items() if v[0] is not None or k == "plain"}  # drafters not given: no rows
     engines = {}
     for name, (folder, cfg) in configs.items():
-        heads, tree = load_heads(folder, cfg) if folder is not None else (None, None)
+        if folder == LOOKUP:
+            heads, tree = Lookup(max_nodes=args.lookup_nodes), None
+        else:
+            heads, tree = load_heads(folder, cfg) if folder is not None else (None, None)
         engines[name] = Engine(model, tok, heads, cfg, model_name=resolved.name, tree=tree)
     result["policy_nodes_at_batch_1"] = {k: e.tree_size_for(1) for k, e in engines.items() if k.endswith("policy")}
     prompts = mt_bench_prompts(tok, args.prompts)
-    llm = vllm_llm(str(resolved.path)) if args.vllm else None
+    llm = vllm_llm(str(resolved.path), args.vllm_speculative) if args.vllm else None
     stop = sorted(engines["plain"].stop_ids)
     sp = SamplingParams(max_tokens=args.max_tokens)
     names = list(engines) + (["vllm"] if llm else [])
@@ -158,7 +171,7 @@ def main() -> None:
             acc = [a for r in rs for a in r["accepted"]]
             row.update(tokens_per_step=sum(acc) / len(acc), steps=len(acc),
                        step_ms_median=1000 * statistics.median(r["step_seconds_median"] for r in rs),
-                       depth_acceptance=depth_acceptance(acc, args.eagle_depth if "eagle" in name else 5),
+                       depth_acceptance=depth_acceptance(acc, args.eagle_depth if "eagle" in name else 6 if "lookup" in name else 5),
                        mean_nodes=statistics.mean(n for r in rs for n in r["nodes_per_step"]))
         summary[name] = row
     result["summary"] = summary

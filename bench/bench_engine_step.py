@@ -100,10 +100,11 @@ def ours(engine: Engine, prompts: list[list[int]], max_tokens: int, batch: int) 
     return sum(map(len, outs)), time.perf_counter() - t0, outs
 
 
-def vllm_llm(model_path: str):
+def vllm_llm(model_path: str, speculative_config: dict | None = None):
     from vllm import LLM
 
-    return LLM(model=model_path, dtype="float32", enforce_eager=True, seed=0, max_model_len=2048)
+    extra = {"speculative_config": speculative_config} if speculative_config else {}
+    return LLM(model=model_path, dtype="float32", enforce_eager=True, seed=0, max_model_len=2048, **extra)
 
 
 def vllm(llm, prompts: list[list[int]], max_tokens: int, batch: int, stop_ids: list[int]) -> tuple[int, float, list[list[int]]]:

@@ -640,9 +640,10 @@ def run_pipeline(
     typer.echo("| stage | status | seconds | output |\n| --- | --- | ---: | --- |")
     for r in report.stages:
         typer.echo(f"| {r.stage} | {r.status} | {r.seconds:.0f} | {r.output} |")
-    for mode, g in report.result.get("overall", {}).items():
-        typer.echo(f"{mode}: {g['tokens_per_step']:.2f} tokens/step, step overhead {g['step_overhead']:.2f}x, "
-                   f"speedup {g['speedup']:.2f}x ({g['plain_tokens_per_s']:.1f} -> {g['medusa_tokens_per_s']:.1f} tok/s)")
+    for who, key in (("trained drafter", "overall"), ("lookup (nothing trained)", "lookup")):
+        for mode, g in report.result.get(key, {}).items():
+            typer.echo(f"{who}, {mode}: {g['tokens_per_step']:.2f} tokens/step, step overhead {g['step_overhead']:.2f}x, "
+                       f"speedup {g['speedup']:.2f}x ({g['plain_tokens_per_s']:.1f} -> {g['medusa_tokens_per_s']:.1f} tok/s)")
     typer.echo(f"heads: {cfg.out}/heads  tree: {cfg.out}/calibrate/tree.json  bench: {cfg.out}/bench/bench.md")
 
 

@@ -12,7 +12,8 @@ stage
     split      ``out/split/{train,eval}`` ``distill data split``
     train      ``out/heads/``          ``distill train-heads`` (resumes from its checkpoints)
     calibrate  ``out/calibrate/``      ``distill calibrate`` on ``split/eval`` (tree.json)
-    bench      ``out/bench/``          ``distill bench`` with the calibrated tree
+    bench      ``out/bench/``          ``distill bench`` with the calibrated tree; with ``lookup: true``
+                                       also the lookup proposer (``out/bench/lookup/``)
     ========== ======================= ==========================================
 
 fingerprint
@@ -271,11 +272,17 @@ class Pipeline:
         self._clear("bench")
         if "modes" in o and isinstance(o["modes"], str):
             o["modes"] = tuple(m.strip() for m in o["modes"].split(",") if m.strip())
+        lookup = bool(o.pop("lookup", False))
         result, _ = run_bench(config_from_options(BenchConfig, o, "bench"))
-        overall = {}
-        for g in result.groups:
-            if g.category == "all":
-                overall[g.acceptance] = {"tokens_per_step": g.acceleration_rate, "step_overhead": g.step_overhead,
-                                         "speedup": g.speedup, "plain_tokens_per_s": g.plain_tokens_per_s,
-                                         "medusa_tokens_per_s": g.medusa_tokens_per_s}
-        return {"tree_nodes": result.tree.get("nodes"), "overall": overall}
+        summary = {"tree_nodes": result.tree.get("nodes"), "overall": _overall(result)}
+        if lookup:  # the same prompts with the lookup proposer: what the context alone gives, nothing trained
+            o = dict(o, heads="lookup", tree=None, out=str(Path(o["out"]) / "lookup"))
+            summary["lookup"] = _overall(run_bench(config_from_options(BenchConfig, o, "bench"))[0])
+        return summary
+
+
+def _overall(result) -> dict:
+    """The bench's "all prompts" figures per acceptance mode."""
+    return {g.acceptance: {"tokens_per_step": g.acceleration_rate, "step_overhead": g.step_overhead, "speedup": g.speedup,
+                           "plain_tokens_per_s": g.plain_tokens_per_s, "medusa_tokens_per_s": g.medusa_tokens_per_s}
+            for g in result.groups if g.category == "all"}

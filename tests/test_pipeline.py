@@ -28,7 +28,7 @@ TINY = {
     "split": {"eval_fraction": 0.3},
     "train": {"heads": 2, "share_lm_head": True, "max_len": 128, "batch_size": 2, "steps": 4, "save_every": 2, "lr": 0.003},
     "calibrate": {"nodes": 4, "max_len": 128},
-    "bench": {"limit": 2, "max_tokens": 12, "modes": "greedy"},
+    "bench": {"limit": 2, "max_tokens": 12, "modes": "greedy", "lookup": True},
 }
 
 
@@ -73,6 +73,8 @@ def test_pipeline_runs_every_stage_then_skips_them_and_reruns_only_what_a_change
     assert "tokens/step" in first.stdout and "speedup" in first.stdout
     bench = json.loads((out / "bench" / "bench.json").read_text())
     assert bench["tree"]["nodes"] == 4  # the calibrated tree was the one benchmarked
+    lookup = json.loads((out / "bench" / "lookup" / "bench.json").read_text())  # and the lookup proposer beside it
+    assert lookup["tree"]["proposer"] == "lookup" and "lookup (nothing trained), greedy:" in first.stdout
     assert json.loads((out / "validate.json").read_text())["ok"] is True
 
     again = _run(_write(tmp_path, "a", out), cli_env)
