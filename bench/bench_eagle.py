@@ -76,6 +76,7 @@ def main() -> None:
     ap.add_argument("--eval", type=Path, help="held-out dataset folder for teacher-forced per-depth acceptance")
     ap.add_argument("--eval-tokens", type=int, default=4000)
     ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--round-robin", action="store_true", help="prompts round-robin over the MT-Bench categories (default: the first ones, all writing)")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--eagle-nodes", type=int, default=24)
     ap.add_argument("--eagle-depth", type=int, default=5)
@@ -124,7 +125,13 @@ def main() -> None:
             heads, tree = load_heads(folder, cfg) if folder is not None else (None, None)
         engines[name] = Engine(model, tok, heads, cfg, model_name=resolved.name, tree=tree)
     result["policy_nodes_at_batch_1"] = {k: e.tree_size_for(1) for k, e in engines.items() if k.endswith("policy")}
-    prompts = mt_bench_prompts(tok, args.prompts)
+    if args.round_robin:  # as `distill bench --limit` takes them: one category after the other
+        from distill.benchmark import load_prompts
+        from distill.benchmark.runner import chat_ids
+
+        prompts = [chat_ids(tok, p.messages) for p in load_prompts("mt-bench", args.prompts)]
+    else:
+        prompts = mt_bench_prompts(tok, args.prompts)
     llm = vllm_llm(str(resolved.path), args.vllm_speculative) if args.vllm else None
     stop = sorted(engines["plain"].stop_ids)
     sp = SamplingParams(max_tokens=args.max_tokens)

@@ -113,3 +113,13 @@ def test_serve_cli_passes_arguments_after_the_double_dash_to_vllm(heads_dir):
     r = subprocess.run([DISTILL, "serve", "--heads", str(heads_dir), "--print-command", "--", "--enforce-eager"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "need --engine vllm" in r.stderr
+
+
+def test_vllm_command_for_lookup_is_vllm_s_ngram_prompt_lookup_with_the_same_ngram_range():
+    from distill.engine.lookup import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM
+
+    cmd = vllm_command(ServeConfig(engine="vllm", heads="lookup", num_speculative_tokens=3))
+    spec = json.loads(cmd[cmd.index("--speculative-config") + 1])
+    assert spec == {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": DEFAULT_MAX_NGRAM,
+                    "prompt_lookup_min": DEFAULT_MIN_NGRAM}
+    assert cmd[cmd.index("--dtype") + 1] == "float32"

@@ -127,9 +127,12 @@ def serve(cfg: ServeConfig, log_level: str = "info") -> None:
 # -- --engine vllm -------------------------------------------------------------------------
 #: Drafts per step vLLM's EAGLE-3 proposer makes when --num-speculative-tokens is not given (vLLM's examples use 3).
 VLLM_EAGLE_TOKENS = 3
+#: Drafts per step of vLLM's ngram proposer for --heads lookup when --num-speculative-tokens is not given.
+VLLM_LOOKUP_TOKENS = 4
 
 def vllm_command(cfg: ServeConfig, python: str | None = None) -> list[str]:
-    """The command that starts vLLM's OpenAI server with the heads as its Medusa speculator.
+    """The command that starts vLLM's OpenAI server with the heads as its Medusa or EAGLE-3 speculator
+    (``--heads lookup``: vLLM's ``ngram`` prompt lookup, with the lookup proposer's n-gram range).
 
     vLLM proposes one chain (each head's top-1 token) and verifies it; it has no
     tree attention, so ``--tree`` does not apply. The dtype follows the one rule
@@ -137,11 +140,19 @@ def vllm_command(cfg: ServeConfig, python: str | None = None) -> list[str]:
     own defaults stand for everything else, and ``cfg.vllm_args`` (what followed ``--``
     on the command line) are appended unchanged.
     """
+    from distill.engine.engine import LOOKUP
+    from distill.engine.lookup import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM
     from distill.heads.eagle import is_eagle3_folder
     from distill.heads.model import HeadsConfig, read_distill_meta
     from distill.models import resolve_model
     from distill.runtime import stage_dtype
 
+    if cfg.heads == LOOKUP:  # vLLM's prompt lookup: one chain from the context's n-gram match, nothing loaded
+        resolved = resolve_model(cfg.model)
+        where = stage_dtype(resolved.path, "auto", cfg.dtype, None, what="the model")
+        spec = {"method": "ngram", "num_speculative_tokens": cfg.num_speculative_tokens or VLLM_LOOKUP_TOKENS,
+                "prompt_lookup_max": DEFAULT_MAX_NGRAM, "prompt_lookup_min": DEFAULT_MIN_NGRAM}
+        return _vllm_server_command(cfg, python, resolved, spec, where.dtype)
     heads = Path(cfg.heads).expanduser().resolve()
     if not (heads / "config.json").is_file():
         raise ConfigError(f"--heads {cfg.heads} is not a heads folder (needs config.json and model.safetensors)")
@@ -158,13 +169,17 @@ def vllm_command(cfg: ServeConfig, python: str | None = None) -> list[str]:
     resolved = resolve_model(cfg.model)
     where = stage_dtype(resolved.path, "auto", cfg.dtype, read_distill_meta(heads).get("teacher_dtype"), what=f"the heads in {heads}")
     spec = {"method": method, "model": str(heads), "num_speculative_tokens": k}
+    return _vllm_server_command(cfg, python, resolved, spec, where.dtype)
+
+
+def _vllm_server_command(cfg: ServeConfig, python: str | None, resolved, spec: dict, dtype: str) -> list[str]:
     cmd = [
         python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(resolved.path),
         "--served-model-name", cfg.served_model_name or resolved.name,
         "--host", cfg.host, "--port", str(cfg.port),
         "--speculative-config", json.dumps(spec),
-        "--dtype", where.dtype,
+        "--dtype", dtype,
     ]
     if cfg.max_batch is not None:
         cmd += ["--max-num-seqs", str(cfg.max_batch)]
