@@ -2,7 +2,7 @@
 
 One server per fixture (module scope): the bundled model with freshly initialised
 heads (random residual weights), greedy answers checked token for token against the
-engine's plain decoding. A second, tiny-queue server checks HTTP 503. The last test
+engine's plain decoding. A second, tiny-queue server (the lookup proposer) checks HTTP 503. The last test
 stops the main server with SIGTERM.
 """
 
@@ -297,14 +297,15 @@ def test_sigterm_stops_the_server_cleanly(server):
 
 
 @pytest.fixture(scope="module")
-def tiny_queue_server(tmp_path_factory, heads_dir):
-    srv = Server(["--heads", str(heads_dir), "--max-batch", "1", "--queue-size", "1", "--max-tokens", "24", "--static"],
+def tiny_queue_server(tmp_path_factory):
+    """The lookup proposer (``--heads lookup``: nothing trained) behind a queue of one."""
+    srv = Server(["--heads", "lookup", "--max-batch", "1", "--queue-size", "1", "--max-tokens", "24", "--static"],
                  tmp_path_factory.mktemp("log") / "serve-small.log")
     yield srv
     srv.stop()
 
 
-def test_full_queue_answers_503_and_the_admitted_requests_succeed(tiny_queue_server):
+def test_full_queue_answers_503_and_the_admitted_requests_succeed(tiny_queue_server, plain):
     client = tiny_queue_server.client(key="unused", max_retries=0)
     model = client.models.list().data[0].id
 
@@ -320,4 +321,7 @@ def test_full_queue_answers_503_and_the_admitted_requests_succeed(tiny_queue_ser
     refused = [r for r in results if r == 503]
     answered = [r for r in results if isinstance(r, str)]
     assert refused and answered and len(refused) + len(answered) == 8, results
-    assert all(answered)
+    for i, r in enumerate(results):  # greedy with lookup drafting: plain decoding's answers
+        if isinstance(r, str):
+            assert r == plain(chat(QUESTIONS[i % len(QUESTIONS)]), max_tokens=24)[0]
+    assert 'distill_proposer{proposer="lookup"} 1.0' in httpx.get(f"{tiny_queue_server.url}/metrics").text

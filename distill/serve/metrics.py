@@ -54,7 +54,7 @@ class ServerMetrics:
             "distill_acceptance_ratio", "Measured / calibrated accepted tokens per step (the adaptive policy's rho; 1 = as calibrated)",
             registry=r,
         )
-        self.proposer = Gauge("distill_proposer", "The proposer that drafts (1 for the one running): medusa, eagle3 or none",
+        self.proposer = Gauge("distill_proposer", "The proposer that drafts (1 for the one running): medusa, eagle3, lookup or none",
                               ["proposer"], registry=r)
         self.rejected = Counter("distill_rejected_requests", "Requests refused with 503 because the queue was full", registry=r)
 
