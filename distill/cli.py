@@ -511,7 +511,7 @@ def export(
 
 # == serving commands: distill serve, bench ==
 HeadsOpt = Annotated[Optional[Path], typer.Option("--heads", help="Medusa heads or EAGLE-3 drafter folder (from `distill train-heads`), or `lookup`: draft from n-gram matches in each request's own context, nothing trained.")]
-DraftNodesOpt = Annotated[Optional[int], typer.Option("--draft-nodes", help="EAGLE drafter: node budget of its dynamic tree (default 24).")]
+DraftNodesOpt = Annotated[Optional[int], typer.Option("--draft-nodes", help="EAGLE drafter or lookup: node budget of the dynamic tree (default: EAGLE 24, lookup 8).")]
 TreeOpt = Annotated[Optional[str], typer.Option("--tree", help="Verification tree: tree.json path, chain[-K], sparse-N, or Cartesian 3,2,2,1 (default: the heads' tree.json, else sparse-24).")]
 
 

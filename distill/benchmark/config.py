@@ -37,7 +37,7 @@ class BenchConfig:
     modes: tuple[str, ...] = MODES
     temperature: float = 0.7  # for the typical mode
     tree: str | None = None
-    draft_nodes: int | None = None  # EAGLE: node budget of the dynamic tree (None: the engine's default)
+    draft_nodes: int | None = None  # EAGLE or lookup: node budget of the dynamic tree (None: the proposer's default)
     full_tree: bool = False  # always verify the whole tree (policy off); default: the engine's policy decides per step
     typical_epsilon: float = 0.09
     typical_delta: float = 0.3

@@ -106,7 +106,7 @@ class EngineConfig:
     typical_epsilon: float = TYPICAL_EPSILON
     typical_delta: float = TYPICAL_DELTA
     tree: str | None = None  # Medusa: tree.json path, chain[-K], sparse-N, Cartesian "3,2,2,1"; None = heads' tree.json or sparse-24
-    draft_nodes: int = DEFAULT_NODES  # EAGLE: node budget N of the dynamic tree
+    draft_nodes: int | None = None  # EAGLE / lookup: node budget N of the dynamic tree (None: the proposer's default)
     draft_depth: int = DEFAULT_DEPTH  # EAGLE: depth D of the dynamic tree
     draft_topk: int = DEFAULT_TOPK  # EAGLE: K, nodes expanded per depth and children per expanded node
     sample_drafts: bool = True  # rejection mode, EAGLE: sampled rows' drafts drawn from q (multi-round speculative sampling); False: top-K point masses
@@ -132,7 +132,7 @@ class EngineConfig:
             raise ConfigError(f"weight_layout must be one of {', '.join(WEIGHT_LAYOUTS)}; got '{self.weight_layout}'")
         if self.step_cost_ratio is not None and self.step_cost_ratio < 0:
             raise ConfigError(f"step_cost_ratio must be >= 0, got {self.step_cost_ratio}")
-        if min(self.draft_nodes, self.draft_depth, self.draft_topk) < 1:
+        if min(1 if self.draft_nodes is None else self.draft_nodes, self.draft_depth, self.draft_topk) < 1:
             raise ConfigError(f"draft_nodes, draft_depth and draft_topk must be >= 1; got {self.draft_nodes}, "
                               f"{self.draft_depth}, {self.draft_topk}")
 
@@ -267,7 +267,7 @@ class Engine:
                 raise ConfigError("an EAGLE drafter drafts a dynamic tree: set draft_nodes / draft_depth / draft_topk "
                                   "(--draft-nodes ...), not a Medusa tree")
             c = self.config
-            return Eagle(heads, model.get_input_embeddings(), c.draft_nodes, c.draft_depth, c.draft_topk,
+            return Eagle(heads, model.get_input_embeddings(), c.draft_nodes or DEFAULT_NODES, c.draft_depth, c.draft_topk,
                          accuracy=tree.accuracy if tree is not None and tree.accuracy else None)
         return Medusa(heads, tree or resolve_tree(self.config.tree, hc.num_heads), self.device)
 
@@ -308,7 +308,7 @@ class Engine:
         lm = AutoModelForCausalLM.from_pretrained(resolved.path, dtype=config.torch_dtype).to(device).eval()
         tok = AutoTokenizer.from_pretrained(resolved.path)
         if lookup:
-            mh, tree = Lookup(max_nodes=config.draft_nodes), None
+            mh, tree = Lookup(**({"max_nodes": config.draft_nodes} if config.draft_nodes else {})), None
         else:
             mh, tree = load_heads(heads, config) if heads is not None else (None, None)
         return cls(lm, tok, mh, config, model_name=resolved.name, tree=tree)

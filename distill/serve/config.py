@@ -35,7 +35,7 @@ class ServeConfig:
     default_max_tokens: int = 256
     max_model_len: int | None = None  # default: the model's context length
     tree: str | None = None  # tree.json, a named default, or a Cartesian spec "3,2,2,1"
-    draft_nodes: int | None = None  # EAGLE drafter: node budget of its dynamic tree (None: the engine's default)
+    draft_nodes: int | None = None  # EAGLE drafter or lookup: node budget of the dynamic tree (None: the proposer's default)
     acceptance: str = "typical"
     typical_epsilon: float = 0.09
     typical_delta: float = 0.3
