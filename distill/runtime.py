@@ -270,19 +270,19 @@ def stage_dtype(model_path: Path | str | None, device: str | None, dtype: str | 
 
 
 # -- vLLM on CPUs ----------------------------------------------------------------------------------
-def vllm_cpu_env(offline: bool, cores: int | None = None) -> dict[str, str]:
+def vllm_cpu_env(offline: bool) -> dict[str, str]:
     """vLLM settings for a CPU machine, chosen by measurement (one place for all of them).
 
     offline (``vllm.LLM``, distill generate): the engine core runs in this process
     (``VLLM_ENABLE_V1_MULTIPROCESSING=0``). In its own process it busy-polls for work;
     on 2 cores that poller takes a core from the model, and in-process measured 2.4-3.3x
     faster generation (AMD EPYC, 2 cores; BENCHMARKS.md). The OpenAI server cannot run it
-    in-process (vLLM's async client needs the engine-core process), so there every core
-    goes to the model's OpenMP threads instead of vLLM's default of reserving one.
+    in-process (vLLM's async client needs the engine-core process); there vLLM's default of
+    reserving one core for that process is kept: giving both cores to the model's threads
+    (``VLLM_CPU_NUM_OF_RESERVED_CPU=0``) measured 3-4x slower on 2 cores (BENCHMARKS.md, issue 13).
     ``VLLM_CPU_KVCACHE_SPACE``: 2 GiB of KV cache, plenty for the models a CPU serves.
     Variables the user already set are kept.
     """
-    cores = cores or cpu_info().cores
     env = {"VLLM_CPU_KVCACHE_SPACE": "2"}
     if offline:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
