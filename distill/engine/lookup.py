@@ -36,7 +36,7 @@ proposal cost
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -151,20 +151,21 @@ class Lookup:
         dev = root.device
         if T == 1:
             return Proposal(root[:, None], self._plain_on(dev))
-        B = len(trees)
-        parent = [[-1] + [p for p, _ in tree] for tree in trees]
-        tokens = [[0] + [tok for _, tok in tree] for tree in trees]
-        for b, tree in enumerate(trees):  # filler: children of the root with tokens no sibling carries
-            taken = {tok for p, tok in tree if p == 0}
-            filler = (x for x in range(T + len(taken)) if x not in taken)
-            for _ in range(T - 1 - len(tree)):
-                parent[b].append(0)
-                tokens[b].append(next(filler))
-        depth = [[0] * T for _ in range(B)]
-        for b in range(B):
-            for i in range(1, T):
-                depth[b][i] = depth[b][parent[b][i]] + 1
-        max_children = max(sum(1 for p in row if p == i) for row in parent for i in range(T))
+        parent, tokens, depth = [], [], []
+        for tree in trees:
+            par_b, tok_b, dep_b = [-1], [0], [0]
+            for p, tok in tree:  # parents come first: a node's depth is its parent's + 1
+                par_b.append(p)
+                tok_b.append(tok)
+                dep_b.append(dep_b[p] + 1)
+            taken = {tok for p, tok in tree if p == 0}  # filler: children of the root with tokens no sibling carries
+            tok_b += [x for x in range(T + len(taken)) if x not in taken][: T - len(par_b)]
+            par_b += [0] * (T - len(par_b))
+            dep_b += [1] * (T - len(dep_b))
+            parent.append(par_b)
+            tokens.append(tok_b)
+            depth.append(dep_b)
+        max_children = max(max(Counter(row[1:]).values()) for row in parent)
         par = torch.tensor(parent, dtype=torch.long, device=dev)
         dep = torch.tensor(depth, dtype=torch.long, device=dev)
         tok = torch.tensor(tokens, dtype=torch.long, device=dev)
