@@ -16,6 +16,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REPO = Path(__file__).resolve().parents[1]
 DISTILL = str(Path(sys.executable).with_name("distill"))
+COMMAND_SECONDS = pytest.StashKey[list]()  # (seconds, command) of the README walkthrough's commands
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """Where the README walkthrough's time goes (CI logs show it beside pytest's --durations)."""
+    rows = sorted(config.stash.get(COMMAND_SECONDS, []), reverse=True)
+    if rows:
+        terminalreporter.section(f"README commands: {len(rows)} in {sum(s for s, _ in rows):.0f}s, slowest first")
+        for seconds, cmd in rows[:25]:
+            terminalreporter.write_line(f"{seconds:7.1f}s  {cmd[:160]}")
 
 
 @pytest.fixture(scope="session")
