@@ -54,6 +54,46 @@ def hf_backend(model_dir):
 
 
 @pytest.fixture(scope="session")
+def tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def mt_bench_prompts(tokenizer, n: int) -> list[list[int]]:
+    """The chat-templated first turns of the first ``n`` MT-Bench questions (token ids)."""
+    from distill.seeds import load_seed
+
+    out = []
+    for conv in load_seed("mt-bench"):
+        if hasattr(conv, "messages"):
+            first = next(m for m in conv.messages if m.role == "user")
+            out.append(list(tokenizer.apply_chat_template([{"role": "user", "content": first.content}],
+                                                          add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]))
+        if len(out) == n:
+            return out
+    raise ValueError(f"MT-Bench has fewer than {n} questions")
+
+
+MT_QUESTIONS, MT_TOKENS = 3, 24
+
+
+@pytest.fixture(scope="session")
+def mt_prompts(tokenizer) -> list[list[int]]:
+    """The first MT-Bench first turns that the engine tests decode (MT_QUESTIONS of them)."""
+    return mt_bench_prompts(tokenizer, MT_QUESTIONS)
+
+
+@pytest.fixture(scope="session")
+def mt_plain(hf_model, tokenizer, mt_prompts) -> list[list[int]]:
+    """Plain greedy decoding of ``mt_prompts`` (MT_TOKENS each, one prompt at a time): what every proposer must reproduce."""
+    from distill.engine import Engine, EngineConfig, SamplingParams
+
+    engine = Engine(hf_model, tokenizer, None, EngineConfig())
+    return [engine.generate([p], SamplingParams(max_tokens=MT_TOKENS))[0][0].token_ids for p in mt_prompts]
+
+
+@pytest.fixture(scope="session")
 def hf_model(model_dir):
     """The model in float32 for re-scoring stored token streams."""
     import torch
@@ -256,9 +296,28 @@ class VLLMServer:
         self.proc.wait()
 
 
+_LAST_SERVER_USER = pytest.StashKey[str]()
+_SERVER = pytest.StashKey[VLLMServer]()
+
+
+@pytest.hookimpl(trylast=True)  # after -k / -m deselection
+def pytest_collection_modifyitems(session, config, items):
+    """Note the last test that uses the session's vLLM server: it is stopped right after that test."""
+    users = [item.nodeid for item in items if "vllm_server" in getattr(item, "fixturenames", ())]
+    if users:
+        config.stash[_LAST_SERVER_USER] = users[-1]
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """A vLLM server's engine core polls for work (~20% of a core here): it is not left running for tests that do not use it."""
+    if item.nodeid == item.config.stash.get(_LAST_SERVER_USER, None) and _SERVER in item.config.stash:
+        item.config.stash[_SERVER].kill()
+
+
 @pytest.fixture(scope="session")
-def vllm_server(tmp_path_factory, model_dir):
-    """One vLLM OpenAI server for the session (dev mode on: it reports its config)."""
+def vllm_server(tmp_path_factory, model_dir, request):
+    """One vLLM OpenAI server for the session (dev mode on: it reports its config), stopped after its last user."""
     server = VLLMServer(model_dir, tmp_path_factory.mktemp("vllm-server") / "server.log", dev_mode=True).wait_ready()
+    request.config.stash[_SERVER] = server
     yield server
     server.kill()

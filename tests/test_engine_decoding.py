@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import mt_bench_prompts
 from distill.engine import Engine, EngineConfig, GenerationResult, SamplingParams, StepStats
 from distill.errors import ConfigError
 from distill.heads import HeadsConfig, MedusaHeads
@@ -15,27 +16,9 @@ QUESTIONS = 4
 
 
 @pytest.fixture(scope="module")
-def tokenizer(model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
-
-
-@pytest.fixture(scope="module")
 def prompts(tokenizer) -> list[list[int]]:
     """Chat-templated first turns of the first MT-Bench questions."""
-    from distill.seeds import load_seed
-
-    out = []
-    for conv in load_seed("mt-bench"):
-        if not hasattr(conv, "messages"):
-            continue
-        first = next(m for m in conv.messages if m.role == "user")
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": first.content}], add_generation_prompt=True,
-                                            tokenize=True, return_dict=True)["input_ids"]
-        out.append(list(ids))
-        if len(out) == QUESTIONS:
-            break
+    out = mt_bench_prompts(tokenizer, QUESTIONS)
     assert len({len(p) for p in out}) > 1  # different lengths: left padding is exercised
     return out
 

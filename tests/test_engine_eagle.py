@@ -13,6 +13,7 @@ import json
 import pytest
 import torch
 
+from conftest import MT_QUESTIONS, MT_TOKENS
 from distill.engine import Engine, EngineConfig, SamplingParams
 from distill.engine.acceptance import greedy_accept, rejection_accept, typical_accept, warp
 from distill.engine.cache import step_allowed
@@ -25,8 +26,6 @@ from test_engine_sampling import ALPHA, CONT, SAMPLES, chi2_pvalue, exact_distri
 
 HAND = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]  # root=0, (0,)=1, (1,)=2, (0,0)=3, (0,1)=4, (1,0)=5, (0,0,0)=6
 V = 8
-NEW_TOKENS = 24
-QUESTIONS = 3
 
 
 def _parents(buf):
@@ -255,33 +254,6 @@ def test_eagle_settings_are_checked(tiny):
 
 
 # -- the bundled model on MT-Bench ---------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def tokenizer(model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
-
-
-@pytest.fixture(scope="module")
-def prompts(tokenizer) -> list[list[int]]:
-    from distill.seeds import load_seed
-
-    out = []
-    for conv in load_seed("mt-bench"):
-        if hasattr(conv, "messages"):
-            first = next(m for m in conv.messages if m.role == "user")
-            out.append(list(tokenizer.apply_chat_template([{"role": "user", "content": first.content}],
-                                                          add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]))
-        if len(out) == QUESTIONS:
-            return out
-
-
-@pytest.fixture(scope="module")
-def plain_reference(hf_model, tokenizer, prompts) -> list[list[int]]:
-    engine = Engine(hf_model, tokenizer, None, EngineConfig())
-    return [engine.generate([p], SamplingParams(max_tokens=NEW_TOKENS))[0][0].token_ids for p in prompts]
-
-
 def bundled_drafter(model, kind: str) -> EagleDrafter:
     """``fresh``: init_from_target (the logit lens); ``random``: Llama-initialised weights (a wrong drafter)."""
     conf = model.config.to_dict()
@@ -294,18 +266,18 @@ def bundled_drafter(model, kind: str) -> EagleDrafter:
 
 
 @pytest.mark.parametrize("kind", ["fresh", "random"])
-def test_greedy_eagle_equals_plain_greedy_on_mt_bench(hf_model, tokenizer, prompts, plain_reference, kind):
+def test_greedy_eagle_equals_plain_greedy_on_mt_bench(hf_model, tokenizer, mt_prompts, mt_plain, kind):
     engine = Engine(hf_model, tokenizer, bundled_drafter(hf_model, kind),
                     EngineConfig(speculate_max_batch=8, draft_nodes=16, draft_depth=4, draft_topk=4))
-    results, stats = engine.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS))  # batch 3
-    assert [r.token_ids for r in results] == plain_reference
-    assert stats.tree_nodes == 16 and stats.batch_size == QUESTIONS
-    one, _ = engine.generate([prompts[0]], SamplingParams(max_tokens=NEW_TOKENS))
-    assert one[0].token_ids == plain_reference[0]
+    results, stats = engine.generate(mt_prompts, SamplingParams(max_tokens=MT_TOKENS))  # batch 3
+    assert [r.token_ids for r in results] == mt_plain
+    assert stats.tree_nodes == 16 and stats.batch_size == MT_QUESTIONS
+    one, _ = engine.generate([mt_prompts[0]], SamplingParams(max_tokens=MT_TOKENS))
+    assert one[0].token_ids == mt_plain[0]
 
 
 def test_trained_drafter_folder_serves_through_from_pretrained_and_equals_plain_greedy(tmp_path_factory, real_shards,
-                                                                                       model_dir, prompts, plain_reference):
+                                                                                       model_dir, mt_prompts, mt_plain):
     from distill.train import TrainConfig, train
 
     out = tmp_path_factory.mktemp("eagle-engine") / "drafter"
@@ -314,6 +286,6 @@ def test_trained_drafter_folder_serves_through_from_pretrained_and_equals_plain_
     assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
     engine = Engine.from_pretrained(str(model_dir), out, EngineConfig(speculate_max_batch=8, draft_nodes=12))
     assert engine.proposer.name == "eagle3" and engine.tree is None
-    results, stats = engine.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS))
-    assert [r.token_ids for r in results] == plain_reference
-    assert stats.steps < sum(len(r) for r in plain_reference)  # the drafter got some tokens right
+    results, stats = engine.generate(mt_prompts, SamplingParams(max_tokens=MT_TOKENS))
+    assert [r.token_ids for r in results] == mt_plain
+    assert stats.steps < sum(len(r) for r in mt_plain)  # the drafter got some tokens right

@@ -13,11 +13,10 @@ import subprocess
 import pytest
 import torch
 
-from conftest import DISTILL
+from conftest import DISTILL, MT_QUESTIONS, MT_TOKENS
 from distill.engine import Engine, EngineConfig, SamplingParams
 from distill.engine.lookup import Lookup, LookupState, _Context
 from distill.errors import ConfigError
-from test_engine_eagle import NEW_TOKENS, QUESTIONS, plain_reference, prompts, tokenizer  # noqa: F401 (fixtures)
 from test_engine_sampling import ALPHA, CONT, SAMPLES, build_tiny, chi2_pvalue, exact_distribution
 
 
@@ -70,13 +69,13 @@ def test_lookup_rejection_sampling_is_lossless(temperature=0.7, top_p=0.9):  # t
     assert chi2_pvalue([r.token_ids for r in typical], exact) < ALPHA
 
 
-def test_greedy_lookup_equals_plain_greedy_on_mt_bench(hf_model, tokenizer, prompts, plain_reference):  # noqa: F811
+def test_greedy_lookup_equals_plain_greedy_on_mt_bench(hf_model, tokenizer, mt_prompts, mt_plain):
     engine = Engine(hf_model, tokenizer, Lookup(max_nodes=8), EngineConfig(speculate_max_batch=8))
-    results, stats = engine.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS))  # batch 3
-    assert [r.token_ids for r in results] == plain_reference
-    assert stats.batch_size == QUESTIONS and stats.tree_nodes > 0  # drafts were verified
-    one, _ = engine.generate([prompts[1]], SamplingParams(max_tokens=NEW_TOKENS))
-    assert one[0].token_ids == plain_reference[1]
+    results, stats = engine.generate(mt_prompts, SamplingParams(max_tokens=MT_TOKENS))  # batch 3
+    assert [r.token_ids for r in results] == mt_plain
+    assert stats.batch_size == MT_QUESTIONS and stats.tree_nodes > 0  # drafts were verified
+    one, _ = engine.generate([mt_prompts[1]], SamplingParams(max_tokens=MT_TOKENS))
+    assert one[0].token_ids == mt_plain[1]
 
 
 def test_bench_cli_runs_plain_vs_lookup_with_the_bundled_model(tmp_path, cli_env):

@@ -49,6 +49,7 @@ from torch.profiler import record_function
 
 from distill.engine import cache as kv
 from distill.engine.attention import use_gqa_sdpa
+from distill.engine.logits import RowContext, TokenLogprob, changes_logits, process, token_logprobs
 from distill.engine.acceptance import (
     TYPICAL_DELTA,
     TYPICAL_EPSILON,
@@ -80,13 +81,24 @@ LOOKUP = "lookup"
 
 @dataclass
 class SamplingParams:
-    """Per request."""
+    """Per request. The fields and their meanings are vLLM's (:mod:`distill.engine.logits` for the order they
+    apply in); every one of them keeps speculative decoding lossless."""
 
     max_tokens: int = 128
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     seed: int | None = None  # per-request torch.Generator seed (None: a random one)
-    stop_token_ids: tuple[int, ...] = ()  # the engine always also stops at the tokenizer's eos
+    stop_token_ids: tuple[int, ...] = ()  # the engine always also stops at the tokenizer's eos (unless ignore_eos)
+    top_k: int = 0  # 0 or -1: all tokens
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # > 1 discourages every token of the prompt and the output so far
+    frequency_penalty: float = 0.0  # minus this times the token's count in the output so far
+    presence_penalty: float = 0.0  # minus this once the token is in the output
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (clamped to +-100)
+    min_tokens: int = 0  # stop tokens are held back until this many tokens are out
+    ignore_eos: bool = False  # eos does not stop (stop_token_ids still do)
+    logprobs: int | None = None  # each emitted token's raw logprob and this many top alternatives (0: the token's only)
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first (GenerationResult.prompt_logprobs)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -95,7 +107,23 @@ class SamplingParams:
             raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ConfigError(f"top_k must be -1 or 0 (all tokens) or a positive count, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ConfigError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise ConfigError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not -2 <= self.frequency_penalty <= 2 or not -2 <= self.presence_penalty <= 2:
+            raise ConfigError(f"frequency_penalty and presence_penalty must be in [-2, 2], got {self.frequency_penalty}, "
+                              f"{self.presence_penalty}")
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            raise ConfigError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+        if self.logit_bias:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
 
 
 @dataclass
@@ -147,6 +175,8 @@ class GenerationResult:
     finish_reason: str  # "stop" (eos / stop token), "length", or "cancelled"
     steps: int  # decoding steps (forward passes after the prefill) this sequence took part in
     accepted: list[int]  # tokens emitted per step (acceleration rate = mean)
+    logprobs: list[TokenLogprob] | None = None  # per token of token_ids (SamplingParams.logprobs set)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token, None for the first (prompt_logprobs set)
 
 
 @dataclass
@@ -166,11 +196,14 @@ class StepStats:
 class _Seq:
     """One request's progress."""
 
-    def __init__(self, index: int, params: SamplingParams, stop: set[int], device: torch.device):
+    def __init__(self, index: int, params: SamplingParams, stop: set[int], device: torch.device, prompt: list[int]):
         self.index = index
         self.params = params
-        self.stop = stop | set(params.stop_token_ids)
+        self.prompt = prompt
+        self.stop = (set() if params.ignore_eos else stop) | set(params.stop_token_ids)
         self.tokens: list[int] = []
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
         self.accepted: list[int] = []
         self.steps = 0
         self.finish: str | None = None
@@ -179,8 +212,12 @@ class _Seq:
             self.generator = torch.Generator(device=device)
             self.generator.manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
 
-    def emit(self, new: list[int], on_tokens: Callable[[int, list[int]], bool] | None) -> None:
-        """Append ``new`` up to a stop token or max_tokens; tell the callback; set finish."""
+    def emit(self, new: list[int], on_tokens: Callable[..., bool] | None, logprobs: list[TokenLogprob] | None = None) -> None:
+        """Append ``new`` up to a stop token or max_tokens; tell the callback; set finish.
+
+        ``logprobs``: one per token of ``new`` (when the params ask for them); the callback gets
+        those of the tokens taken as ``logprobs=``.
+        """
         taken: list[int] = []
         for tok in new:
             if tok in self.stop:
@@ -191,11 +228,19 @@ class _Seq:
                 self.finish = "length"
                 break
         self.tokens.extend(taken)
-        if taken and on_tokens is not None and on_tokens(self.index, taken) is False:
+        extra = {}
+        if self.logprobs is not None and logprobs is not None:
+            self.logprobs.extend(logprobs[: len(taken)])
+            extra = {"logprobs": logprobs[: len(taken)]}
+        if taken and on_tokens is not None and on_tokens(self.index, taken, **extra) is False:
             self.finish = "cancelled"
 
+    def context(self) -> RowContext:
+        return RowContext(self.params, self.prompt, self.tokens, self.stop)
+
     def result(self) -> GenerationResult:
-        return GenerationResult(list(self.tokens), self.finish or "length", self.steps, list(self.accepted))
+        return GenerationResult(list(self.tokens), self.finish or "length", self.steps, list(self.accepted),
+                                self.logprobs, self.prompt_logprobs)
 
 
 class Engine:
@@ -384,16 +429,22 @@ class Engine:
     def _accept(self, tokens, logits, buf: TreeBuffers, seqs: list[_Seq], draft: torch.Tensor | None = None) -> Acceptance:
         """Greedy rows with greedy_accept, sampled rows with the configured rule; merged per row.
 
+        Rows whose options change the logits (penalties, bias, min_tokens) are judged on their
+        processed logits (:func:`distill.engine.logits.process`); ``logits`` itself is left raw.
         ``draft`` (B, T, V): the proposer drew each node's children from these (rejection mode).
         """
+        logits = process(logits, tokens, buf, {b: s.context() for b, s in enumerate(seqs) if changes_logits(s.params)})
         greedy_rows = [i for i, s in enumerate(seqs) if s.generator is None]
         if len(greedy_rows) == len(seqs):
             return greedy_accept(tokens, logits, buf)
         sampled_rows = [i for i, s in enumerate(seqs) if s.generator is not None]
         idx = torch.tensor(sampled_rows, device=tokens.device)
-        temp = torch.tensor([seqs[i].params.temperature for i in sampled_rows], device=tokens.device)
-        top_p = torch.tensor([seqs[i].params.top_p for i in sampled_rows], device=tokens.device)
-        probs = warp(logits[idx], temp, top_p)
+        sp = [seqs[i].params for i in sampled_rows]
+        temp = torch.tensor([p.temperature for p in sp], device=tokens.device)
+        top_p = torch.tensor([p.top_p for p in sp], device=tokens.device)
+        top_k = torch.tensor([p.top_k for p in sp], device=tokens.device)
+        min_p = torch.tensor([p.min_p for p in sp], device=tokens.device)
+        probs = warp(logits[idx], temp, top_p, top_k, min_p)
         gens = [seqs[i].generator for i in sampled_rows]
         mode = self.config.acceptance
         part = buf.take(idx)
@@ -409,6 +460,27 @@ class Engine:
         for name in ("length", "path", "next_token", "last"):
             getattr(full, name)[idx] = getattr(sub, name)
         return full
+
+    @staticmethod
+    def _logprobs(logits, tokens, acc: Acceptance, seqs: list[_Seq]) -> dict[int, list[TokenLogprob]]:
+        """Raw logprobs of each row's emitted tokens (rows that ask for them): the accepted candidates, drawn
+        at the path's nodes 0..L-1, and the next token, drawn at node L. -> batch row -> L + 1 entries."""
+        rows = [b for b, s in enumerate(seqs) if s.params.logprobs is not None]
+        if not rows:
+            return {}
+        idx = torch.tensor(rows, device=tokens.device)
+        path = acc.path[idx]  # (R, D + 1)
+        emitted = torch.cat([tokens[idx].gather(1, path[:, 1:]), torch.zeros_like(path[:, :1])], dim=1)  # (R, D + 1)
+        emitted.scatter_(1, acc.length[idx][:, None], acc.next_token[idx][:, None])  # column L: the next token
+        top = max(seqs[b].params.logprobs for b in rows)
+        chosen, ids, vals = token_logprobs(logits, idx, path, emitted, top)
+        lengths, toks = acc.length[idx].tolist(), emitted.tolist()
+        out = {}
+        for r, b in enumerate(rows):
+            n = seqs[b].params.logprobs
+            out[b] = [TokenLogprob(toks[r][k], chosen[r][k], tuple(zip(ids[r][k][:n], vals[r][k][:n])))
+                      for k in range(lengths[r] + 1)]
+        return out
 
     # -- generation --------------------------------------------------------------------------
     def _check(self, prompts: list[list[int]], params: list[SamplingParams]) -> None:
@@ -430,13 +502,14 @@ class Engine:
     ) -> tuple[list[GenerationResult], StepStats]:
         """Decode ``prompts`` (token ids); batches of at most ``config.max_batch`` run at once.
 
-        ``on_tokens(i, new_ids)`` is called whenever sequence i emits tokens; returning False
+        ``on_tokens(i, new_ids)`` is called whenever sequence i emits tokens (with ``logprobs=``, one
+        :class:`~distill.engine.logits.TokenLogprob` per token, when its params ask for them); returning False
         cancels it. ``speculative=False`` (or no heads) is plain decoding with the same code.
         """
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         self._check(prompts, params)
-        seqs = [_Seq(i, sp, self.stop_ids, self.device) for i, sp in enumerate(params)]
+        seqs = [_Seq(i, sp, self.stop_ids, self.device, p) for i, (sp, p) in enumerate(zip(params, prompts))]
         stats = StepStats()
         B = self.config.max_batch
         speculative = speculative and self.proposer is not None
@@ -495,18 +568,28 @@ class _Batch:
         ids = torch.tensor([list(p) + [0] * (P - len(p)) for p in prompts], dtype=torch.long, device=dev)  # (B, P)
         positions = torch.arange(P, device=dev)[None].expand(len(prompts), P)  # (B, P)
         cache.prepare(positions, P)
-        last = sorted(set(n - 1 for n in lengths))  # the positions whose logits are needed
+        echo = [b for b, s in enumerate(seqs) if s.params.prompt_logprobs is not None]
+        # the positions whose logits are needed: each row's last, or all of them for prompt logprobs
+        last = list(range(P)) if echo else sorted(set(n - 1 for n in lengths))
         keep = torch.tensor(last, dtype=torch.long, device=dev)
         bias = kv.attention_bias(kv.prefill_allowed(P, dev), engine.dtype)  # (1, 1, P, P)
         layers = engine.proposer.feature_layers if speculative else None
         logits, features = engine._forward(ids, positions, bias, cache, keep, layers)  # (B, U, V), (B, P, F)
         rows = torch.arange(len(prompts), device=dev)
         col = torch.tensor([last.index(n - 1) for n in lengths], device=dev)
-        first = engine._accept(torch.zeros(len(seqs), 1, dtype=torch.long, device=dev), logits[rows, col][:, None],
-                               engine._plain, seqs)
+        for b in echo:  # position t's distribution drew prompt token t + 1
+            n, top = lengths[b], seqs[b].params.prompt_logprobs
+            where = torch.arange(n - 1, device=dev)[None]
+            chosen, tids, vals = token_logprobs(logits, rows[b : b + 1], where, ids[b : b + 1, 1:n], top)
+            seqs[b].prompt_logprobs = [None] + [TokenLogprob(t, c, tuple(zip(i, v)))
+                                                for t, c, i, v in zip(prompts[b][1:], chosen[0], tids[0], vals[0])]
+        zeros = torch.zeros(len(seqs), 1, dtype=torch.long, device=dev)
+        first_logits = logits[rows, col][:, None]  # (B, 1, V)
+        first = engine._accept(zeros, first_logits, engine._plain, seqs)
+        lps = engine._logprobs(first_logits, zeros, first, seqs)
         root = first.next_token  # (B,)
-        for s, tok in zip(seqs, root.tolist()):
-            s.emit([tok], on_tokens)
+        for b, (s, tok) in enumerate(zip(seqs, root.tolist())):
+            s.emit([tok], on_tokens, lps.get(b))
         draft = engine.proposer.start(features, ids, lengths, root, slots) if speculative else None
         stats.prefill_seconds += time.perf_counter() - t0
         stats.kv_bytes = max(stats.kv_bytes, cache.nbytes)
@@ -582,6 +665,7 @@ class _Batch:
         with record_function("distill.host"):  # the one transfer of the step: accepted candidates, next token, length
             host = torch.cat([tokens.gather(1, acc.path[:, 1:]), self.root[:, None], acc.length[:, None]], dim=1).tolist()
         lengths_acc = [row[-1] for row in host]
+        lps = e._logprobs(logits, tokens, acc, active)
         if speculative:
             with record_function("distill.commit"):
                 e.proposer.commit(self.draft, proposal, features, acc, self.ends, lengths_acc)
@@ -594,7 +678,7 @@ class _Batch:
             self.ends[b] += L + 1
             s.steps += 1
             s.accepted.append(len(new))
-            s.emit(new, on_tokens)
+            s.emit(new, on_tokens, lps.get(b))
         seconds = time.perf_counter() - t0
         stats.step_seconds.append(seconds)
         if e.policy is not None and speculative:
@@ -657,7 +741,7 @@ class RunningBatch:
         e._check(prompts, params)
         if len(keys) != len(prompts):
             raise ConfigError(f"{len(prompts)} prompts but {len(keys)} keys")
-        seqs = [_Seq(k, sp, e.stop_ids, e.device) for k, sp in zip(keys, params)]
+        seqs = [_Seq(k, sp, e.stop_ids, e.device, p) for k, sp, p in zip(keys, params, prompts)]
         new = _Batch.prefill(e, prompts, seqs, self.on_tokens, self.stats, self.speculative)
         done = new.compact()
         if len(new):
