@@ -86,7 +86,8 @@ class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     seed: int | None = None  # per-request torch.Generator seed (None: a random one)
-    stop_token_ids: tuple[int, ...] = ()  # the engine always also stops at the tokenizer's eos
+    stop_token_ids: tuple[int, ...] = ()  # the engine also stops at the model's eos ids, unless ignore_eos
+    ignore_eos: bool = False  # True: only stop_token_ids stop (not the tokenizer's or generation config's eos)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -160,6 +161,7 @@ class StepStats:
     batch_size: int = 0  # largest batch run at once
     tree_nodes: int = 0  # largest tree used (0: plain decoding throughout)
     tree_nodes_per_step: list[int] = field(default_factory=list)
+    accepted_per_step: list[list[int]] = field(default_factory=list)  # per step, each row's accepted speculated nodes
     kv_bytes: int = 0  # largest KV cache (slot cache storage) held at once
 
 
@@ -169,7 +171,7 @@ class _Seq:
     def __init__(self, index: int, params: SamplingParams, stop: set[int], device: torch.device):
         self.index = index
         self.params = params
-        self.stop = stop | set(params.stop_token_ids)
+        self.stop = (set() if params.ignore_eos else stop) | set(params.stop_token_ids)
         self.tokens: list[int] = []
         self.accepted: list[int] = []
         self.steps = 0
@@ -588,6 +590,7 @@ class _Batch:
         stats.steps += 1
         stats.tree_nodes = max(stats.tree_nodes, buf.nodes)
         stats.tree_nodes_per_step.append(buf.nodes)
+        stats.accepted_per_step.append(list(lengths_acc))
         for b, (s, row) in enumerate(zip(active, host)):
             L = row[-1]
             new = row[:L] + [row[-2]]
