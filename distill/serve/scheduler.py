@@ -422,27 +422,30 @@ class Scheduler:
                 s.emit(Failed(message, status))
 
     def _report(self, batch, done: list) -> None:
-        """Finish the sequences that left the batch; move the batch's step figures into the metrics."""
-        for s, r in done:
-            self._finish(s, r.token_ids, r.finish_reason, r.accepted)
+        """Move the batch's step figures into the metrics, then finish the sequences that left the batch
+        (in that order: a scrape after an answer ends sees the steps that made it)."""
         stats, batch.stats = batch.stats, type(batch.stats)()
         m = self.metrics
-        if m is None:
-            return
-        for sec in stats.step_seconds:
-            m.step_latency.observe(sec)
-        for n in stats.tree_nodes_per_step:
-            m.tree_nodes.observe(n)
-        for n, accepted in zip(stats.tree_nodes_per_step, stats.accepted_per_step):
-            m.vllm.step(n, accepted)
-        if stats.prefill_seconds:
-            m.prefill_latency.observe(stats.prefill_seconds)
-        if getattr(self.engine, "policy", None) is not None:
-            m.acceptance_ratio.set(self.engine.policy.acceptance_ratio)
-        m.running.set(len(batch))
-        m.vllm.running.set(len(batch))
+        if m is not None:
+            for sec in stats.step_seconds:
+                m.step_latency.observe(sec)
+            for n in stats.tree_nodes_per_step:
+                m.tree_nodes.observe(n)
+            for n, accepted in zip(stats.tree_nodes_per_step, stats.accepted_per_step):
+                m.vllm.step(n, accepted)
+            if stats.prefill_seconds:
+                m.prefill_latency.observe(stats.prefill_seconds)
+            if getattr(self.engine, "policy", None) is not None:
+                m.acceptance_ratio.set(self.engine.policy.acceptance_ratio)
+            m.running.set(len(batch))
+            m.vllm.running.set(len(batch))
+        for s, r in done:
+            self._finish(s, r.token_ids, r.finish_reason, r.accepted)
 
     def _finish(self, s: Sequence, token_ids: list[int], reason: str, accepted: list[int] = ()) -> None:
+        if self.metrics is not None:
+            for n in accepted:
+                self.metrics.tokens_per_step.observe(n)
         if not s.finished:
             produced = s.decoder.ids[s.resumed:]  # what this prefill's tokens streamed so far
             seen = len(produced)
@@ -456,9 +459,6 @@ class Scheduler:
                 if delta.stopped:
                     reason = "stop"
             self._end(s, {"stop": "stop", "length": "length"}.get(reason, "abort"))
-        if self.metrics is not None:
-            for n in accepted:
-                self.metrics.tokens_per_step.observe(n)
 
 
 def _failure(exc: Exception) -> tuple[str, int]:
