@@ -24,6 +24,7 @@ newer OpenAI API keep working.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import uuid
@@ -105,6 +106,7 @@ FIELDS: dict[str, Rule] = {
 }
 
 
+@functools.cache
 def fields_of(endpoint: str) -> dict[str, Rule]:
     """The table's rows that apply to ``endpoint`` ("chat" or "completions")."""
     return {name: rule for name, rule in FIELDS.items() if rule.only in (None, endpoint)}
