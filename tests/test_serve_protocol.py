@@ -188,6 +188,8 @@ def test_tokenize_and_detokenize_answer_in_vllms_shapes(client, tokenizer, engin
     assert chat(client, max_tokens=1).json()["usage"]["prompt_tokens"] == rendered["count"]
     assert client.post("/tokenize", json={"model": "other", "prompt": "x"}).status_code == 404
     assert client.post("/tokenize", json={"model": "smol"}).status_code == 400  # neither prompt nor messages
+    tools = client.post("/tokenize", json={"messages": QUESTION, "tools": [{"type": "function", "function": {"name": "f"}}]})
+    assert tools.json()["error"]["param"] == "tools"  # rendered without them would not be what vLLM renders
     assert client.post("/detokenize", json={"tokens": [10**9]}).json()["error"]["param"] == "tokens"
 
 

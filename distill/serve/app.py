@@ -206,6 +206,9 @@ class _Service:
     async def tokens(self, req: TokenizeRequest) -> dict:
         """vLLM's ``/tokenize``: a prompt's or a chat's token ids, as a generation request would see them."""
         self.check_model(req.model)
+        bad = req.unsupported()
+        if bad:
+            raise APIError(400, f"not supported by this server: {', '.join(bad)}", param=bad[0])
         if req.messages is not None:
             ids = await self.tokenize(_chat_ids, _messages(req.messages), self.tokenizer, self.settings.chat_template,
                                       req.template_kwargs(), bool(req.add_special_tokens))

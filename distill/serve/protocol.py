@@ -118,6 +118,13 @@ def is_neutral(rule: Rule, value: Any) -> bool:
                for n in rule.neutral)
 
 
+def refused(extras: dict[str, Any], endpoint: str) -> list[str]:
+    """The fields among a request's ``extras`` the table refuses on ``endpoint`` and that are set to a non-neutral value."""
+    rules = fields_of(endpoint)
+    return [name for name, value in extras.items()
+            if name in rules and rules[name].support == REFUSED and not is_neutral(rules[name], value)]
+
+
 #: generation_config.json keys that are request defaults (the ones vLLM reads), and the request field each sets.
 GENERATION_CONFIG_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                           "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
@@ -234,9 +241,7 @@ class _Sampling(BaseModel):
 
     def unsupported(self) -> list[str]:
         """Names of given fields this server cannot honour (set to something other than a neutral value)."""
-        rules = fields_of(self.endpoint)
-        bad = [name for name, value in (self.model_extra or {}).items()
-               if name in rules and rules[name].support == REFUSED and not is_neutral(rules[name], value)]
+        bad = refused(self.model_extra or {}, self.endpoint)
         if self.stream_options is not None and self.stream_options.continuous_usage_stats:
             bad.append("stream_options.continuous_usage_stats")
         return bad
@@ -322,6 +327,10 @@ class TokenizeRequest(BaseModel):
     def template_kwargs(self) -> dict[str, Any]:
         return {**(self.chat_template_kwargs or {}), "add_generation_prompt": self.add_generation_prompt,
                 "continue_final_message": self.continue_final_message}
+
+    def unsupported(self) -> list[str]:
+        """vLLM's other /tokenize fields (``tools``, ``chat_template``, ...): refused as on /v1/chat/completions."""
+        return refused(self.model_extra or {}, _CHAT)
 
 
 class DetokenizeRequest(BaseModel):
