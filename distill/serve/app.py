@@ -159,8 +159,8 @@ class _Service:
             return SamplingParams(max_tokens=limit, temperature=_given(req.temperature, defaults.get("temperature"), 1.0),
                                   top_p=_given(req.top_p, defaults.get("top_p"), 1.0), seed=seed, stop_token_ids=stop_ids,
                                   ignore_eos=req.ignore_eos, **extra)
-        except (TypeError, ValueError) as exc:
-            raise APIError(400, str(exc), param=next(iter(req.engine_fields()), None)) from None
+        except (TypeError, ValueError) as exc:  # the engine's own check of a value (named in its message)
+            raise APIError(400, str(exc), param=next((k for k in ("temperature", "top_p", *extra) if k in str(exc)), None)) from None
 
     def make_job(self, req, prompts: list[list[int]]) -> Job:
         queue = self.settings.queue_size
