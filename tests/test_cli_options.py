@@ -52,4 +52,5 @@ def test_help_shows_the_effective_defaults():
     out = run("bench", "--help").stdout
     assert "[default: (greedy,typical)]" in out and "[default: (1,2,4,8,16,32,64)]" in out
     out = run("serve", "--help").stdout
-    assert "[default: (256)]" in out  # --max-tokens is ServeConfig.default_max_tokens
+    help_of = out[out.index("--generation-config"):out.index("--chat-template")]
+    assert "[default: (auto)]" in help_of  # ServeConfig.generation_config, though the option itself defaults to None

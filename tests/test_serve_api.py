@@ -2,8 +2,9 @@
 
 One server per fixture (module scope): the bundled model with freshly initialised
 heads (random residual weights), greedy answers checked token for token against the
-engine's plain decoding. A second, tiny-queue server (the lookup proposer) checks HTTP 503. The last test
-stops the main server with SIGTERM.
+engine's plain decoding; vLLM's own benchmark client (`vllm bench serve`) runs against it. A second,
+tiny-queue server (the lookup proposer) checks HTTP 503 and vLLM's speculative-decoding metrics. The last
+test of the main server stops it with SIGTERM.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -22,7 +24,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import DISTILL
+from conftest import DISTILL, REPO
 
 pytestmark = pytest.mark.slow
 
@@ -290,6 +292,23 @@ def test_a_new_request_joins_the_running_batch_and_finishes_first(server, plain)
     assert sum(t > answered for t in chunks) >= 5, f"{len(chunks)} chunks, {sum(t > answered for t in chunks)} after the short answer"
 
 
+def test_vllms_own_benchmark_client_runs_against_the_server(server, model_dir, tmp_path):
+    """Conformance: `vllm bench serve --backend openai-chat` (through bench/vllm_bench_serve.py), random prompts of 32
+    tokens, 16-token answers (vLLM's client sends ignore_eos for random prompts), a TTFT and ITL to report."""
+    cmd = [sys.executable, str(REPO / "bench" / "vllm_bench_serve.py"), "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
+           "--base-url", server.url, "--model", "smol", "--tokenizer", str(model_dir), "--dataset-name", "random",
+           "--random-input-len", "32", "--random-output-len", "16", "--num-prompts", "4", "--temperature", "0", "--disable-tqdm",
+           "--save-result", "--result-dir", str(tmp_path), "--result-filename", "result.json"]
+    proc = subprocess.run(cmd, env=dict(os.environ, OPENAI_API_KEY=API_KEY), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["completed"] == 4 and result["failed"] == 0
+    assert result["total_output_tokens"] == 4 * 16  # ignore_eos honoured: every answer runs to its length
+    assert result["mean_ttft_ms"] > 0 and result["median_itl_ms"] > 0 and result["p99_itl_ms"] >= result["median_itl_ms"]
+    # (its speculative-decoding section appears only when the adaptive policy drafted during the run: with these
+    # random heads it may have turned speculation off by now; the counters are checked on the lookup server below)
+
+
 def test_sigterm_stops_the_server_cleanly(server):
     server.proc.send_signal(signal.SIGTERM)
     assert server.proc.wait(timeout=60) == 0
@@ -325,3 +344,48 @@ def test_full_queue_answers_503_and_the_admitted_requests_succeed(tiny_queue_ser
         if isinstance(r, str):
             assert r == plain(chat(QUESTIONS[i % len(QUESTIONS)]), max_tokens=24)[0]
     assert 'distill_proposer{proposer="lookup"} 1.0' in httpx.get(f"{tiny_queue_server.url}/metrics").text
+
+
+def scrape(srv: Server) -> dict[str, float]:
+    """/metrics as {name: value}, each name summed over its label sets."""
+    out: dict[str, float] = {}
+    for line in httpx.get(f"{srv.url}/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            key, value = line.rsplit(" ", 1)
+            name = key.split("{")[0] + ("_le0" if 'le="0.0"' in key else "")
+            out[name] = out.get(name, 0.0) + float(value)
+    return out
+
+
+def test_vllm_metrics_of_one_speculative_request_agree_with_each_other(tiny_queue_server):
+    """One greedy request on the lookup server (batch 1): vLLM's counters against its answer and our step records.
+
+    G generated tokens = 1 (the prefill's) + S steps + A accepted draft tokens, less what the last
+    step's acceptance ran past max_tokens (at most its accepted tokens)."""
+    before = scrape(tiny_queue_server)
+    text = "Repeat this line five times: the cat sat on the mat, the dog sat on the log."
+    r = httpx.post(f"{tiny_queue_server.url}/v1/chat/completions", timeout=300,
+                   json={"messages": chat(text), "max_tokens": 24, "temperature": 0, "ignore_eos": True}).json()
+    after = scrape(tiny_queue_server)
+    labels = 'vllm:time_to_first_token_seconds_count{engine="0",model_name="smollm2-135m-instruct"}'
+    assert labels in httpx.get(f"{tiny_queue_server.url}/metrics").text  # vLLM's labels
+
+    def d(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    generated = r["usage"]["completion_tokens"]
+    assert generated == 24 and d("vllm:generation_tokens_total") == generated
+    assert d("vllm:prompt_tokens_total") == r["usage"]["prompt_tokens"]
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"):
+        assert d(f"vllm:{name}_count") == 1, name
+    assert 0 < d("vllm:time_to_first_token_seconds_sum") <= d("vllm:e2e_request_latency_seconds_sum")
+    steps = d("distill_tokens_per_step_count")
+    accepted = d("vllm:spec_decode_num_accepted_tokens_total")
+    assert d("vllm:inter_token_latency_seconds_count") == steps  # one per step after the prefill
+    assert accepted == d("distill_tokens_per_step_sum") - steps
+    assert 0 <= 1 + steps + accepted - generated <= accepted
+    drafts, draft_tokens = d("vllm:spec_decode_num_drafts_total"), d("vllm:spec_decode_num_draft_tokens_total")
+    assert drafts == steps - d("distill_tree_nodes_bucket_le0")  # every step with a tree drafted, one row
+    assert draft_tokens == d("distill_tree_nodes_sum") and accepted <= draft_tokens
+    assert drafts > 0 and accepted > 0  # the repeated line is found in the context
+    assert d("vllm:spec_decode_num_accepted_tokens_per_pos_total") == accepted

@@ -73,6 +73,19 @@ def test_special_tokens_are_not_part_of_the_text(tokenizer):
     assert got == "hi"
 
 
+def test_include_stop_keeps_the_first_stop_string_in_the_text(tokenizer):
+    """vLLM's include_stop_str_in_output: the text ends right after the stop string, not before it."""
+    ids = tokenizer("alpha beta gamma delta", add_special_tokens=False)["input_ids"]
+    got, stopped = feed(StreamDecoder(tokenizer, stops=["delta", " gamma"], include_stop=True), ids, 1)
+    assert got == "alpha beta gamma" and stopped
+
+
+def test_special_tokens_stay_in_the_text_when_not_skipped(tokenizer):
+    ids = tokenizer("hi", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    got, _ = feed(StreamDecoder(tokenizer, skip_special_tokens=False), ids, 1)
+    assert got == "hi" + tokenizer.eos_token
+
+
 @pytest.mark.parametrize(("text", "stops", "n"), [("abc", ["cde"], 1), ("abcd", ["cde"], 2), ("abc", ["xyz"], 0), ("ab", ["abc", "b"], 2)])
 def test_partial_stop_length_is_the_longest_suffix_that_starts_a_stop(text, stops, n):
     assert _partial_stop_len(text, stops) == n

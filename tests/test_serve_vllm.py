@@ -92,6 +92,13 @@ def test_vllm_command_keeps_vllm_defaults_and_appends_what_follows_the_double_da
         ServeConfig(heads=str(heads_dir), vllm_args=("--enforce-eager",))
 
 
+def test_vllm_command_passes_chat_template_and_generation_config_under_vllms_own_names(heads_dir):
+    cmd = vllm_command(ServeConfig(engine="vllm", heads=str(heads_dir), chat_template="t.jinja", generation_config="none"))
+    assert cmd[cmd.index("--chat-template") + 1] == "t.jinja"
+    assert cmd[cmd.index("--generation-config") + 1] == "vllm"  # vLLM's name for neutral defaults
+    assert "--generation-config" not in vllm_command(ServeConfig(engine="vllm", heads=str(heads_dir)))  # auto: vLLM's default
+
+
 def test_vllm_command_runs_the_heads_teacher_dtype(heads_dir, monkeypatch):
     from distill import runtime
 

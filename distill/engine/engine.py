@@ -190,6 +190,7 @@ class StepStats:
     batch_size: int = 0  # largest batch run at once
     tree_nodes: int = 0  # largest tree used (0: plain decoding throughout)
     tree_nodes_per_step: list[int] = field(default_factory=list)
+    accepted_per_step: list[list[int]] = field(default_factory=list)  # per step, each row's accepted speculated nodes
     kv_bytes: int = 0  # largest KV cache (slot cache storage) held at once
 
 
@@ -672,6 +673,7 @@ class _Batch:
         stats.steps += 1
         stats.tree_nodes = max(stats.tree_nodes, buf.nodes)
         stats.tree_nodes_per_step.append(buf.nodes)
+        stats.accepted_per_step.append(list(lengths_acc))
         for b, (s, row) in enumerate(zip(active, host)):
             L = row[-1]
             new = row[:L] + [row[-2]]

@@ -2,9 +2,9 @@
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both with
 ``stream: true`` as server-sent events ending in ``data: [DONE]``), ``GET /v1/models``,
-``GET /health`` and ``GET /metrics`` (Prometheus text format). With an API key,
-``/v1/*`` needs ``Authorization: Bearer KEY`` (401 otherwise); ``/health`` and
-``/metrics`` stay open for probes and scrapers. Errors are answered in OpenAI's
+``POST /tokenize`` and ``POST /detokenize`` (vLLM's), ``GET /health`` and ``GET /metrics``
+(Prometheus text format). With an API key, ``/v1/*`` needs ``Authorization: Bearer KEY``
+(401 otherwise); the others stay open, as on vLLM's server. Errors are answered in OpenAI's
 shape ``{"error": {"message", "type", "param", "code"}}``: 400 bad input,
 401 bad key, 404 unknown model, 413 body over ``max_body_bytes`` (refused before it
 is read), 500 a failure of this request in the engine, 503 queue full or shutting down.
@@ -24,7 +24,7 @@ import hmac
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -32,7 +32,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from distill.serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
-from distill.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, new_id, now, usage
+from distill.serve.protocol import (ENGINE, FIELDS, APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                   TokenizeRequest, new_id, now, usage)
 from distill.serve.scheduler import Delta, Done, Failed, Job, QueueFull, Scheduler, Sequence, ShuttingDown
 from distill.serve.text import StreamDecoder
 
@@ -47,13 +48,16 @@ class AppSettings:
 
     model_name: str
     max_model_len: int
-    stop_token_ids: tuple[int, ...]
+    stop_token_ids: tuple[int, ...]  # the model's EOS ids (distill.models.stop_token_ids)
     queue_size: int = 64
     max_batch: int = 8
-    default_max_tokens: int = 256
+    default_max_tokens: int | None = None  # max_tokens of requests that give none; None: the rest of the context
     api_key: str | None = None
     speculative: bool = False
     max_body_bytes: int | None = None  # None: default_body_limit(max_model_len)
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)  # request fields' defaults (protocol.request_defaults)
+    chat_template: str | None = None  # None: the tokenizer's own
+    model_root: str | None = None  # the model's folder, /v1/models' "root"
 
     def __post_init__(self) -> None:
         if self.max_body_bytes is None:
@@ -77,6 +81,7 @@ class _ChatShape:
 
     @staticmethod
     def opening(indices: list[int]) -> list[dict] | None:
+        """The role chunk, sent with the first token (as vLLM does: a client timing the first chunk measures the prefill)."""
         return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None} for i in indices]
 
     @staticmethod
@@ -119,11 +124,14 @@ class _Service:
         self.vocab_size = len(engine.tokenizer)
 
     # -- a request becomes a job --------------------------------------------------------------
-    def check_common(self, req) -> None:
+    def check_model(self, model: str | None) -> None:
         name = self.settings.model_name
-        if req.model != name:
-            raise APIError(404, f"model '{req.model}' is not served here; this server serves '{name}'",
+        if model is not None and model != name:
+            raise APIError(404, f"model '{model}' is not served here; this server serves '{name}'",
                            param="model", code="model_not_found")
+
+    def check_common(self, req) -> None:
+        self.check_model(req.model)
         bad = req.unsupported()
         if bad:
             raise APIError(400, f"not supported by this server: {', '.join(bad)}", param=bad[0])
@@ -137,17 +145,22 @@ class _Service:
         if room < 1:
             raise APIError(400, f"the prompt has {prompt_len} tokens; this model's context is {context} tokens",
                            param="messages" if isinstance(req, ChatCompletionRequest) else "prompt", code="context_length_exceeded")
-        if limit is None:
-            limit = min(self.settings.default_max_tokens, room)
+        defaults = self.settings.sampling_defaults
+        if limit is None:  # vLLM's rule: the rest of the context, or less where the server sets a default
+            fallback = self.settings.default_max_tokens or defaults.get("max_tokens")
+            limit = min(fallback, room) if fallback else room
         elif limit > room:
             raise APIError(400, f"max_tokens={limit} plus the prompt's {prompt_len} tokens exceed this model's context of "
                            f"{context} tokens", param="max_tokens", code="context_length_exceeded")
         seed = None if req.seed is None else req.seed + index
+        stop_ids = tuple(req.stop_token_ids or ()) + (() if req.ignore_eos else self.settings.stop_token_ids)
+        extra = {**{k: v for k, v in defaults.items() if FIELDS[k].support == ENGINE}, **req.engine_fields()}
         try:
-            return SamplingParams(max_tokens=limit, temperature=req.temperature, top_p=req.top_p, seed=seed,
-                                  stop_token_ids=self.settings.stop_token_ids)
-        except ValueError as exc:
-            raise APIError(400, str(exc)) from None
+            return SamplingParams(max_tokens=limit, temperature=_given(req.temperature, defaults.get("temperature"), 1.0),
+                                  top_p=_given(req.top_p, defaults.get("top_p"), 1.0), seed=seed, stop_token_ids=stop_ids,
+                                  ignore_eos=req.ignore_eos, **extra)
+        except (TypeError, ValueError) as exc:  # the engine's own check of a value (named in its message)
+            raise APIError(400, str(exc), param=next((k for k in ("temperature", "top_p", *extra) if k in str(exc)), None)) from None
 
     def make_job(self, req, prompts: list[list[int]]) -> Job:
         queue = self.settings.queue_size
@@ -157,7 +170,9 @@ class _Service:
         for p, ids in enumerate(prompts):
             for c in range(req.n):
                 index = p * req.n + c
-                seqs.append(Sequence(index, ids, self.make_params(req, len(ids), index), StreamDecoder(self.tokenizer, req.stop_strings())))
+                decoder = StreamDecoder(self.tokenizer, req.stop_strings(), include_stop=req.include_stop_str_in_output,
+                                        skip_special_tokens=req.skip_special_tokens)
+                seqs.append(Sequence(index, ids, self.make_params(req, len(ids), index), decoder))
         job = Job(seqs, asyncio.get_running_loop(), prompt_tokens=sum(len(ids) for ids in prompts))
         try:
             self.scheduler.submit(job)
@@ -179,18 +194,43 @@ class _Service:
     # -- the endpoints ----------------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, request: Request):
         self.check_common(req)
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
-        ids = await self.tokenize(_chat_ids, messages, self.tokenizer)
+        ids = await self.tokenize(_chat_ids, _messages(req.messages), self.tokenizer, self.settings.chat_template,
+                                  req.template_kwargs(), req.add_special_tokens)
         return await self.respond(self.make_job(req, [ids]), req, request, _ChatShape)
 
     async def complete(self, req: CompletionRequest, request: Request):
         self.check_common(req)
-        prompts = await self.tokenize(_prompt_ids, req.prompt, self.tokenizer, self.vocab_size)
+        prompts = await self.tokenize(_prompt_ids, req.prompt, self.tokenizer, self.vocab_size, req.add_special_tokens)
         return await self.respond(self.make_job(req, prompts), req, request, _CompletionShape)
+
+    async def tokens(self, req: TokenizeRequest) -> dict:
+        """vLLM's ``/tokenize``: a prompt's or a chat's token ids, as a generation request would see them."""
+        self.check_model(req.model)
+        bad = req.unsupported()
+        if bad:
+            raise APIError(400, f"not supported by this server: {', '.join(bad)}", param=bad[0])
+        if req.messages is not None:
+            ids = await self.tokenize(_chat_ids, _messages(req.messages), self.tokenizer, self.settings.chat_template,
+                                      req.template_kwargs(), bool(req.add_special_tokens))
+        else:
+            add = True if req.add_special_tokens is None else req.add_special_tokens
+            ids = await self.tokenize(lambda: list(self.tokenizer(req.prompt, add_special_tokens=add)["input_ids"]))
+        out = {"count": len(ids), "max_model_len": self.settings.max_model_len, "tokens": ids, "token_strs": None}
+        if req.return_token_strs:
+            out["token_strs"] = self.tokenizer.convert_ids_to_tokens(ids)
+        return out
+
+    async def text(self, req: DetokenizeRequest) -> dict:
+        """vLLM's ``/detokenize``: token ids back to text (special tokens kept: the text the ids stand for)."""
+        self.check_model(req.model)
+        if any(not 0 <= t < self.vocab_size for t in req.tokens):
+            raise APIError(400, f"token ids must be in 0..{self.vocab_size - 1}", param="tokens")
+        return {"prompt": await self.tokenize(lambda: self.tokenizer.decode(req.tokens))}
 
     # -- answering a job ----------------------------------------------------------------------
     async def respond(self, job: Job, req, request: Request, shape):
-        rid, created = new_id(shape.id_prefix), now()
+        rid = f"{shape.id_prefix}-{req.request_id}" if req.request_id else new_id(shape.id_prefix)
+        created = now()
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(self.sse(job, rid, created, shape, include_usage), media_type="text/event-stream",
@@ -230,10 +270,11 @@ class _Service:
 
         try:
             opening = shape.opening([s.index for s in job.sequences])
-            if opening is not None:
-                yield chunk(opening)
             while len(done) < n:
                 ev = await job.events.get()
+                if opening is not None and not isinstance(ev, Failed):
+                    yield chunk(opening)
+                    opening = None
                 if isinstance(ev, Delta):
                     yield chunk([shape.delta(ev.index, ev.text)])
                 elif isinstance(ev, Done):
@@ -263,7 +304,7 @@ def create_app(engine, settings: AppSettings, worker_thread: bool = True) -> Fas
     own; False leaves it to the caller (``app.state.scheduler.run()``, as ``distill serve``
     does on the main thread). Either way the lifespan's end stops it.
     """
-    metrics = ServerMetrics()
+    metrics = ServerMetrics(settings.model_name, settings.speculative, settings.max_model_len)
     proposer = getattr(engine, "proposer", None)
     metrics.proposer.labels(proposer.name if proposer is not None and settings.speculative else "none").set(1)
     scheduler = Scheduler(engine, queue_size=settings.queue_size, max_batch=settings.max_batch,
@@ -308,7 +349,22 @@ def create_app(engine, settings: AppSettings, worker_thread: bool = True) -> Fas
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "created": _STARTED, "owned_by": "distill"}]}
+        permission = {"id": f"modelperm-{settings.model_name}", "object": "model_permission", "created": _STARTED,
+                      "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": False,
+                      "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False, "organization": "*",
+                      "group": None, "is_blocking": False}
+        card = {"id": settings.model_name, "object": "model", "created": _STARTED, "owned_by": "distill",
+                "root": settings.model_root or settings.model_name, "parent": None, "max_model_len": settings.max_model_len,
+                "permission": [permission]}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        return await service.tokens(req)
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        return await service.text(req)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
@@ -403,19 +459,35 @@ def _failed_error(ev: Failed) -> APIError:
 
 
 _STARTED = now()
-_ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"}
+_ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize", "/health", "/metrics"}
+#: apply_chat_template's own parameters: a chat_template_kwargs key may not set them
+_TEMPLATE_PARAMS = frozenset({"conversation", "tools", "chat_template", "tokenize", "padding", "truncation", "max_length",
+                              "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
-def _chat_ids(messages: list[dict], tokenizer) -> list[int]:
-    """Messages -> prompt token ids through the model's chat template (400 when the template refuses them)."""
+def _given(*values):
+    """The first value that is not None."""
+    return next(v for v in values if v is not None)
+
+
+def _messages(messages) -> list[dict]:
+    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+
+
+def _chat_ids(messages: list[dict], tokenizer, template: str | None, kwargs: dict, add_special_tokens: bool) -> list[int]:
+    """Messages -> prompt token ids through the chat template (``template``, else the model's), with the
+    template's extra variables ``kwargs`` (400 when the template refuses them)."""
+    clash = sorted(_TEMPLATE_PARAMS & set(kwargs))
+    if clash:
+        raise APIError(400, f"chat_template_kwargs may not set {', '.join(clash)}", param="chat_template_kwargs")
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False, **kwargs)
     except Exception as exc:  # noqa: BLE001 - the template's own complaint (e.g. roles must alternate)
         raise APIError(400, f"the model's chat template rejects these messages: {exc}", param="messages") from None
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
 
-def _prompt_ids(prompt: Any, tokenizer, vocab_size: int) -> list[list[int]]:
+def _prompt_ids(prompt: Any, tokenizer, vocab_size: int, add_special_tokens: bool = True) -> list[list[int]]:
     """A completions ``prompt`` (str, list of str, token ids, list of token id lists) -> token id lists."""
     if isinstance(prompt, str):
         prompts: list = [prompt]
@@ -427,7 +499,7 @@ def _prompt_ids(prompt: Any, tokenizer, vocab_size: int) -> list[list[int]]:
         raise APIError(400, "prompt is empty", param="prompt")
     out = []
     for p in prompts:
-        ids = list(tokenizer(p, add_special_tokens=False)["input_ids"]) if isinstance(p, str) else list(p)
+        ids = list(tokenizer(p, add_special_tokens=add_special_tokens)["input_ids"]) if isinstance(p, str) else list(p)
         if not ids:
             raise APIError(400, "prompt is empty", param="prompt")
         if any(not 0 <= t < vocab_size for t in ids):

@@ -20,7 +20,11 @@ class ServeConfig:
     ``queue_size`` bounds the requests waiting for the engine (not those it is
     running); a request that does not fit gets HTTP 503. ``max_batch`` is how many
     sequences decode together (waiting ones join between steps as rows free up).
-    ``default_max_tokens`` applies when a request gives no ``max_tokens``.
+    ``default_max_tokens`` applies when a request gives no ``max_tokens`` (None: the rest of the
+    context, as vLLM, or the generation config's ``max_new_tokens``). ``generation_config``: where
+    requests' sampling defaults come from, as vLLM's option: ``auto`` the model's
+    ``generation_config.json``, ``vllm`` (or ``none``) neutral defaults, or a folder holding one.
+    ``chat_template``: a Jinja template file, or the template itself; None: the tokenizer's.
     """
 
     model: str | None = None  # None = the bundled SmolLM2
@@ -32,7 +36,9 @@ class ServeConfig:
     served_model_name: str | None = None  # default: the engine's model name
     queue_size: int = 64
     max_batch: int | None = None  # distill engine: None = 8; vllm: None = vLLM's own --max-num-seqs
-    default_max_tokens: int = 256
+    default_max_tokens: int | None = None
+    generation_config: str = "auto"  # auto | vllm | none | a folder with generation_config.json
+    chat_template: str | None = None  # a file, or the template text; None: the model's own
     max_model_len: int | None = None  # default: the model's context length
     tree: str | None = None  # tree.json, a named default, or a Cartesian spec "3,2,2,1"
     draft_nodes: int | None = None  # EAGLE drafter or lookup: node budget of the dynamic tree (None: the proposer's default)
@@ -80,6 +86,8 @@ class ServeConfig:
                 raise ConfigError("--engine vllm serves the model with Medusa heads or an EAGLE-3 drafter: pass --heads DIR")
             if self.tree is not None:
                 raise ConfigError("--engine vllm verifies a single chain of head top-1 guesses; --tree applies to the distill engine only")
+        if not self.generation_config:
+            raise ConfigError("--generation-config must be auto, vllm, none or a folder holding generation_config.json")
         if self.step_cost_ratio is not None and self.step_cost_ratio < 0:
             raise ConfigError(f"--step-cost-ratio must be >= 0; got {self.step_cost_ratio}")
         if self.num_speculative_tokens is not None and self.num_speculative_tokens < 1:

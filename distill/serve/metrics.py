@@ -1,11 +1,16 @@
-"""Prometheus metrics of one server (a registry per app, so tests can run several apps in one process)."""
+"""Prometheus metrics of one server (a registry per app, so tests can run several apps in one process).
+
+Two families: ours (``distill_*``) and vLLM's (``vllm:*``, :class:`VllmMetrics`), with the
+names, labels (``model_name``, ``engine``), meanings and histogram buckets of the installed
+vLLM's Prometheus logger, so dashboards and tools built for ``vllm serve`` read this server.
+"""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-__all__ = ["ServerMetrics", "CONTENT_TYPE_LATEST"]
+__all__ = ["ServerMetrics", "VllmMetrics", "CONTENT_TYPE_LATEST"]
 
 
 class ServerMetrics:
@@ -18,9 +23,10 @@ class ServerMetrics:
         wall-clock seconds of one engine decoding step (one forward pass of the batch).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "distill", speculative: bool = False, max_model_len: int = 8192) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        self.vllm = VllmMetrics(r, model_name, speculative, max_model_len)
         self.requests = Counter("distill_requests", "HTTP API requests by endpoint and status code", ["endpoint", "status"], registry=r)
         self.prompt_tokens = Counter("distill_prompt_tokens", "Prompt tokens of finished sequences", registry=r)
         self.generation_tokens = Counter("distill_generation_tokens", "Tokens generated (sent to clients)", registry=r)
@@ -60,3 +66,122 @@ class ServerMetrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+# vLLM's histogram buckets (vllm/v1/metrics/buckets.py): seconds, and token counts in a 1-2-5 series up to the context.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+                160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0,
+                   1920.0, 7680.0)
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+def token_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_value``."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return out
+            out.append(m * scale)
+        scale *= 10
+
+
+class VllmMetrics:
+    """vLLM's metrics, recorded per sequence (vLLM's unit: each of ``n`` choices is an engine request of its own).
+
+    Terms, as vLLM defines them:
+
+    time to first token
+        from the sequence's arrival (queued, its prompt tokenized) to its first generated token.
+    inter-token latency
+        between two consecutive decoding steps that gave the sequence tokens (one observation
+        per step, however many tokens a speculative step gave).
+    queue time
+        from arrival to the engine taking the sequence into its batch; prefill time from there
+        to the first token; decode time from the first to the last token; inference time the two.
+    e2e latency
+        from arrival to the sequence's end.
+    draft (speculative decoding)
+        one row's speculated tokens in one decoding step: the tree's nodes beyond the root (a
+        step with no tree, 0 nodes, is no draft). Draft tokens: those nodes; accepted tokens:
+        the nodes on the accepted path (the bonus token not counted); accepted at position k:
+        drafts whose accepted path reached depth k + 1. Mean acceptance length =
+        1 + accepted / drafts.
+    """
+
+    def __init__(self, registry: CollectorRegistry, model_name: str, speculative: bool, max_model_len: int):
+        r, labels, values = registry, ["model_name", "engine"], (model_name, "0")
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels, registry=r).labels(*values)
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(*values)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=r).labels(*values)
+
+        tokens = token_buckets(max_model_len)
+        self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
+        self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        success = Counter("vllm:request_success", "Count of successfully processed requests.", labels + ["finished_reason"], registry=r)
+        self.success = {reason: success.labels(*values, reason) for reason in FINISH_REASONS}
+        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.", tokens)
+        self.request_generation_tokens = histogram("vllm:request_generation_tokens", "Number of generation tokens processed.", tokens)
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
+        self.tpot = histogram("vllm:request_time_per_output_token_seconds",
+                              "Histogram of time_per_output_token_seconds per request.", ITL_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", REQUEST_BUCKETS)
+        self.queue = histogram("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
+                               REQUEST_BUCKETS)
+        self.inference = histogram("vllm:request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request.",
+                                   REQUEST_BUCKETS)
+        self.prefill = histogram("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.",
+                                 REQUEST_BUCKETS)
+        self.decode = histogram("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.",
+                                REQUEST_BUCKETS)
+        self.speculative = speculative
+        if speculative:  # as vLLM: the counters exist only on a server that speculates
+            self.drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
+            self.draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
+            self.accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.")
+            self._per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
+                                    labels + ["position"], registry=r)
+            self._values = values
+            self.accepted_per_pos: list[Counter] = []
+
+    def step(self, nodes: int, accepted: list[int]) -> None:
+        """One decoding step: ``nodes`` speculated per row, ``accepted`` the accepted nodes of each row."""
+        if not self.speculative or not nodes:
+            return
+        self.drafts.inc(len(accepted))
+        self.draft_tokens.inc(len(accepted) * nodes)
+        self.accepted_tokens.inc(sum(accepted))
+        deepest = max(accepted, default=0)
+        while len(self.accepted_per_pos) < deepest:
+            self.accepted_per_pos.append(self._per_pos.labels(*self._values, str(len(self.accepted_per_pos))))
+        for k in range(deepest):
+            self.accepted_per_pos[k].inc(sum(a > k for a in accepted))
+
+    def finished(self, reason: str, arrived: float, scheduled: float | None, first: float | None, last: float | None,
+                 prompt_tokens: int, generated: int, now: float) -> None:
+        """A sequence ended (monotonic times; ``scheduled`` / ``first`` / ``last`` None where it never got that far)."""
+        self.success[reason if reason in self.success else "abort"].inc()
+        self.e2e.observe(now - arrived)
+        self.request_prompt_tokens.observe(prompt_tokens)
+        self.request_generation_tokens.observe(generated)
+        if scheduled is None:
+            return
+        self.queue.observe(scheduled - arrived)
+        if first is None:
+            return
+        self.prefill.observe(first - scheduled)
+        last = last if last is not None else first
+        self.decode.observe(last - first)
+        self.inference.observe(last - scheduled)
+        self.tpot.observe((last - first) / (generated - 1) if generated > 1 else 0.0)

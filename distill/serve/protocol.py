@@ -1,17 +1,39 @@
-"""Request and response bodies of the OpenAI-compatible API (the subset ``distill serve`` implements).
+"""Request and response bodies of the OpenAI-compatible API, with vLLM's extra request fields.
 
-Fields the server cannot honour (tools, logprobs, penalties, logit bias, JSON
-mode) are rejected with HTTP 400 naming the field, never silently ignored.
-Unknown extra fields are ignored, as OpenAI's own server does for forward compatibility.
+Every request field vLLM's OpenAI server (the installed version's ``ChatCompletionRequest`` and
+``CompletionRequest``) accepts is in :data:`FIELDS`, with what this server does with it:
+
+honoured
+    declared on the request models below and applied (``stop_token_ids``, ``ignore_eos``,
+    ``chat_template_kwargs``, ...).
+engine
+    passed to :class:`distill.engine.SamplingParams` under its own name when given (none yet:
+    making a refused sampling field work is its line here changed to ``ENGINE``).
+refused
+    answered with HTTP 400 naming the field, unless absent or set to one of its neutral
+    values (``top_k`` -1 or 0, ``min_p`` 0, ``repetition_penalty`` 1, ``logprobs`` false, ...),
+    which change nothing and are accepted.
+ignored
+    accepted with no effect, as vLLM itself does (``user``), or because it only matters
+    together with a refused field (``truncation_side`` without ``truncate_prompt_tokens``).
+
+A key that is no vLLM field either is ignored (logged at debug level), as vLLM's server
+does (its request models allow extra fields and drop them): clients written against a
+newer OpenAI API keep working.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import time
 import uuid
-from typing import Any, Literal, Optional, Union
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+log = logging.getLogger("distill.serve")
 
 MAX_STOP_STRINGS = 16
 #: ``seed``: a signed 64-bit integer, as OpenAI's API has it; choice i of ``n`` uses seed + i,
@@ -20,6 +42,113 @@ SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 #: below this a temperature or top_p underflows the engine's float32 sampling (NaN
 #: probabilities): 0 < value < 1e-5 is refused (temperature 0 means greedy).
 MIN_SAMPLING_VALUE = 1e-5
+
+HONOURED, ENGINE, REFUSED, IGNORED = "honoured", "engine", "refused", "ignored"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What the server does with one request field (terms in the module docstring)."""
+
+    support: str
+    neutral: tuple = (None,)  # refused: the values accepted as no-ops (None = absent)
+    only: str | None = None  # "chat" or "completions": the field exists on that endpoint only
+
+
+def _refused(*neutral, only: str | None = None) -> Rule:
+    return Rule(REFUSED, (None, *neutral), only)
+
+
+_DONE, _IGNORED = Rule(HONOURED), Rule(IGNORED)
+_CHAT, _COMPLETIONS = "chat", "completions"
+
+#: Every field of vLLM's chat and text completion requests (and OpenAI's ``best_of``): the one table.
+FIELDS: dict[str, Rule] = {
+    # -- OpenAI's fields
+    "model": _DONE, "messages": Rule(HONOURED, only=_CHAT), "prompt": Rule(HONOURED, only=_COMPLETIONS),
+    "max_tokens": _DONE, "max_completion_tokens": Rule(HONOURED, only=_CHAT), "n": _DONE, "seed": _DONE,
+    "stop": _DONE, "stream": _DONE, "stream_options": _DONE, "temperature": _DONE, "top_p": _DONE,
+    "user": _IGNORED,  # vLLM ignores it too
+    "frequency_penalty": _refused(0), "presence_penalty": _refused(0), "logit_bias": _refused({}),
+    "logprobs": _refused(False),  # chat: a bool; completions: an int (0 asks for the sampled token's logprob)
+    "top_logprobs": _refused(0, only=_CHAT),
+    "response_format": _refused({"type": "text"}),
+    "tools": _refused([], only=_CHAT), "tool_choice": _refused("none", only=_CHAT),
+    "parallel_tool_calls": Rule(IGNORED, only=_CHAT),  # no tools are taken, so there are none to call in parallel
+    "echo": _refused(False),  # completions: prompt + logprobs; chat: prepend the last message
+    "suffix": _refused("", only=_COMPLETIONS), "best_of": _refused(1, only=_COMPLETIONS),
+    # -- vLLM's sampling fields
+    "top_k": _refused(0, -1), "min_p": _refused(0), "repetition_penalty": _refused(1),
+    "min_tokens": _refused(0), "use_beam_search": _refused(False), "length_penalty": _refused(1),
+    "watermarking": _refused(False), "prompt_logprobs": _refused(), "logprob_token_ids": _refused([]),
+    "allowed_token_ids": _refused(), "bad_words": _refused([]), "truncate_prompt_tokens": _refused(),
+    "truncation_side": _IGNORED,  # only with truncate_prompt_tokens
+    "return_tokens_as_token_ids": _refused(False),  # only with logprobs
+    "stop_token_ids": _DONE, "ignore_eos": _DONE, "include_stop_str_in_output": _DONE, "skip_special_tokens": _DONE,
+    "spaces_between_special_tokens": _refused(True),
+    "thinking_token_budget": _refused(), "repetition_detection": _refused(), "structured_outputs": _refused(),
+    "stream_interval": _refused(1),
+    # -- vLLM's chat template and prompt fields
+    "add_special_tokens": _DONE, "chat_template_kwargs": Rule(HONOURED, only=_CHAT),
+    "add_generation_prompt": Rule(HONOURED, only=_CHAT), "continue_final_message": Rule(HONOURED, only=_CHAT),
+    "documents": Rule(HONOURED, only=_CHAT), "reasoning_effort": Rule(HONOURED, only=_CHAT),
+    "chat_template": _refused(only=_CHAT),  # vLLM too refuses it unless started with --trust-request-chat-template
+    "include_reasoning": _refused(True, only=_CHAT),  # no reasoning parser: the reasoning is in the content
+    "prompt_embeds": _refused(only=_COMPLETIONS),
+    "media_io_kwargs": _refused({}, only=_CHAT), "mm_processor_kwargs": _refused({}, only=_CHAT),
+    # -- vLLM's serving fields
+    "request_id": _DONE, "session_id": _IGNORED,  # a routing key: one server, nothing to route
+    "priority": _refused(0), "return_token_ids": _refused(False), "return_prompt_text": _refused(False, only=_CHAT),
+    "cache_salt": _IGNORED,  # salts a prefix cache: there is none to share between requests here
+    "kv_transfer_params": _refused(), "ec_transfer_params": _refused(), "vllm_xargs": _refused({}),
+    "routed_experts_prompt_start": _refused(0),
+    "return_token_offsets": _IGNORED, "mm_payload": _IGNORED, "return_mm_kwargs": _IGNORED,  # vLLM's render endpoints only
+}
+
+
+@functools.cache
+def fields_of(endpoint: str) -> dict[str, Rule]:
+    """The table's rows that apply to ``endpoint`` ("chat" or "completions")."""
+    return {name: rule for name, rule in FIELDS.items() if rule.only in (None, endpoint)}
+
+
+def is_neutral(rule: Rule, value: Any) -> bool:
+    """Whether ``value`` is one of the rule's no-op values (a bool matches bools only: ``true`` is not 1)."""
+    return any(value is None if n is None else (isinstance(value, bool) == isinstance(n, bool) and value == n)
+               for n in rule.neutral)
+
+
+def refused(extras: dict[str, Any], endpoint: str) -> list[str]:
+    """The fields among a request's ``extras`` the table refuses on ``endpoint`` and that are set to a non-neutral value."""
+    rules = fields_of(endpoint)
+    return [name for name, value in extras.items()
+            if name in rules and rules[name].support == REFUSED and not is_neutral(rules[name], value)]
+
+
+#: generation_config.json keys that are request defaults (the ones vLLM reads), and the request field each sets.
+GENERATION_CONFIG_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                          "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+                          "frequency_penalty": "frequency_penalty", "max_new_tokens": "max_tokens"}
+
+
+def request_defaults(generation_config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A model's generation config -> (the request defaults this server applies, the ones it cannot honour).
+
+    Applied: the sampling fields the server or the engine honours, and ``max_new_tokens`` as the
+    default ``max_tokens``. Not honoured: a refused field set to other than its neutral value
+    (e.g. ``top_k: 50``); requests that omit it decode without it (the caller says so once).
+    """
+    applied, unhonoured = {}, {}
+    for key, name in GENERATION_CONFIG_KEYS.items():
+        value = generation_config.get(key)
+        if value is None:
+            continue
+        rule = FIELDS[name]
+        if rule.support in (HONOURED, ENGINE):
+            applied[name] = value
+        elif not is_neutral(rule, value):
+            unhonoured[name] = value
+    return applied, unhonoured
 
 
 class APIError(Exception):
@@ -54,37 +183,40 @@ class ChatMessage(BaseModel):
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk (refused when true)
 
 
 class _Sampling(BaseModel):
-    """Fields shared by chat and text completions."""
+    """Fields shared by chat and text completions (the honoured ones; the rest of :data:`FIELDS` arrive as extras)."""
 
-    model_config = ConfigDict(extra="ignore")
-    model: str
+    model_config = ConfigDict(extra="allow")
+    endpoint: ClassVar[str] = ""
+    model: Optional[str] = None  # None: the served model (as vLLM)
     max_tokens: Optional[int] = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)  # None: the server's default (generation config, else 1)
+    top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
     n: int = Field(default=1, ge=1, le=16)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     stop: Union[str, list[str], None] = None
     seed: Optional[int] = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: Optional[dict[str, float]] = None
-    user: Optional[str] = None
+    stop_token_ids: Optional[list[int]] = None  # besides the model's EOS ids (only these with ignore_eos)
+    ignore_eos: bool = False  # the model's EOS ids do not end the answer (stop_token_ids and stop strings still do)
+    include_stop_str_in_output: bool = False  # the stop string that ended the answer stays in its text
+    skip_special_tokens: bool = True  # special tokens' text is left out of the answer
+    request_id: Optional[str] = Field(default=None, min_length=1, max_length=256)  # the response's id is <prefix>-<request_id>
 
     @field_validator("temperature")
     @classmethod
     def _check_temperature(cls, v):
-        if 0 < v < MIN_SAMPLING_VALUE:
+        if v is not None and 0 < v < MIN_SAMPLING_VALUE:
             raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_SAMPLING_VALUE}")
         return v
 
     @field_validator("top_p")
     @classmethod
     def _check_top_p(cls, v):
-        if v < MIN_SAMPLING_VALUE:
+        if v is not None and v < MIN_SAMPLING_VALUE:
             raise ValueError(f"top_p must be at least {MIN_SAMPLING_VALUE}")
         return v
 
@@ -100,70 +232,113 @@ class _Sampling(BaseModel):
             raise ValueError("stop strings must not be empty")
         return stops
 
+    @model_validator(mode="after")
+    def _log_unknown(self):
+        unknown = sorted(set(self.model_extra or {}) - set(fields_of(self.endpoint)))
+        if unknown:
+            log.debug("request fields ignored (neither OpenAI's nor vLLM's): %s", ", ".join(unknown))
+        return self
+
     def unsupported(self) -> list[str]:
-        """Names of given fields this server cannot honour."""
-        bad = []
-        if self.presence_penalty:
-            bad.append("presence_penalty")
-        if self.frequency_penalty:
-            bad.append("frequency_penalty")
-        if self.logit_bias:
-            bad.append("logit_bias")
+        """Names of given fields this server cannot honour (set to something other than a neutral value)."""
+        bad = refused(self.model_extra or {}, self.endpoint)
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            bad.append("stream_options.continuous_usage_stats")
         return bad
+
+    def engine_fields(self) -> dict[str, Any]:
+        """The given fields the table marks ``engine``: passed to SamplingParams as they are."""
+        rules = fields_of(self.endpoint)
+        return {name: value for name, value in (self.model_extra or {}).items()
+                if name in rules and rules[name].support == ENGINE and value is not None}
 
     def stop_strings(self) -> list[str]:
         return list(self.stop or [])
 
 
 class ChatCompletionRequest(_Sampling):
+    endpoint: ClassVar[str] = _CHAT
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
-    logprobs: Optional[bool] = None
-    top_logprobs: Optional[int] = None
-    tools: Optional[list[Any]] = None
-    tool_choice: Optional[Any] = None
-    response_format: Optional[dict[str, Any]] = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last (assistant) message is continued, not closed
+    add_special_tokens: bool = False  # on top of what the chat template writes (vLLM's default for chat)
+    chat_template_kwargs: Optional[dict[str, Any]] = None  # extra variables for the chat template (e.g. enable_thinking)
+    documents: Optional[list[dict[str, str]]] = None  # the chat template's `documents` (RAG templates)
+    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]] = None
 
-    def unsupported(self) -> list[str]:
-        bad = super().unsupported()
-        if self.logprobs:
-            bad.append("logprobs")
-        if self.top_logprobs:
-            bad.append("top_logprobs")
-        if self.tools:
-            bad.append("tools")
-        if self.tool_choice not in (None, "none"):
-            bad.append("tool_choice")
-        if self.response_format not in (None, {"type": "text"}):
-            bad.append("response_format")
-        return bad
+    @model_validator(mode="after")
+    def _check_generation_prompt(self):
+        if self.continue_final_message:
+            if self.add_generation_prompt and "add_generation_prompt" in self.model_fields_set:
+                raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+            self.add_generation_prompt = False
+        return self
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The chat template's extra variables: ``chat_template_kwargs``, under the request's own fields (as vLLM merges them)."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            kwargs["reasoning_effort"] = self.reasoning_effort
+            kwargs.setdefault("enable_thinking", self.reasoning_effort != "none")
+        if self.documents is not None:
+            kwargs["documents"] = self.documents
+        kwargs["add_generation_prompt"] = self.add_generation_prompt
+        kwargs["continue_final_message"] = self.continue_final_message
+        return kwargs
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
 class CompletionRequest(_Sampling):
+    endpoint: ClassVar[str] = _COMPLETIONS
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: Optional[int] = Field(default=16, ge=1)  # OpenAI's default for completions
-    echo: bool = False
-    logprobs: Optional[int] = None
-    suffix: Optional[str] = None
-    best_of: Optional[int] = None
-
-    def unsupported(self) -> list[str]:
-        bad = super().unsupported()
-        if self.logprobs is not None:
-            bad.append("logprobs")
-        if self.suffix:
-            bad.append("suffix")
-        if self.best_of not in (None, 1):
-            bad.append("best_of")
-        if self.echo:
-            bad.append("echo")
-        return bad
+    max_tokens: Optional[int] = Field(default=16, ge=1)  # OpenAI's and vLLM's default for completions
+    add_special_tokens: bool = True  # e.g. BOS before a text prompt, as the tokenizer adds it (vLLM's default)
 
     def token_limit(self) -> int | None:
         return self.max_tokens
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize``: a text ``prompt``, or chat ``messages`` rendered by the chat template (vLLM's two forms)."""
+
+    model_config = ConfigDict(extra="allow")
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: Optional[bool] = None  # default: true for a prompt, false for messages (vLLM's)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_form(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        if self.continue_final_message:
+            if self.add_generation_prompt and "add_generation_prompt" in self.model_fields_set:
+                raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+            self.add_generation_prompt = False
+        return self
+
+    def template_kwargs(self) -> dict[str, Any]:
+        return {**(self.chat_template_kwargs or {}), "add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message}
+
+    def unsupported(self) -> list[str]:
+        """vLLM's other /tokenize fields (``tools``, ``chat_template``, ...): refused as on /v1/chat/completions."""
+        return refused(self.model_extra or {}, _CHAT)
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize``: token ids back to text."""
+
+    model_config = ConfigDict(extra="allow")
+    model: Optional[str] = None
+    tokens: list[int]
 
 
 # -- responses ----------------------------------------------------------------------------

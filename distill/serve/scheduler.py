@@ -105,6 +105,9 @@ class Sequence:
     finished: bool = False
     finish_reason: str | None = None
     resumed: int = 0  # decoder tokens already streamed when the engine last prefilled it (recomputation)
+    scheduled_at: float | None = None  # monotonic times (the metrics): taken into the batch, first and last token
+    first_token_at: float | None = None
+    last_token_at: float | None = None
 
     def engine_input(self) -> tuple[list[int], Any]:
         """Prompt ids and sampling parameters for a (re)prefill: after a failed step, the tokens
@@ -241,6 +244,7 @@ class Scheduler:
     def _gauge(self) -> None:
         if self.metrics is not None:
             self.metrics.queue_depth.set(len(self._waiting))
+            self.metrics.vllm.waiting.set(len(self._waiting))
 
     def _ending(self, running: int) -> bool:
         """(holding the lock) Whether the loop must end now: stopped, or drained (idle or out of time)."""
@@ -258,13 +262,14 @@ class Scheduler:
             if self._ending(running):
                 return None
             new: list[Sequence] = []
+            now = time.monotonic()
             while self._waiting and running + len(new) < self.max_batch:
                 s = self._waiting.popleft()
                 if s.job.cancelled.is_set():
-                    s.finish("abort")  # nobody listens: its handler only waits for the end
-                    if self.metrics is not None:
-                        self.metrics.sequences.labels("abort").inc()
+                    self._end(s, "abort")  # nobody listens: its handler only waits for the end
                     continue
+                if s.scheduled_at is None:  # a row put back after a failed step keeps its first time
+                    s.scheduled_at = now
                 new.append(s)
             self._gauge()
             return new
@@ -299,13 +304,44 @@ class Scheduler:
         """The engine's callback (worker thread): stream the text; False ends the sequence."""
         if s.finished or s.job.cancelled.is_set():
             return False
+        before = len(s.decoder.ids)
         delta = s.decoder.add(new_ids)
+        self._tokens(s, len(s.decoder.ids) - before)
         if delta.text:
             s.emit(Delta(s.index, delta.text))
         if delta.stopped:
-            s.finish("stop")
+            self._end(s, "stop")
             return False
         return True
+
+    def _tokens(self, s: Sequence, n: int) -> None:
+        """The sequence gained ``n`` tokens in one step (its first ones: the prefill's): the token metrics."""
+        now = time.monotonic()
+        m = self.metrics
+        if m is not None and n:
+            m.vllm.generation_tokens.inc(n)
+            if s.first_token_at is not None:
+                m.vllm.itl.observe(now - s.last_token_at)
+        if s.first_token_at is None:
+            s.first_token_at = now
+            if m is not None:
+                m.vllm.ttft.observe(now - s.job.arrived)
+                m.vllm.prompt_tokens.inc(len(s.prompt_ids))
+        s.last_token_at = now
+
+    def _end(self, s: Sequence, reason: str) -> None:
+        """End the sequence with ``reason``: its metrics first, then its Done event (so that a scrape after its answer sees it)."""
+        if s.finished:
+            return
+        m = self.metrics
+        if m is not None:
+            if s.first_token_at is None and reason in ("stop", "length"):  # it ended at its first token (a stop token)
+                self._tokens(s, 0)
+            m.sequences.labels(reason).inc()
+            m.generation_tokens.inc(len(s.decoder.ids))
+            m.vllm.finished(reason, s.job.arrived, s.scheduled_at, s.first_token_at, s.last_token_at, len(s.prompt_ids),
+                            len(s.decoder.ids), time.monotonic())
+        s.finish(reason)
 
     def _add(self, batch, seqs: list[Sequence]) -> list:
         inputs = [s.engine_input() for s in seqs]
@@ -378,47 +414,51 @@ class Scheduler:
     def _fail(self, seqs: list[Sequence], message: str, status: int = 500) -> None:
         for s in seqs:
             if not s.finished:
-                s.finished, s.finish_reason = True, "error"
-                s.emit(Failed(message, status))
                 if self.metrics is not None:
                     self.metrics.sequences.labels("error").inc()
+                    self.metrics.vllm.finished("error", s.job.arrived, s.scheduled_at, s.first_token_at, s.last_token_at,
+                                               len(s.prompt_ids), len(s.decoder.ids), time.monotonic())
+                s.finished, s.finish_reason = True, "error"
+                s.emit(Failed(message, status))
 
     def _report(self, batch, done: list) -> None:
-        """Finish the sequences that left the batch; move the batch's step figures into the metrics."""
-        for s, r in done:
-            self._finish(s, r.token_ids, r.finish_reason, r.accepted)
+        """Move the batch's step figures into the metrics, then finish the sequences that left the batch
+        (in that order: a scrape after an answer ends sees the steps that made it)."""
         stats, batch.stats = batch.stats, type(batch.stats)()
         m = self.metrics
-        if m is None:
-            return
-        for sec in stats.step_seconds:
-            m.step_latency.observe(sec)
-        for n in stats.tree_nodes_per_step:
-            m.tree_nodes.observe(n)
-        if stats.prefill_seconds:
-            m.prefill_latency.observe(stats.prefill_seconds)
-        if getattr(self.engine, "policy", None) is not None:
-            m.acceptance_ratio.set(self.engine.policy.acceptance_ratio)
-        m.running.set(len(batch))
+        if m is not None:
+            for sec in stats.step_seconds:
+                m.step_latency.observe(sec)
+            for n in stats.tree_nodes_per_step:
+                m.tree_nodes.observe(n)
+            for n, accepted in zip(stats.tree_nodes_per_step, stats.accepted_per_step):
+                m.vllm.step(n, accepted)
+            if stats.prefill_seconds:
+                m.prefill_latency.observe(stats.prefill_seconds)
+            if getattr(self.engine, "policy", None) is not None:
+                m.acceptance_ratio.set(self.engine.policy.acceptance_ratio)
+            m.running.set(len(batch))
+            m.vllm.running.set(len(batch))
+        for s, r in done:
+            self._finish(s, r.token_ids, r.finish_reason, r.accepted)
 
     def _finish(self, s: Sequence, token_ids: list[int], reason: str, accepted: list[int] = ()) -> None:
+        if self.metrics is not None:
+            for n in accepted:
+                self.metrics.tokens_per_step.observe(n)
         if not s.finished:
             produced = s.decoder.ids[s.resumed:]  # what this prefill's tokens streamed so far
             seen = len(produced)
             rest = list(token_ids[seen:]) if list(token_ids[:seen]) == produced else []
             if rest:  # tokens the engine did not report through on_tokens
+                before = len(s.decoder.ids)
                 delta = s.decoder.add(rest)
+                self._tokens(s, len(s.decoder.ids) - before)
                 if delta.text:
                     s.emit(Delta(s.index, delta.text))
                 if delta.stopped:
                     reason = "stop"
-            s.finish({"stop": "stop", "length": "length"}.get(reason, "abort"))
-        m = self.metrics
-        if m is not None:
-            for n in accepted:
-                m.tokens_per_step.observe(n)
-            m.sequences.labels(s.finish_reason or "abort").inc()
-            m.generation_tokens.inc(len(s.decoder.ids))
+            self._end(s, {"stop": "stop", "length": "length"}.get(reason, "abort"))
 
 
 def _failure(exc: Exception) -> tuple[str, int]:

@@ -42,8 +42,18 @@ def build_app(cfg: ServeConfig, worker_thread: bool = True):
     from distill.engine import Engine, EngineConfig
     from distill.models import resolve_model, stop_token_ids
     from distill.serve.app import AppSettings, create_app
+    from distill.serve.protocol import request_defaults
 
     resolved = resolve_model(cfg.model)
+    template = load_chat_template(cfg.chat_template)
+    defaults, unhonoured = request_defaults(generation_config(cfg.generation_config, resolved.path))
+    if defaults:
+        log.warning("request defaults from %s: %s (--generation-config vllm for neutral ones)",
+                    "the model's generation_config.json" if cfg.generation_config == "auto" else cfg.generation_config,
+                    json.dumps(defaults))
+    for name, value in unhonoured.items():
+        log.warning("the generation config sets %s=%s, which this server does not honour yet: requests that omit %s "
+                    "decode without it", name, value, name)
     engine_cfg = EngineConfig(
         acceptance=cfg.acceptance, typical_epsilon=cfg.typical_epsilon, typical_delta=cfg.typical_delta,
         tree=cfg.tree, max_batch=cfg.engine_batch, dtype=cfg.dtype, device=cfg.device, step_cost_ratio=cfg.step_cost_ratio,
@@ -65,8 +75,41 @@ def build_app(cfg: ServeConfig, worker_thread: bool = True):
         api_key=cfg.api_key,
         speculative=engine.proposer is not None,
         max_body_bytes=cfg.max_body_bytes,
+        sampling_defaults=defaults,
+        chat_template=template,
+        model_root=str(resolved.path),
     )
     return create_app(engine, settings, worker_thread=worker_thread), settings
+
+
+def generation_config(source: str, model_path: Path) -> dict:
+    """The generation config values that differ from transformers' defaults (what vLLM reads), from
+    ``source``: ``auto`` the model's ``generation_config.json`` (none there: {}), ``vllm`` / ``none``
+    nothing, or a folder that must hold one."""
+    from transformers import GenerationConfig
+
+    if source in ("vllm", "none"):
+        return {}
+    folder = model_path if source == "auto" else Path(source).expanduser()
+    try:
+        return GenerationConfig.from_pretrained(folder).to_diff_dict()
+    except OSError:
+        if source == "auto":
+            return {}
+        raise ConfigError(f"--generation-config {source}: no generation_config.json there (auto: the model's; vllm: none)") from None
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """``--chat-template``: a file's text, or ``value`` itself when it reads as a Jinja template (has ``{`` or a
+    line break, as vLLM tells them apart); None: the tokenizer's own template."""
+    if value is None:
+        return None
+    if any(c in value for c in "{}\n"):
+        return value
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"--chat-template {value}: no such file (give a Jinja template file, or the template itself)")
+    return path.read_text()
 
 
 def serve(cfg: ServeConfig, log_level: str = "info") -> None:
@@ -185,6 +228,10 @@ def _vllm_server_command(cfg: ServeConfig, python: str | None, resolved, spec: d
         cmd += ["--max-num-seqs", str(cfg.max_batch)]
     if cfg.max_model_len is not None:
         cmd += ["--max-model-len", str(cfg.max_model_len)]
+    if cfg.chat_template is not None:  # vLLM's options of the same names and meanings
+        cmd += ["--chat-template", cfg.chat_template]
+    if cfg.generation_config != "auto":
+        cmd += ["--generation-config", "vllm" if cfg.generation_config == "none" else cfg.generation_config]
     return cmd + list(cfg.vllm_args)
 
 

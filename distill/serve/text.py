@@ -10,7 +10,8 @@ held-back text
     A stop string that spans two decoding steps is thus never half-sent.
 stop string
     a request's ``stop``: when it appears in the text, the text is cut right
-    before it and the sequence ends with finish reason ``stop``.
+    before it (after it with ``include_stop``) and the sequence ends with finish
+    reason ``stop``.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ class StreamDecoder:
 
     tokenizer: object
     stops: Sequence[str] = ()
+    include_stop: bool = False  # the stop string found stays in the text (vLLM's include_stop_str_in_output)
+    skip_special_tokens: bool = True
     ids: list[int] = field(default_factory=list)
     text: str = ""  # the sequence's text so far (complete characters only)
     emitted: int = 0  # chars of ``text`` already emitted
@@ -59,7 +62,7 @@ class StreamDecoder:
     stopped: bool = False
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens, clean_up_tokenization_spaces=False)
 
     def add(self, new_ids: Sequence[int]) -> TextDelta:
         """Feed the new token ids of one step; returns what may be emitted now."""
@@ -87,10 +90,11 @@ class StreamDecoder:
         return self._take(len(self.text))
 
     def _find_stop(self) -> int | None:
+        """Where the text ends at the first stop string: before it, or after it with ``include_stop``."""
         # Only text not yet emitted (plus the longest stop's length before it) can hold a new match.
         start = max(0, self.emitted - max(len(s) for s in self.stops))
-        hits = [i for s in self.stops if (i := self.text.find(s, start)) >= 0]
-        return min(hits) if hits else None
+        hits = [(i, i + len(s) if self.include_stop else i) for s in self.stops if (i := self.text.find(s, start)) >= 0]
+        return min(hits)[1] if hits else None
 
     def _safe_end(self) -> int:
         end = len(self.text)
