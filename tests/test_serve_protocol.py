@@ -78,10 +78,8 @@ def test_every_field_of_vllms_requests_has_a_row_in_the_table_and_honoured_ones_
 
 
 @pytest.mark.parametrize(("send", "field", "value"), [
-    (chat, "top_k", 5), (chat, "min_p", 0.1), (complete, "repetition_penalty", 1.3), (chat, "min_tokens", 4),
-    (chat, "logprobs", True), (chat, "top_logprobs", 3), (complete, "logprobs", 0), (complete, "echo", True),
-    (complete, "prompt_logprobs", 1), (chat, "presence_penalty", 0.5), (chat, "chat_template", "{{ messages }}"),
-    (chat, "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    (chat, "echo", True), (complete, "prompt_logprobs", 1), (chat, "use_beam_search", True), (complete, "bad_words", ["Paris"]),
+    (chat, "chat_template", "{{ messages }}"), (chat, "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
 ])
 def test_a_field_the_server_cannot_honour_gets_a_400_naming_it(client, send, field, value):
     r = send(client, max_tokens=2, **{field: value})
@@ -93,11 +91,72 @@ def test_a_field_the_server_cannot_honour_gets_a_400_naming_it(client, send, fie
 def test_neutral_values_of_unhonoured_fields_and_unknown_keys_change_nothing(client):
     plain = chat(client, max_tokens=6).json()["choices"][0]["message"]["content"]
     neutral = {"top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "logprobs": False, "top_logprobs": 0, "min_tokens": 0,
-               "presence_penalty": 0, "use_beam_search": False, "user": "u1", "session_id": "s", "not_a_field_anywhere": 1}
+               "presence_penalty": 0, "use_beam_search": False, "prompt_logprobs": None, "user": "u1", "session_id": "s", "not_a_field_anywhere": 1}
     for extra in (neutral, {"top_k": 0}):
         r = chat(client, max_tokens=6, **extra)
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["content"] == plain
+
+
+def test_vllms_sampling_fields_reach_the_engine_and_bad_values_get_a_400_naming_them(client, engine):
+    from distill.engine import SamplingParams
+
+    fields = {"repetition_penalty": 1.4, "frequency_penalty": 0.3, "top_k": 5, "min_p": 0.05, "logit_bias": {"504": 2.5}}
+    got = chat(client, max_tokens=12, ignore_eos=True, **fields).json()
+    ids = client.post("/tokenize", json={"messages": QUESTION}).json()["tokens"]
+    params = dict(fields, logit_bias={504: 2.5})
+    want = engine.generate([ids], SamplingParams(max_tokens=12, ignore_eos=True, **params))[0][0].token_ids
+    assert got["choices"][0]["message"]["content"] == engine.tokenizer.decode(want, skip_special_tokens=True)
+    assert got["choices"][0]["message"]["content"] != chat(client, max_tokens=12, ignore_eos=True).json()["choices"][0]["message"]["content"]
+    held = chat(client, max_tokens=40, min_tokens=30).json()
+    assert held["usage"]["completion_tokens"] >= 30
+    for field, value in (("top_k", -5), ("min_p", 2.0), ("repetition_penalty", 0), ("logit_bias", {"x": 1.0})):
+        r = chat(client, max_tokens=2, **{field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, r.text)
+    r = chat(client, max_tokens=2, top_logprobs=2)
+    assert r.status_code == 400 and "logprobs" in r.json()["error"]["message"]
+
+
+def test_chat_logprobs_whole_and_streamed_are_the_engine_s(client, engine):
+    from distill.engine import SamplingParams
+
+    r = chat(client, max_tokens=8, ignore_eos=True, logprobs=True, top_logprobs=2).json()
+    content = r["choices"][0]["logprobs"]["content"]
+    ids = client.post("/tokenize", json={"messages": QUESTION}).json()["tokens"]
+    want = engine.generate([ids], SamplingParams(max_tokens=8, ignore_eos=True, logprobs=2))[0][0]
+    assert [c["token"] for c in content] == [engine.tokenizer.decode([t]) for t in want.token_ids]
+    assert [c["logprob"] for c in content] == pytest.approx([e.logprob for e in want.logprobs], abs=1e-4)
+    assert all(len(c["top_logprobs"]) == 2 and c["top_logprobs"][0]["logprob"] >= c["logprob"] - 1e-6 for c in content)
+    assert content[0]["bytes"] == list(content[0]["token"].encode())
+    streamed = []
+    with client.stream("POST", "/v1/chat/completions", json={"model": "smol", "messages": QUESTION, "temperature": 0, "max_tokens": 8,
+                                                             "ignore_eos": True, "logprobs": True, "top_logprobs": 2, "stream": True}) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: {"):
+                lp = json.loads(line[6:])["choices"][0].get("logprobs")
+                streamed += (lp or {}).get("content", [])
+    assert streamed == content
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_a_transformers_forward_does(client, engine, hf_model, tokenizer):
+    """lm-eval-harness's log-likelihood request: the prompt as token ids, echo, logprobs=1, max_tokens=1."""
+    import torch
+
+    ids = tokenizer("The capital of France is Paris. The capital of Italy is Rome.")["input_ids"]
+    r = client.post("/v1/completions", json={"model": "smol", "prompt": ids, "echo": True, "logprobs": 1, "max_tokens": 1,
+                                             "temperature": 0}).json()
+    lp = r["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(ids) + 1 and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), -1)
+    want = [float(ref[t - 1, ids[t]]) for t in range(1, len(ids))] + [float(ref[-1].max())]  # the answer: greedy
+    assert lp["token_logprobs"][1:] == pytest.approx(want, abs=1e-3)
+    assert all(len(top) == 1 for top in lp["top_logprobs"][1:])
+    text = r["choices"][0]["text"]
+    assert text.startswith(tokenizer.decode(ids)) and lp["text_offset"][0] == 0
+    assert lp["text_offset"] == sorted(lp["text_offset"])
+    plain = complete(client, max_tokens=3, echo=True).json()["choices"][0]
+    assert plain["text"].startswith("The capital of France is") and plain["logprobs"] is None
 
 
 def test_ignore_eos_decodes_past_the_models_end_and_stop_token_ids_still_end_it(client, tokenizer):
@@ -135,8 +194,7 @@ def test_generation_config_gives_the_defaults_of_omitted_fields(engine, model_di
     (tmp_path / "generation_config.json").write_text(json.dumps(
         {"temperature": 0.0, "top_k": 50, "repetition_penalty": 1.0, "max_new_tokens": 6, "eos_token_id": 2}))
     applied, unhonoured = request_defaults(generation_config(str(tmp_path), model_dir))
-    assert applied == {"temperature": 0.0, "max_tokens": 6}  # repetition_penalty 1 is no penalty at all
-    assert unhonoured == {"top_k": 50}  # logged by the server, not applied
+    assert applied == {"temperature": 0.0, "top_k": 50, "repetition_penalty": 1.0, "max_tokens": 6} and unhonoured == {}
     assert generation_config("vllm", model_dir) == generation_config("none", model_dir) == {}
     with pytest.raises(ConfigError, match="generation_config.json"):
         generation_config(str(tmp_path / "nowhere"), model_dir)

@@ -123,7 +123,10 @@ class SamplingParams:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
         if self.logit_bias:
-            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError):
+                raise ConfigError(f"logit_bias maps token ids to numbers, got {self.logit_bias!r:.80}") from None
 
 
 @dataclass
@@ -217,7 +220,8 @@ class _Seq:
         """Append ``new`` up to a stop token or max_tokens; tell the callback; set finish.
 
         ``logprobs``: one per token of ``new`` (when the params ask for them); the callback gets
-        those of the tokens taken as ``logprobs=``.
+        those of the tokens taken as ``logprobs=``, and with the first tokens the prompt's as
+        ``prompt_logprobs=`` (when asked for).
         """
         taken: list[int] = []
         for tok in new:
@@ -232,7 +236,9 @@ class _Seq:
         extra = {}
         if self.logprobs is not None and logprobs is not None:
             self.logprobs.extend(logprobs[: len(taken)])
-            extra = {"logprobs": logprobs[: len(taken)]}
+            extra["logprobs"] = logprobs[: len(taken)]
+        if self.prompt_logprobs is not None and len(self.tokens) == len(taken):  # the first tokens: the prompt's too
+            extra["prompt_logprobs"] = self.prompt_logprobs
         if taken and on_tokens is not None and on_tokens(self.index, taken, **extra) is False:
             self.finish = "cancelled"
 
@@ -490,6 +496,9 @@ class Engine:
         for i, (p, sp) in enumerate(zip(prompts, params)):
             if not p:
                 raise ConfigError(f"prompt {i} is empty")
+            vocab = self.model.get_output_embeddings().weight.shape[0]
+            if sp.logit_bias and not all(0 <= t < vocab for t in sp.logit_bias):
+                raise ConfigError(f"prompt {i}: logit_bias names a token id outside 0..{vocab - 1}")
             if len(p) + sp.max_tokens > self.max_len:
                 raise ConfigError(f"prompt {i}: {len(p)} tokens + max_tokens {sp.max_tokens} exceed the engine's limit of {self.max_len}")
 
@@ -504,8 +513,8 @@ class Engine:
         """Decode ``prompts`` (token ids); batches of at most ``config.max_batch`` run at once.
 
         ``on_tokens(i, new_ids)`` is called whenever sequence i emits tokens (with ``logprobs=``, one
-        :class:`~distill.engine.logits.TokenLogprob` per token, when its params ask for them); returning False
-        cancels it. ``speculative=False`` (or no heads) is plain decoding with the same code.
+        :class:`~distill.engine.logits.TokenLogprob` per token, and the first time ``prompt_logprobs=``, when
+        its params ask for them); returning False cancels it. ``speculative=False`` (or no heads) is plain decoding with the same code.
         """
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)

@@ -35,6 +35,7 @@ from distill.serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from distill.serve.protocol import (ENGINE, FIELDS, APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                    TokenizeRequest, new_id, now, usage)
 from distill.serve.scheduler import Delta, Done, Failed, Job, QueueFull, Scheduler, Sequence, ShuttingDown
+from distill.engine.logits import TokenLogprob
 from distill.serve.text import StreamDecoder
 
 log = logging.getLogger("distill.serve")
@@ -70,14 +71,18 @@ def default_body_limit(max_model_len: int) -> int:
     return max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * max_model_len)
 
 
+def _token_text(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
 class _ChatShape:
     """The response schema of ``/v1/chat/completions`` (a message per choice; streamed as deltas after a role chunk)."""
 
     id_prefix, object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
     @staticmethod
-    def choice(index: int, text: str, finish_reason: str) -> dict:
-        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish_reason}
+    def choice(index: int, text: str, finish_reason: str, logprobs: dict | None = None) -> dict:
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs, "finish_reason": finish_reason}
 
     @staticmethod
     def opening(indices: list[int]) -> list[dict] | None:
@@ -85,12 +90,21 @@ class _ChatShape:
         return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None} for i in indices]
 
     @staticmethod
-    def delta(index: int, text: str) -> dict:
-        return {"index": index, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
+    def delta(index: int, text: str, logprobs: dict | None = None) -> dict:
+        return {"index": index, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": None}
 
     @staticmethod
     def finish(index: int, finish_reason: str) -> dict:
         return {"index": index, "delta": {}, "logprobs": None, "finish_reason": finish_reason}
+
+    @staticmethod
+    def logprobs(tokenizer, entries: list, offset: int = 0) -> dict:
+        """OpenAI's chat logprobs: per answer token its text, logprob, UTF-8 bytes and the top alternatives."""
+        def one(token_id: int, logprob: float) -> dict:
+            text = _token_text(tokenizer, token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        return {"content": [{**one(e.token_id, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries]}
 
 
 class _CompletionShape:
@@ -99,20 +113,58 @@ class _CompletionShape:
     id_prefix, object, chunk_object = "cmpl", "text_completion", "text_completion"
 
     @staticmethod
-    def choice(index: int, text: str, finish_reason: str) -> dict:
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    def choice(index: int, text: str, finish_reason: str, logprobs: dict | None = None) -> dict:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
     @staticmethod
     def opening(indices: list[int]) -> list[dict] | None:
         return None
 
     @staticmethod
-    def delta(index: int, text: str) -> dict:
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": None}
+    def delta(index: int, text: str, logprobs: dict | None = None) -> dict:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}
 
     @staticmethod
     def finish(index: int, finish_reason: str) -> dict:
         return {"index": index, "text": "", "logprobs": None, "finish_reason": finish_reason}
+
+    @staticmethod
+    def logprobs(tokenizer, entries: list, offset: int = 0) -> dict:
+        """OpenAI's legacy completion logprobs: parallel lists over the tokens (with echo the prompt's first, whose
+        first token has no logprob), ``text_offset`` counting characters of the returned text from ``offset``."""
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for e in entries:
+            text = _token_text(tokenizer, e.token_id)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(e.logprob)
+            out["top_logprobs"].append({_token_text(tokenizer, t): lp for t, lp in e.top} if e.logprob is not None else None)
+            out["text_offset"].append(offset)
+            offset += len(text)
+        return out
+
+
+class _Answer:
+    """One choice's text and token logprobs not yet sent (streamed piece by piece, or taken whole at the end)."""
+
+    def __init__(self, prompt_ids: list[int], echo: str):
+        self.prompt_ids = prompt_ids
+        self.parts: list[str] = [echo] if echo else []
+        self.entries: list[TokenLogprob] = []
+        self.offset = 0  # characters of token text already sent (completions' text_offset)
+
+    def add(self, ev: Delta) -> None:
+        self.parts.append(ev.text)
+        if ev.prompt_logprobs is not None:  # the prompt's first token: nothing predicted it
+            self.entries += [TokenLogprob(self.prompt_ids[0], None)] + list(ev.prompt_logprobs[1:])
+        self.entries += ev.logprobs or []
+
+    def pending(self) -> bool:
+        return bool(self.parts or self.entries)
+
+    def take(self) -> tuple[str, list[TokenLogprob]]:
+        text, entries = "".join(self.parts), self.entries
+        self.parts, self.entries = [], []
+        return text, entries
 
 
 class _Service:
@@ -155,6 +207,9 @@ class _Service:
         seed = None if req.seed is None else req.seed + index
         stop_ids = tuple(req.stop_token_ids or ()) + (() if req.ignore_eos else self.settings.stop_token_ids)
         extra = {**{k: v for k, v in defaults.items() if FIELDS[k].support == ENGINE}, **req.engine_fields()}
+        bias = extra.get("logit_bias") or {}
+        if any(not (isinstance(k, str) and k.lstrip("-").isdigit() and 0 <= int(k) < self.vocab_size) for k in bias):
+            raise APIError(400, f"logit_bias keys must be token ids in 0..{self.vocab_size - 1}", param="logit_bias")
         try:
             return SamplingParams(max_tokens=limit, temperature=_given(req.temperature, defaults.get("temperature"), 1.0),
                                   top_p=_given(req.top_p, defaults.get("top_p"), 1.0), seed=seed, stop_token_ids=stop_ids,
@@ -201,7 +256,12 @@ class _Service:
     async def complete(self, req: CompletionRequest, request: Request):
         self.check_common(req)
         prompts = await self.tokenize(_prompt_ids, req.prompt, self.tokenizer, self.vocab_size, req.add_special_tokens)
-        return await self.respond(self.make_job(req, prompts), req, request, _CompletionShape)
+        echo = None
+        if req.echo:  # the prompt as given (text), or its ids' text
+            given = [req.prompt] if isinstance(req.prompt, str) else req.prompt if isinstance(req.prompt[0], str) else None
+            texts = given or [self.tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts]
+            echo = {p * req.n + c: texts[p] for p in range(len(prompts)) for c in range(req.n)}
+        return await self.respond(self.make_job(req, prompts), req, request, _CompletionShape, echo)
 
     async def tokens(self, req: TokenizeRequest) -> dict:
         """vLLM's ``/tokenize``: a prompt's or a chat's token ids, as a generation request would see them."""
@@ -228,14 +288,16 @@ class _Service:
         return {"prompt": await self.tokenize(lambda: self.tokenizer.decode(req.tokens))}
 
     # -- answering a job ----------------------------------------------------------------------
-    async def respond(self, job: Job, req, request: Request, shape):
+    async def respond(self, job: Job, req, request: Request, shape, echo: dict[int, str] | None = None):
+        """``echo``: per choice index, the prompt text its answer starts with (completions' ``echo``)."""
         rid = f"{shape.id_prefix}-{req.request_id}" if req.request_id else new_id(shape.id_prefix)
         created = now()
+        answers = {s.index: _Answer(s.prompt_ids, (echo or {}).get(s.index, "")) for s in job.sequences}
+        with_logprobs = bool(req.logprob_fields())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(self.sse(job, rid, created, shape, include_usage), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        texts = {s.index: [] for s in job.sequences}
+            return StreamingResponse(self.sse(job, rid, created, shape, include_usage, answers, with_logprobs),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         done: dict[int, Done] = {}
         gone = asyncio.create_task(_disconnected(request))  # the client hanging up cancels the job at once
         gone.add_done_callback(lambda task: task.cancelled() or job.cancel())
@@ -243,7 +305,7 @@ class _Service:
             while len(done) < len(job.sequences):
                 ev = await job.events.get()
                 if isinstance(ev, Delta):
-                    texts[ev.index].append(ev.text)
+                    answers[ev.index].add(ev)
                 elif isinstance(ev, Done):
                     done[ev.index] = ev
                 elif isinstance(ev, Failed):
@@ -255,11 +317,17 @@ class _Service:
         if job.cancelled.is_set():
             return Response(status_code=499)  # nobody is listening (nginx's "client closed request")
         self.record(job)
-        choices = [shape.choice(i, "".join(texts[i]), done[i].finish_reason) for i in sorted(done)]
+        choices = []
+        for i in sorted(done):
+            a = answers[i]
+            text, entries = a.take()
+            choices.append(shape.choice(i, text, done[i].finish_reason,
+                                        shape.logprobs(self.tokenizer, entries) if with_logprobs else None))
         return {"id": rid, "object": shape.object, "created": created, "model": self.settings.model_name, "choices": choices,
                 "usage": usage(job.prompt_tokens, sum(d.completion_tokens for d in done.values()))}
 
-    async def sse(self, job: Job, rid: str, created: int, shape, include_usage: bool) -> AsyncIterator[str]:
+    async def sse(self, job: Job, rid: str, created: int, shape, include_usage: bool, answers: dict[int, "_Answer"],
+                  with_logprobs: bool) -> AsyncIterator[str]:
         n = len(job.sequences)
         done: dict[int, Done] = {}
 
@@ -267,6 +335,14 @@ class _Service:
             body = {"id": rid, "object": shape.chunk_object, "created": created, "model": self.settings.model_name,
                     "choices": choices, **extra}
             return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+        def delta(index: int) -> str:
+            a = answers[index]
+            start = a.offset
+            text, entries = a.take()
+            lp = shape.logprobs(self.tokenizer, entries, start) if with_logprobs else None
+            a.offset += sum(len(_token_text(self.tokenizer, e.token_id)) for e in entries)
+            return chunk([shape.delta(index, text, lp)])
 
         try:
             opening = shape.opening([s.index for s in job.sequences])
@@ -276,9 +352,12 @@ class _Service:
                     yield chunk(opening)
                     opening = None
                 if isinstance(ev, Delta):
-                    yield chunk([shape.delta(ev.index, ev.text)])
+                    answers[ev.index].add(ev)
+                    yield delta(ev.index)
                 elif isinstance(ev, Done):
                     done[ev.index] = ev
+                    if answers[ev.index].pending():  # an echo whose answer has no token
+                        yield delta(ev.index)
                     yield chunk([shape.finish(ev.index, ev.finish_reason)])
                 elif isinstance(ev, Failed):
                     yield f"data: {json.dumps(_failed_error(ev).body())}\n\n"
@@ -350,7 +429,7 @@ def create_app(engine, settings: AppSettings, worker_thread: bool = True) -> Fas
     @app.get("/v1/models")
     async def models():
         permission = {"id": f"modelperm-{settings.model_name}", "object": "model_permission", "created": _STARTED,
-                      "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": False,
+                      "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
                       "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False, "organization": "*",
                       "group": None, "is_blocking": False}
         card = {"id": settings.model_name, "object": "model", "created": _STARTED, "owned_by": "distill",

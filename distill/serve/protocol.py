@@ -7,8 +7,9 @@ honoured
     declared on the request models below and applied (``stop_token_ids``, ``ignore_eos``,
     ``chat_template_kwargs``, ...).
 engine
-    passed to :class:`distill.engine.SamplingParams` under its own name when given (none yet:
-    making a refused sampling field work is its line here changed to ``ENGINE``).
+    passed to :class:`distill.engine.SamplingParams` under its own name when given (vLLM's
+    sampling fields: ``top_k``, ``min_p``, the penalties, ``logit_bias``, ``min_tokens``), which
+    applies them at every tree node so speculation stays lossless.
 refused
     answered with HTTP 400 naming the field, unless absent or set to one of its neutral
     values (``top_k`` -1 or 0, ``min_p`` 0, ``repetition_penalty`` 1, ``logprobs`` false, ...),
@@ -36,6 +37,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 log = logging.getLogger("distill.serve")
 
 MAX_STOP_STRINGS = 16
+#: most alternatives a token's logprobs may list (vLLM's default --max-logprobs is 20; OpenAI's top_logprobs allows 20)
+MAX_LOGPROBS = 20
 #: ``seed``: a signed 64-bit integer, as OpenAI's API has it; choice i of ``n`` uses seed + i,
 #: which stays within the engine's generator range (-2**63 .. 2**64 - 1).
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
@@ -59,7 +62,7 @@ def _refused(*neutral, only: str | None = None) -> Rule:
     return Rule(REFUSED, (None, *neutral), only)
 
 
-_DONE, _IGNORED = Rule(HONOURED), Rule(IGNORED)
+_DONE, _IGNORED, _ENGINE = Rule(HONOURED), Rule(IGNORED), Rule(ENGINE)
 _CHAT, _COMPLETIONS = "chat", "completions"
 
 #: Every field of vLLM's chat and text completion requests (and OpenAI's ``best_of``): the one table.
@@ -69,17 +72,17 @@ FIELDS: dict[str, Rule] = {
     "max_tokens": _DONE, "max_completion_tokens": Rule(HONOURED, only=_CHAT), "n": _DONE, "seed": _DONE,
     "stop": _DONE, "stream": _DONE, "stream_options": _DONE, "temperature": _DONE, "top_p": _DONE,
     "user": _IGNORED,  # vLLM ignores it too
-    "frequency_penalty": _refused(0), "presence_penalty": _refused(0), "logit_bias": _refused({}),
-    "logprobs": _refused(False),  # chat: a bool; completions: an int (0 asks for the sampled token's logprob)
-    "top_logprobs": _refused(0, only=_CHAT),
+    "frequency_penalty": _ENGINE, "presence_penalty": _ENGINE, "logit_bias": _ENGINE,
+    "logprobs": _DONE,  # chat: a bool; completions: an int (0 asks for the sampled token's logprob only)
+    "top_logprobs": Rule(HONOURED, only=_CHAT),
     "response_format": _refused({"type": "text"}),
     "tools": _refused([], only=_CHAT), "tool_choice": _refused("none", only=_CHAT),
     "parallel_tool_calls": Rule(IGNORED, only=_CHAT),  # no tools are taken, so there are none to call in parallel
-    "echo": _refused(False),  # completions: prompt + logprobs; chat: prepend the last message
+    "echo": _refused(False),  # chat (prepend the last message): refused; completions declare it (prompt text + logprobs)
     "suffix": _refused("", only=_COMPLETIONS), "best_of": _refused(1, only=_COMPLETIONS),
     # -- vLLM's sampling fields
-    "top_k": _refused(0, -1), "min_p": _refused(0), "repetition_penalty": _refused(1),
-    "min_tokens": _refused(0), "use_beam_search": _refused(False), "length_penalty": _refused(1),
+    "top_k": _ENGINE, "min_p": _ENGINE, "repetition_penalty": _ENGINE,
+    "min_tokens": _ENGINE, "use_beam_search": _refused(False), "length_penalty": _refused(1),
     "watermarking": _refused(False), "prompt_logprobs": _refused(), "logprob_token_ids": _refused([]),
     "allowed_token_ids": _refused(), "bad_words": _refused([]), "truncate_prompt_tokens": _refused(),
     "truncation_side": _IGNORED,  # only with truncate_prompt_tokens
@@ -247,10 +250,15 @@ class _Sampling(BaseModel):
         return bad
 
     def engine_fields(self) -> dict[str, Any]:
-        """The given fields the table marks ``engine``: passed to SamplingParams as they are."""
+        """The given fields the table marks ``engine``: passed to SamplingParams as they are (the engine checks them),
+        and the logprobs asked for (:meth:`logprob_fields`)."""
         rules = fields_of(self.endpoint)
-        return {name: value for name, value in (self.model_extra or {}).items()
-                if name in rules and rules[name].support == ENGINE and value is not None}
+        given = {name: value for name, value in (self.model_extra or {}).items()
+                 if name in rules and rules[name].support == ENGINE and value is not None}
+        return {**given, **self.logprob_fields()}
+
+    def logprob_fields(self) -> dict[str, Any]:
+        return {}
 
     def stop_strings(self) -> list[str]:
         return list(self.stop or [])
@@ -259,6 +267,8 @@ class _Sampling(BaseModel):
 class ChatCompletionRequest(_Sampling):
     endpoint: ClassVar[str] = _CHAT
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False  # each answer token's logprob (choice.logprobs.content)
+    top_logprobs: int = Field(default=0, ge=0, le=MAX_LOGPROBS)  # and this many most likely alternatives
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the last (assistant) message is continued, not closed
@@ -269,6 +279,8 @@ class ChatCompletionRequest(_Sampling):
 
     @model_validator(mode="after")
     def _check_generation_prompt(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
         if self.continue_final_message:
             if self.add_generation_prompt and "add_generation_prompt" in self.model_fields_set:
                 raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
@@ -290,11 +302,21 @@ class ChatCompletionRequest(_Sampling):
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def logprob_fields(self) -> dict[str, Any]:
+        return {"logprobs": self.top_logprobs} if self.logprobs else {}
+
 
 class CompletionRequest(_Sampling):
     endpoint: ClassVar[str] = _COMPLETIONS
     prompt: Union[str, list[str], list[int], list[list[int]]]
     max_tokens: Optional[int] = Field(default=16, ge=1)  # OpenAI's and vLLM's default for completions
+    logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)  # each token's logprob and this many alternatives
+    echo: bool = False  # the prompt's text before the answer (and, with logprobs, its tokens' logprobs: lm-eval's log-likelihood)
+
+    def logprob_fields(self) -> dict[str, Any]:
+        if self.logprobs is None:
+            return {}
+        return {"logprobs": self.logprobs, **({"prompt_logprobs": self.logprobs} if self.echo else {})}
     add_special_tokens: bool = True  # e.g. BOS before a text prompt, as the tokenizer adds it (vLLM's default)
 
     def token_limit(self) -> int | None:

@@ -76,6 +76,8 @@ class ShuttingDown(Exception):
 class Delta:
     index: int
     text: str
+    logprobs: list | None = None  # TokenLogprob of the tokens that arrived with this text (when asked for)
+    prompt_logprobs: list | None = None  # the prompt's (first delta only, when asked for: echo)
 
 
 @dataclass
@@ -300,15 +302,18 @@ class Scheduler:
         finally:
             self._done.set()
 
-    def _on_tokens(self, s: Sequence, new_ids: list[int]) -> bool:
-        """The engine's callback (worker thread): stream the text; False ends the sequence."""
+    def _on_tokens(self, s: Sequence, new_ids: list[int], logprobs: list | None = None, prompt_logprobs: list | None = None) -> bool:
+        """The engine's callback (worker thread): stream the text (and the tokens' logprobs, when asked for);
+        False ends the sequence."""
         if s.finished or s.job.cancelled.is_set():
             return False
         before = len(s.decoder.ids)
         delta = s.decoder.add(new_ids)
         self._tokens(s, len(s.decoder.ids) - before)
-        if delta.text:
-            s.emit(Delta(s.index, delta.text))
+        if logprobs is not None:
+            logprobs = logprobs[: len(s.decoder.ids) - before]  # not past a stop string
+        if delta.text or logprobs or prompt_logprobs:
+            s.emit(Delta(s.index, delta.text, logprobs, prompt_logprobs))
         if delta.stopped:
             self._end(s, "stop")
             return False
