@@ -197,7 +197,7 @@ def test_same_seed_gives_the_same_sample(tiny_queue_server):
     ({"max_tokens": -1}, openai.BadRequestError),
     ({"temperature": 5}, openai.BadRequestError),
     ({"model": "no-such-model"}, openai.NotFoundError),
-    ({"logprobs": True}, openai.BadRequestError),
+    ({"top_logprobs": 2}, openai.BadRequestError),  # without logprobs: true
     ({"max_tokens": 10**7}, openai.BadRequestError),
     ({"messages": []}, openai.BadRequestError),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, openai.BadRequestError),
