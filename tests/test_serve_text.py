@@ -7,13 +7,6 @@ import pytest
 from distill.serve.text import StreamDecoder, _partial_stop_len
 
 
-@pytest.fixture(scope="module")
-def tokenizer(model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
-
-
 def feed(dec: StreamDecoder, ids: list[int], chunk: int) -> tuple[str, bool]:
     out, stopped = [], False
     for i in range(0, len(ids), chunk):
@@ -26,11 +19,19 @@ def feed(dec: StreamDecoder, ids: list[int], chunk: int) -> tuple[str, bool]:
     return "".join(out), stopped
 
 
-@pytest.mark.parametrize("chunk", [1, 3])
-def test_streamed_text_equals_decoding_everything_at_once_including_multibyte(tokenizer, chunk):
+class SlowTokenizer:
+    """The tokenizer without its ``tokenizers`` backend (as a slow tokenizer has none): the windowed decode path."""
+
+    def __init__(self, fast):
+        self.decode = fast.decode
+
+
+@pytest.mark.parametrize("chunk,slow", [(1, False), (3, False), (1, True)])
+def test_streamed_text_equals_decoding_everything_at_once_including_multibyte(tokenizer, chunk, slow):
     text = "Grüße aus Zürich: 你好, мир! 🙂 done."
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    dec = StreamDecoder(tokenizer)
+    dec = StreamDecoder(SlowTokenizer(tokenizer) if slow else tokenizer)
+    assert (dec._stream is None) == slow
     pieces = [dec.add(ids[i : i + chunk]).text for i in range(0, len(ids), chunk)] + [dec.finish()]
     assert "".join(pieces) == tokenizer.decode(ids) == text
     assert all("\ufffd" not in p for p in pieces)  # half characters are held back, never sent

@@ -5,8 +5,8 @@ Terms
 emitted text
     the part of a sequence's text already sent to the client; it never changes.
 held-back text
-    text decoded but not yet emitted: a trailing incomplete UTF-8 character
-    (decoded as U+FFFD) or a tail that could still be the start of a stop string.
+    text decoded but not yet emitted: a tail that could still be the start of a stop
+    string (an incomplete UTF-8 character is held by the decoder itself).
     A stop string that spans two decoding steps is thus never half-sent.
 stop string
     a request's ``stop``: when it appears in the text, the text is cut right
@@ -44,10 +44,10 @@ def _partial_stop_len(text: str, stops: Sequence[str]) -> int:
 class StreamDecoder:
     """Turns a growing list of token ids into emitted text deltas, honouring stop strings.
 
-    Each new token's text is ``decode(ids[prefix:]) - decode(ids[prefix:read])``
-    (a window of a few tokens, so tokenizers that drop a leading space when a
-    slice is decoded alone still give the right text); a token whose text ends
-    in an incomplete character waits for the next one.
+    The text comes from ``tokenizers``' own incremental decoder (:class:`tokenizers.decoders.DecodeStream`:
+    a token completing no character yields nothing until one that does); what this class adds is the
+    stop strings and the hold-back. A tokenizer without a ``tokenizers`` backend (a slow one) decodes a
+    window of the last tokens instead.
     """
 
     tokenizer: object
@@ -57,12 +57,30 @@ class StreamDecoder:
     ids: list[int] = field(default_factory=list)
     text: str = ""  # the sequence's text so far (complete characters only)
     emitted: int = 0  # chars of ``text`` already emitted
-    _prefix: int = 0
-    _read: int = 0
     stopped: bool = False
+    _stream: object = None  # DecodeStream, or None for a slow tokenizer
+    _prefix: int = 0  # slow tokenizers: the decode window is ids[_prefix:]
+    _read: int = 0
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens, clean_up_tokenization_spaces=False)
+    def __post_init__(self) -> None:
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            from tokenizers.decoders import DecodeStream
+
+            self._backend = backend
+            self._stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
+
+    def _step(self, tok: int) -> str:
+        """The text token ``tok`` completes (maybe none yet)."""
+        if self._stream is not None:
+            return self._stream.step(self._backend, tok) or ""
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,  # noqa: E731
+                                                   clean_up_tokenization_spaces=False)
+        before, after = decode(self.ids[self._prefix:self._read]), decode(self.ids[self._prefix:])
+        if len(after) > len(before) and not after.endswith(REPLACEMENT):
+            self._prefix, self._read = self._read, len(self.ids)
+            return after[len(before):]
+        return ""
 
     def add(self, new_ids: Sequence[int]) -> TextDelta:
         """Feed the new token ids of one step; returns what may be emitted now."""
@@ -70,11 +88,7 @@ class StreamDecoder:
             return TextDelta("", True, len(self.ids))
         for tok in new_ids:  # token by token, so a stop string ends at the right token count
             self.ids.append(int(tok))
-            before = self._decode(self.ids[self._prefix:self._read])
-            after = self._decode(self.ids[self._prefix:])
-            if len(after) > len(before) and not after.endswith(REPLACEMENT):
-                self.text += after[len(before):]
-                self._prefix, self._read = self._read, len(self.ids)
+            self.text += self._step(int(tok))
             if self.stops:
                 cut = self._find_stop()
                 if cut is not None:
