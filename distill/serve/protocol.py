@@ -264,6 +264,14 @@ class _Sampling(BaseModel):
         return list(self.stop or [])
 
 
+def _settle_generation_prompt(req) -> None:
+    """vLLM's rule: ``continue_final_message`` leaves the last turn open, so no generation prompt (both true is an error)."""
+    if req.continue_final_message:
+        if req.add_generation_prompt and "add_generation_prompt" in req.model_fields_set:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        req.add_generation_prompt = False
+
+
 class ChatCompletionRequest(_Sampling):
     endpoint: ClassVar[str] = _CHAT
     messages: list[ChatMessage] = Field(min_length=1)
@@ -281,10 +289,7 @@ class ChatCompletionRequest(_Sampling):
     def _check_generation_prompt(self):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
-        if self.continue_final_message:
-            if self.add_generation_prompt and "add_generation_prompt" in self.model_fields_set:
-                raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
-            self.add_generation_prompt = False
+        _settle_generation_prompt(self)
         return self
 
     def template_kwargs(self) -> dict[str, Any]:
@@ -340,10 +345,7 @@ class TokenizeRequest(BaseModel):
     def _one_form(self):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give either prompt or messages")
-        if self.continue_final_message:
-            if self.add_generation_prompt and "add_generation_prompt" in self.model_fields_set:
-                raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
-            self.add_generation_prompt = False
+        _settle_generation_prompt(self)
         return self
 
     def template_kwargs(self) -> dict[str, Any]:
