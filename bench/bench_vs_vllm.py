@@ -96,9 +96,10 @@ class Server:
         raise RuntimeError(f"not ready in {timeout:.0f} s; {self.log}:\n{self.log.read_text()[-3000:]}")
 
     def stop(self, grace: float = 60) -> None:
-        """SIGTERM to the group; SIGKILL what is left after ``grace`` seconds."""
+        """SIGTERM to the server, which stops its children in order; then SIGKILL to what is left of the group
+        (a SIGTERM to the whole group kills vLLM's engine core under its API server, which logs an EngineDeadError)."""
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout=grace)
             except subprocess.TimeoutExpired:
@@ -314,7 +315,7 @@ def main() -> None:
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": machine(),
         "model": resolved.name, "model_path": str(resolved.path), "dtype": dtype, "prompts": n,
         "versions": {"vllm": vllm.__version__, "distill": distill.__version__},
-        "args": vars(args), "servers": {name: with_port(cmd, 0) for name, cmd in cmds.items()},
+        "args": vars(args), "servers": cmds,
         "summary": {name: {str(c): s for c, s in per_c.items()} for name, per_c in summary.items()},
         "table": rows, "failures": failures, "logs": str(work),
         "runs": {name: {str(c): [{k: v for k, v in res.items() if k not in PER_REQUEST} for res in rs] for c, rs in per_c.items()}
