@@ -153,7 +153,8 @@ class _progress:
 
 def _print_summary(s) -> None:
     typer.echo(
-        f"{s.out}: {s.generated} generated + {s.rejected} rejected + {s.skipped} skipped = {s.seed_rows} seed rows"
+        f"{s.out}: {s.generated} generated + {s.rejected} rejected + {s.skipped} skipped = "
+        + (f"{s.seed_rows} seed rows" if s.samples == 1 else f"{s.rows} rows ({s.seed_rows} seed rows x {s.samples} samples)")
         + ("" if s.balanced else f" (+{s.pending} pending)")
     )
     typer.echo(

@@ -41,7 +41,7 @@ from typing import Callable
 import numpy as np
 
 import distill
-from distill.conversation import Conversation, Rejection, sample_id
+from distill.conversation import Conversation, Rejection, sample_id, seed_conversation_id
 from distill.errors import ConfigError, StoreError
 from distill.generate.backends import Backend, BackendOptions, Completion, Request, make_backend, resolve_backend_name
 from distill.generate.config import GenerateConfig
@@ -331,6 +331,9 @@ class Generator:
                 seed_ids.append((row.id, "beyond" if beyond else "todo"))
                 if not beyond and row.id not in done:
                     todo.append(row)
+        if fewer := sorted(i for i in done - {row_id for row_id, _ in seed_ids} if seed_conversation_id(i) != i):
+            raise ConfigError(f"{cfg.out} holds {len(fewer)} samples beyond --samples {cfg.samples} (e.g. {fewer[-1]}): "
+                              "rerun with the --samples it was made with (or more), or use another --out")
         store.seed_rejects = seed_rejects
         store.commit(complete=False)
 
