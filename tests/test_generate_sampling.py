@@ -138,6 +138,35 @@ def test_hf_samples_do_not_depend_on_the_batch_size(tmp_path):
     assert len({tuple(r["input_ids"]) for r in iter_rows(outs[0])}) == 6  # sampled: every row its own
 
 
+def test_row_sampler_draws_each_row_from_its_own_seed_and_the_warped_distribution():
+    """The transformers backend's sampler on tiny synthetic logits (no model)."""
+    import torch
+
+    from distill.generate.backends import Request, RowSampler
+
+    logits = torch.tensor([2.0, 1.0, 0.5, -1.0, -3.0])  # (V,)
+
+    def draws(seeds: list[int], steps: int = 3000, **sampling) -> torch.Tensor:
+        reqs = [Request([1], 8, seed, 0, **sampling) for seed in seeds]
+        sampler = RowSampler(reqs, 1, "cpu")
+        ids = torch.ones(len(reqs), 1, dtype=torch.long)  # (B, 1)
+        return torch.stack([sampler(ids, logits.expand(len(reqs), -1).clone()).argmax(-1) for _ in range(steps)])  # (steps, B)
+
+    alone = draws([7], temperature=0.8, top_k=3)[:, 0]
+    assert torch.equal(draws([1, 7, 3], temperature=0.8, top_k=3)[:, 1], alone)  # its own seed only, wherever it sits
+    assert not torch.equal(draws([8], temperature=0.8, top_k=3)[:, 0], alone)
+    freq = torch.bincount(alone, minlength=5).double() / alone.numel()
+    want = torch.softmax(logits[:3].double() / 0.8, -1)
+    assert freq[3:].sum() == 0 and (freq[:3] - want).abs().max() < 0.03  # top-k 3 of the tempered distribution
+
+    # the repetition penalty counts the row's own tokens, not the left padding (pad id 0 here)
+    x = torch.tensor([[1.0, 0.9, 0.0], [1.0, 0.9, 0.0]])  # (B, V)
+    reqs = [Request([2], 8, 0, 0, temperature=0.0, repetition_penalty=2.0), Request([0, 2], 8, 0, 0, temperature=0.0,
+                                                                                   repetition_penalty=2.0)]
+    chosen = RowSampler(reqs, 2, "cpu")(torch.tensor([[0, 2], [0, 2]]), x).argmax(-1)
+    assert chosen.tolist() == [0, 1]  # row 0's token 0 is padding; row 1 said it (1.0 / 2 < 0.9)
+
+
 def _assert_penalized_greedy(out, model, penalty: float) -> int:
     """Every generated token is the argmax of the raw logits after vLLM's repetition penalty over every token before it
     (the turn's prompt is the conversation so far); returns the positions checked."""

@@ -337,9 +337,11 @@ class RowSampler:
     """A transformers logits processor that picks each row's next token itself (the module docstring's order).
 
     It returns scores that are ``-inf`` everywhere but at the chosen token, so greedy ``generate`` emits it;
-    ``output_logits`` still reports the raw logits. Row b draws from ``torch.Generator`` seeded with
-    ``requests[b].seed``, one draw per step, so its tokens depend on its own seed and logits only, never on
-    the batch it shares (the per-request seed contract). The requests share one ``Request.sampling``.
+    ``output_logits`` still reports the raw logits. Row b draws one uniform u per step from a
+    ``torch.Generator`` seeded with ``requests[b].seed`` and takes the token where the cumulative
+    distribution passes u, so its tokens depend on its own seed and logits only, never on the batch it
+    shares (the per-request seed contract); the cumulative sums run batched (one ``torch.multinomial``
+    per row costs far more on CPUs). The requests share one ``Request.sampling``.
     """
 
     def __init__(self, requests: list[Request], width: int, device: str):
@@ -354,7 +356,7 @@ class RowSampler:
         """input_ids (B, P + n) left-padded, scores (B, V) raw logits -> (B, V): 0 at the chosen token, -inf elsewhere."""
         import torch
 
-        from distill.engine.acceptance import sample, warp
+        from distill.engine.acceptance import warp
         from distill.engine.logits import repetition_penalty
 
         x = scores.float()  # (B, V)
@@ -366,7 +368,10 @@ class RowSampler:
             B = x.shape[0]
             full = lambda v: torch.full((B,), v, device=x.device)  # noqa: E731
             probs = warp(x[:, None], full(self.temperature), full(self.top_p), full(self.top_k).long(), full(self.min_p))
-            chosen = sample(probs[:, 0], self.generators)  # (B,)
+            cdf = probs[:, 0].double().cumsum(-1)  # (B, V)
+            u = torch.cat([torch.rand(1, generator=g, device=x.device, dtype=torch.float64) for g in self.generators])  # (B,)
+            # the first token whose cumulative probability exceeds u (scaled to the row's total): never one of probability 0
+            chosen = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp(max=x.shape[1] - 1)  # (B,)
         else:
             chosen = x.argmax(-1)  # (B,)
         return torch.full_like(scores, float("-inf")).scatter_(1, chosen[:, None], 0.0)
