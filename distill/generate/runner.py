@@ -274,7 +274,7 @@ class Generator:
             **({"part": "%d/%d" % c.part_slot} if c.part is not None else {}),
             # only when set, so folders made before these options resume; not the number of samples: a rerun
             # with more samples adds them (sample i's id and seeds do not depend on it)
-            **{k: getattr(c, k) for k in ("top_k", "min_p", "repetition_penalty") if getattr(c, k) != SAMPLING_OFF[k]},
+            **{k: getattr(c, k) for k, off in SAMPLING_OFF.items() if getattr(c, k) != off},
             **({"sample_ids": True} if c.samples > 1 else {}),
         }
 
