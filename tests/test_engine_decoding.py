@@ -127,9 +127,12 @@ def test_sequences_joining_a_running_batch_decode_as_in_batch_one(hf_model, toke
             results.update(batch.add([prompts[i] for i in idx], [SamplingParams(max_tokens=budgets[k]) for k in group], group))
             joined_at.update({k: step for k in group})
         results.update(batch.step())
+        used, allocated = batch.kv_slots  # a running row holds its prompt and its tokens but the newest (the next step's root)
+        assert used == sum(len(prompts[order[keys.index(k)]]) + len(seen[k]) - 1 for k in joined_at.keys() | {"a"} if k not in results)
+        assert used <= allocated
         if not len(batch) and len(joined_at) == 3:
             break
-    assert set(results) == set(keys) and len(batch) == 0
+    assert set(results) == set(keys) and len(batch) == 0 and batch.kv_slots == (0, 0)
     for k in keys:
         ref = plain_reference[order[keys.index(k)]]
         assert results[k].token_ids == ref.token_ids[: budgets[k]] == seen[k], k

@@ -249,22 +249,29 @@ def test_models_health_and_metrics(server):
 
 
 def test_client_disconnect_cancels_the_sequence(server):
-    """A streaming client that goes away mid-answer: its sequence ends as 'abort' instead of running to max_tokens."""
-    def aborted() -> float:
+    """A streaming client that goes away mid-answer: its sequence ends as 'abort' instead of running to max_tokens.
+    While it runs, vLLM's KV-cache usage gauge shows its slots; once it is gone, none."""
+    def sample(prefix: str) -> float:
         text = httpx.get(f"{server.url}/metrics").text
-        return sum(float(l.split(" ")[1]) for l in text.splitlines() if l.startswith('distill_sequences_total{finish_reason="abort"}'))
+        return sum(float(l.split(" ")[1]) for l in text.splitlines() if l.startswith(prefix))
 
-    before = aborted()
+    def aborted() -> float:
+        return sample('distill_sequences_total{finish_reason="abort"}')
+
+    before, tokens = aborted(), 0
     with httpx.stream("POST", f"{server.url}/v1/chat/completions", headers={"Authorization": f"Bearer {API_KEY}"},
                       json={"model": "smol", "messages": chat("Tell me a very long story."), "max_tokens": 1000, "stream": True,
                             "temperature": 0}, timeout=300) as r:
         for line in r.iter_lines():
-            if '"content": "' in line and '"content": ""' not in line:
-                break  # got a token: hang up
+            tokens += '"content": "' in line and '"content": ""' not in line
+            if tokens == 3:  # the third token: a step after the prefill has been reported
+                assert 0 < sample("vllm:kv_cache_usage_perc{") <= 1
+                break  # hang up
     deadline = time.monotonic() + 240
     while aborted() == before and time.monotonic() < deadline:
         time.sleep(0.5)
     assert aborted() == before + 1
+    assert sample("vllm:kv_cache_usage_perc{") == 0  # the aborted row left the batch, and nothing else runs
 
 
 def test_a_new_request_joins_the_running_batch_and_finishes_first(server, plain):

@@ -274,4 +274,5 @@ def test_vllm_metrics_count_every_sequence(engine, model_dir):
     finished = sum(v for k, v in m.items() if k.startswith("vllm:request_success_total"))
     assert finished == 3 and m['vllm:request_success_total{engine="0",finished_reason="length",model_name="smol"}'] >= 1
     assert m[f"vllm:num_requests_running{label}"] == 0 and m[f"vllm:num_requests_waiting{label}"] == 0
+    assert m[f"vllm:kv_cache_usage_perc{label}"] == 0  # idle: no row holds a slot
     assert not any(k.startswith("vllm:spec_decode") for k in m)  # no speculation, no counters (as vLLM)

@@ -771,6 +771,14 @@ class RunningBatch:
         self._batch.step(self.on_tokens, self.stats)
         return self._finished(self._batch.compact())
 
+    @property
+    def kv_slots(self) -> tuple[int, int]:
+        """(KV slots the running rows hold, slots allocated): what vLLM's ``kv_cache_usage_perc`` divides."""
+        if self._batch is None:
+            return 0, 0
+        cache = self._batch.cache
+        return sum(self._batch.ends), cache.capacity_rows * cache.slots
+
     def clear(self) -> list:
         """Drop every row (after a failed step, or when stopping): -> their keys."""
         keys = [s.index for s in self._batch.seqs] if self._batch is not None else []

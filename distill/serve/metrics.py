@@ -109,6 +109,9 @@ class VllmMetrics:
         the nodes on the accepted path (the bonus token not counted); accepted at position k:
         drafts whose accepted path reached depth k + 1. Mean acceptance length =
         1 + accepted / drafts.
+    KV-cache usage
+        the KV slots the running sequences hold over the slots the engine has allocated (its
+        cache grows with the batch, so this is the share of what is allocated; 0 when idle).
     """
 
     def __init__(self, registry: CollectorRegistry, model_name: str, speculative: bool, max_model_len: int):
@@ -126,6 +129,7 @@ class VllmMetrics:
         tokens = token_buckets(max_model_len)
         self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
         self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
         success = Counter("vllm:request_success", "Count of successfully processed requests.", labels + ["finished_reason"], registry=r)

@@ -444,6 +444,8 @@ class Scheduler:
                 m.acceptance_ratio.set(self.engine.policy.acceptance_ratio)
             m.running.set(len(batch))
             m.vllm.running.set(len(batch))
+            used, allocated = batch.kv_slots
+            m.vllm.kv_usage.set(used / allocated if allocated else 0.0)
         for s, r in done:
             self._finish(s, r.token_ids, r.finish_reason, r.accepted)
 
