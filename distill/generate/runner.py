@@ -30,7 +30,6 @@ import hashlib
 import importlib.metadata
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -284,7 +283,7 @@ class Generator:
     def run(self) -> GenerateSummary:
         t0 = time.monotonic()
         cfg = self.cfg
-        with ShardStore(Path(cfg.out), self.meta(), self.config_key(), self.enc.id_dtype) as store:
+        with ShardStore(cfg.out, self.meta(), self.config_key(), self.enc.id_dtype) as store:
             return self._run(store, t0)
 
     def _run(self, store: ShardStore, t0: float) -> GenerateSummary:
@@ -366,15 +365,11 @@ class Generator:
         )
 
     def _account(self, store: ShardStore, seed_ids: list[tuple[str, str]]) -> GenerateSummary:
-        import pyarrow.parquet as pq
-
         stored: set[str] = set()
         rows = 0
-        for s in store.shards:
-            if s.file:
-                ids = pq.read_table(store.root / s.file, columns=["id"])["id"].to_pylist()
-                stored.update(ids)
-                rows += len(ids)
+        for ids in store.shard_id_lists():
+            stored.update(ids)
+            rows += len(ids)
         if rows != len(stored):
             raise StoreError(f"{store.root} holds {rows - len(stored)} rows with an id that another row has too: "
                              f"run `distill data validate {store.root}` to find them")
