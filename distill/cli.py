@@ -35,7 +35,7 @@ ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="Pipel
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override one option: KEY=VALUE, the value read as YAML (e.g. --set max_len=256); repeatable; CLI options override it.")]
 ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="Bundled default (omit), a local HF folder, or a Hub id.")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto (CUDA when available, else CPU) | cpu | cuda | cuda:1 ...")]
-OutOpt = Annotated[Optional[Path], typer.Option("--out", "-o", help="Output folder for shards, manifest.json and rejects.jsonl.")]
+OutOpt = Annotated[Optional[str], typer.Option("--out", "-o", help="Output folder for shards, manifest.json and rejects.jsonl: a path, or an object-store URL (s3://BUCKET/PREFIX, gs://...).")]
 
 
 @app.callback()
@@ -204,8 +204,8 @@ def seeds_list() -> None:
 data_app = typer.Typer(help="Look at, check, reshape and convert shard folders.", no_args_is_help=True)
 app.add_typer(data_app, name="data")
 
-DataDirArg = Annotated[Path, typer.Argument(help="A dataset folder (manifest.json + shard-*.parquet).")]
-NewOutOpt = Annotated[Path, typer.Option("--out", "-o", help="A new folder to write (never an existing one).")]
+DataDirArg = Annotated[str, typer.Argument(help="A dataset folder (manifest.json + shard-*.parquet): a path, or an object-store URL (s3://..., gs://...).")]
+NewOutOpt = Annotated[str, typer.Option("--out", "-o", help="A new local folder to write (never an existing one).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON (for machines) instead of a table.")]
 ShardRowsOpt = Annotated[int, typer.Option("--shard-size", help="Conversations per written shard.")]
 
@@ -302,7 +302,7 @@ def data_repair(root: DataDirArg) -> None:
 def data_convert(
     source: Annotated[str, typer.Argument(help="A dataset folder; with --to shards, any seed (NAME | PATH | hf:DATASET[:split]).")],
     to: Annotated[str, typer.Option("--to", help="sharegpt (JSON) | openai (JSONL) | specforge (JSONL) | hf (save_to_disk folder) | trl (Parquet folder, teacher top-k as lists) | shards (seed -> teacher-less shards).")],
-    out: Annotated[Path, typer.Option("--out", "-o", help="The new file (sharegpt, openai) or folder (hf, shards).")],
+    out: Annotated[str, typer.Option("--out", "-o", help="The new local file (sharegpt, openai) or folder (hf, shards).")],
     model: ModelOpt = None,
     seed_format: Annotated[Optional[str], typer.Option(help="--to shards: force the seed format instead of detecting it.")] = None,
     limit: Annotated[Optional[int], typer.Option(help="--to shards: only the first N seed rows.")] = None,
@@ -318,13 +318,13 @@ def data_convert(
     else:
         if model or seed_format or limit is not None:
             raise ConfigError("--model, --seed-format and --limit apply to --to shards only")
-        summary = export(Path(source), to, out)
+        summary = export(source, to, out)
     _echo_json(summary.to_dict())
 
 
 @data_app.command("merge")
 def data_merge(
-    inputs: Annotated[list[Path], typer.Argument(help="Two or more dataset folders of the same model and teacher encoding.")],
+    inputs: Annotated[list[str], typer.Argument(help="Two or more dataset folders (paths or object-store URLs) of the same model and teacher encoding.")],
     out: NewOutOpt,
     skip_duplicate_ids: Annotated[bool, typer.Option(help="Keep the first row of a repeated id instead of failing.")] = False,
     shard_size: ShardRowsOpt = 1000,
@@ -365,7 +365,7 @@ def data_split(
 
 @app.command("push")
 def push_cmd(
-    root: Annotated[Path, typer.Argument(help="A dataset folder, or a split folder (train/, eval/) from `distill data split`.")],
+    root: Annotated[str, typer.Argument(help="A dataset folder, or a split folder (train/, eval/) from `distill data split`: a path or an object-store URL.")],
     repo: Annotated[str, typer.Option("--repo", help="Hub dataset repo OWNER/NAME (created if missing).")],
     private: Annotated[bool, typer.Option("--private", help="Create the repo private.")] = False,
     dry_run: Annotated[Optional[Path], typer.Option("--dry-run", help="Write exactly what would be uploaded into this new folder; upload nothing.")] = None,
@@ -382,7 +382,7 @@ def push_cmd(
 
 
 # == training commands: distill train-heads, calibrate, export ==
-DataOpt = Annotated[Optional[Path], typer.Option("--data", "-d", help="Dataset folder made by `distill generate` (manifest.json + shards).")]
+DataOpt = Annotated[Optional[str], typer.Option("--data", "-d", help="Dataset folder made by `distill generate` (manifest.json + shards): a path or an object-store URL.")]
 HeadsDirOpt = Annotated[Path, typer.Option("--heads", help="Heads folder made by `distill train-heads`.")]
 
 

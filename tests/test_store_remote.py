@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import REPO, assert_same_rows, free_port
+from conftest import REPO, TRAINED_HEADS_OPTIONS, assert_same_rows, free_port
 from distill.errors import StoreError
 from distill.generate import GenerateConfig, Generator
 from distill.store import ShardStore, TeacherEncoding, encode_topk, iter_rows, load_manifest
@@ -273,3 +273,86 @@ def test_a_generate_run_into_s3_killed_at_random_points_resumes_to_the_uninterru
     assert summary.generated == 5 and summary.new_conversations == 5 - len(durable)
     assert_same_rows(url, reference)
     assert not [p for p in _fs().ls(_key(url), detail=False) if "/journal-" in p or p.endswith(LOCK_FILE)]
+
+
+# -- the readers ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def s3_dataset(s3, tmp_path_factory, hf_backend):
+    """The same small dataset in a local folder and in a bucket: (URL, local path)."""
+    import fsspec
+
+    name = f"t-{uuid.uuid4().hex[:12]}"
+    fsspec.core.url_to_fs(f"s3://{name}")[0].mkdir(name)
+    local = tmp_path_factory.mktemp("readers") / "local"
+    url = f"s3://{name}/sharegpt"
+    for out in (local, url):
+        assert Generator(GenerateConfig(**_gen_config(out)), backend=hf_backend).run().generated == 4
+    return url, local
+
+
+def _distill(*args, cwd=None) -> subprocess.CompletedProcess:
+    """The real command line (this tree's code), in a subprocess."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    return subprocess.run([sys.executable, "-m", "distill.cli", *args], capture_output=True, text=True, env=env,
+                          cwd=cwd or REPO, timeout=600)
+
+
+def test_validate_stats_convert_and_push_read_an_s3_dataset_as_they_read_the_local_one(s3_dataset, tmp_path):
+    url, local = s3_dataset
+    r = _distill("data", "validate", url)
+    assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stdout + r.stderr
+    views = [_distill("data", "inspect", str(where), "--index", "1", "--json") for where in (url, local)]
+    assert views[0].returncode == 0 and json.loads(views[0].stdout) == json.loads(views[1].stdout), views[0].stderr
+    stats = {}
+    for where in (url, local):
+        r = _distill("data", "stats", str(where), "--json")
+        assert r.returncode == 0, r.stderr
+        stats[str(where)] = json.loads(r.stdout)
+    assert stats[url]["path"] == url and {**stats[url], "path": ""} == {**stats[str(local)], "path": ""}
+    for where, out in ((url, tmp_path / "remote.jsonl"), (local, tmp_path / "local.jsonl")):
+        assert _distill("data", "convert", str(where), "--to", "openai", "--out", str(out)).returncode == 0
+    assert (tmp_path / "remote.jsonl").read_bytes() == (tmp_path / "local.jsonl").read_bytes()
+    for where, out in ((url, tmp_path / "push-remote"), (local, tmp_path / "push-local")):
+        r = _distill("push", str(where), "--repo", "me/data", "--dry-run", str(out))
+        assert r.returncode == 0, r.stderr
+    files = sorted(p.relative_to(tmp_path / "push-local") for p in (tmp_path / "push-local").rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(tmp_path / "push-remote") for p in (tmp_path / "push-remote").rglob("*") if p.is_file())
+    for f in files:  # the same repo, byte for byte (card included: it records no location)
+        assert (tmp_path / "push-remote" / f).read_bytes() == (tmp_path / "push-local" / f).read_bytes(), f
+
+
+def test_a_damaged_s3_dataset_fails_validate_and_writers_refuse_an_s3_out(s3_dataset, bucket, tmp_path):
+    url, _ = s3_dataset
+    copy = f"{bucket}/copy"
+    _fs().copy(_key(url), _key(copy), recursive=True)
+    manifest = load_manifest(copy)
+    shard = f"{_key(copy)}/{manifest['shards'][0]['file']}"
+    data = bytearray(_fs().cat_file(shard))
+    data[len(data) // 2] ^= 0x01
+    _fs().pipe_file(shard, bytes(data))  # same size, one bit flipped
+    r = _distill("data", "validate", copy)
+    assert r.returncode == 1 and "[checksum]" in r.stdout and "INVALID" in r.stdout
+    r = _distill("data", "merge", url, copy, "--out", f"{bucket}/merged")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"error: --out {bucket}/merged: this command writes a local folder or file; only `distill generate --out` "
+        "writes to an object store (the inputs may be URLs)"]
+    r = _distill("data", "stats", "gs://bucket/ds")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "needs the gcsfs package" in r.stderr
+
+
+def test_train_heads_and_calibrate_read_their_data_from_s3(s3_dataset, tmp_path):
+    from distill.train import TrainConfig, train
+    from distill.train.calibrate import CalibrateConfig, calibrate
+
+    url, local = s3_dataset
+    summary = train(TrainConfig(data=url, out=str(tmp_path / "heads"), **{**TRAINED_HEADS_OPTIONS, "steps": 2}))
+    assert summary.steps == 2 and summary.tokens > 0
+    record = json.loads((tmp_path / "heads" / "distill-heads.json").read_text())
+    assert record["dataset"]["path"] == url and record["dataset"]["rows"] == 4
+    trees = {}
+    for where in (url, local):
+        out = tmp_path / f"cal-{len(trees)}"
+        calibrate(CalibrateConfig(heads=str(tmp_path / "heads"), data=str(where), out=str(out), nodes=3, max_len=64, plots=False))
+        trees[str(where)] = json.loads((out / "tree.json").read_text())
+    assert trees[url]["accuracy"] == trees[str(local)]["accuracy"] and trees[url]["paths"] == trees[str(local)]["paths"]

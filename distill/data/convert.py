@@ -67,8 +67,8 @@ def export(inp: Path | str, to: str, out: Path | str) -> ConvertSummary:
     if to not in EXPORTS:
         raise ConfigError(f"--to must be one of {', '.join(EXPORTS + ('shards',))}; got {to!r}")
     d = Dataset.open(inp)
-    out = Path(out)
     check_new_output(out, [d.root])
+    out = Path(out)
     summary = ConvertSummary(to, str(out))
     if to == "hf":
         return _export_hf(d, out, summary)
@@ -106,9 +106,9 @@ def _export_trl(d: Dataset, out: Path, summary: ConvertSummary) -> ConvertSummar
                         ("teacher_topk_logprobs", pa.list_(pa.list_(pa.float32())))])
     cols = ["id", "messages", "input_ids", "loss_mask", "teacher_ids", "teacher_lp"]
     with StagedFolder(out) as stage:
-        for n, path in enumerate(d.files):
+        for n, name in enumerate(d.shards):
             rows = []
-            for batch in pq.ParquetFile(path).iter_batches(columns=cols):
+            for batch in d.shard_batches(name, cols):
                 for row in batch.to_pylist():
                     mask = np.asarray(row["loss_mask"], dtype=bool)  # (T,)
                     ids = lps = [[] for _ in mask]
@@ -146,8 +146,8 @@ def seed_to_shards(seed: str, out: Path | str, model: str | None = None, seed_fo
     from distill.models import model_record, resolve_model, stop_token_ids
     from distill.seeds import load_seed
 
-    out = Path(out)
     check_new_output(out)
+    out = Path(out)
     resolved = resolve_model(model)
     source = load_seed(seed, seed_format)
     tokenizer = AutoTokenizer.from_pretrained(resolved.path)

@@ -63,7 +63,7 @@ def merge(inputs: list[Path | str], out: Path | str, skip_duplicate_ids: bool = 
     if len(inputs) < 2:
         raise ConfigError("merge needs at least two input folders")
     sets = [Dataset.open(p) for p in inputs]
-    check_new_output(Path(out), [d.root for d in sets])
+    check_new_output(out, [d.root for d in sets])
     first = sets[0]
     key = lambda d: ((d.meta.get("model") or {}).get("id"), (d.meta.get("model") or {}).get("revision"))  # noqa: E731
     for d in sets[1:]:
@@ -115,7 +115,7 @@ def dedupe(inp: Path | str, out: Path | str, mode: str = "normalized", shard_row
     if mode not in DEDUPE_MODES:
         raise ConfigError(f"--mode must be one of {', '.join(DEDUPE_MODES)}; got {mode!r}")
     d = Dataset.open(inp)
-    check_new_output(Path(out), [d.root])
+    check_new_output(out, [d.root])
     summary = TransformSummary("dedupe", {"out": str(out)})
     first_of: dict[bytes, str] = {}
     exact_seen: set[bytes] = set()
@@ -162,8 +162,8 @@ def split(inp: Path | str, out: Path | str, eval_fraction: float = 0.05, shard_r
     if by not in SPLIT_KEYS:
         raise ConfigError(f"--by must be one of {', '.join(SPLIT_KEYS)}; got '{by}'")
     d = Dataset.open(inp)
-    out = Path(out)
     check_new_output(out, [d.root])
+    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     summary = TransformSummary("split", {"train": str(out / "train"), "eval": str(out / "eval")})
     writers = {
