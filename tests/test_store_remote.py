@@ -210,6 +210,9 @@ def test_one_writer_per_prefix_the_lock_is_a_conditional_create(bucket):
         store.write_shard([_row(1)])
     assert [s["file"] for s in load_manifest(url)["shards"]] == ["shard-00000.parquet"]  # the manifest was not overwritten
     other.release()
+    with pytest.raises(StoreError, match=r"shard-00001\.parquet exists already: another run writes"):
+        with open_folder(url).new_file("shard-00001.parquet") as tmp:  # a shard object is never replaced
+            tmp.write_bytes(b"another run's shard")
 
 
 def test_bad_locations_are_one_line_errors(bucket, tmp_path):

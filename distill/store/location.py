@@ -252,13 +252,22 @@ class ObjectFolder:
 
     @contextmanager
     def new_file(self, name: str) -> Iterator[Path]:
-        """A local temp file to write by name, uploaded as ``name`` on a normal exit (an upload is atomic)."""
+        """A local temp file to write by name, uploaded as the new object ``name`` on a normal exit.
+
+        The upload is atomic and conditional (create only if absent): an object is never replaced,
+        so two writers that picked one name (only possible when the lock was broken) cannot
+        overwrite each other's shard; the second gets a :class:`StoreError`.
+        """
         fd, tmp = tempfile.mkstemp(prefix=f".distill-{name}.", suffix=".tmp")
         os.close(fd)
         try:
             yield Path(tmp)
             with self._store(f"uploading {name}", write=True):
-                self.fs.put_file(tmp, self._key(name))
+                try:
+                    self.fs.put_file(tmp, self._key(name), mode="create")
+                except FileExistsError:
+                    raise StoreError(f"{self.where(name)} exists already: another run writes {self.root} "
+                                     "(one writer per --out)") from None
         finally:
             Path(tmp).unlink(missing_ok=True)
 

@@ -108,8 +108,8 @@ class ObjectLock:
 
     Nothing releases it when its process dies (there is no kernel to do it), so:
 
-    * a lock left by a process of *this* host that is gone is taken over, with the same
-      warning as a local folder's;
+    * a lock left by a process of *this* host (hosts are told apart by host name) that is
+      gone is taken over, with the same warning as a local folder's;
     * a lock left by *another* host is refused with a line naming it: only a person knows
       that host's run is over (no lease is guessed from clocks of different machines), and
       removes the lock object to go on;

@@ -28,8 +28,8 @@ In an object store (``--out s3://...``, see :mod:`distill.store.location`) the s
 with what the store offers, and the manifest is the commit point as it is locally:
 
 - a shard is written whole to a local temp file and uploaded under its final name (one
-  atomic PUT; there is no rename): a crash before the manifest leaves an unlisted shard,
-  adopted or set aside as above (setting aside is a copy then a delete);
+  atomic PUT that never replaces an object; there is no rename): a crash before the manifest
+  leaves an unlisted shard, adopted or set aside as above (setting aside is a copy then a delete);
 - the manifest and rejects.jsonl are single PUTs (readers see the old or the new one);
 - the lock is a conditionally created object (:class:`distill.store.lock.ObjectLock`),
   the journal one object per entry (:class:`distill.store.journal.SegmentJournal`);
