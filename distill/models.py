@@ -52,8 +52,13 @@ def model_record(resolved: "ResolvedModel", vocab_size: int, chat_template: str 
         "revision": resolved.revision,
         "vocab_size": vocab_size,
         "tokenizer_sha256": sha256_file(tokenizer)[:16] if tokenizer.is_file() else None,
-        "chat_template_sha256": hashlib.sha256((chat_template or "").encode()).hexdigest()[:16],
+        "chat_template_sha256": template_sha256(chat_template),
     }
+
+
+def template_sha256(chat_template: str | None) -> str:
+    """The chat-template hash datasets record (16 hex digits)."""
+    return hashlib.sha256((chat_template or "").encode()).hexdigest()[:16]
 
 
 def _bundled_gguf() -> Path:

@@ -7,7 +7,9 @@ user text key
     compares them as stored; ``normalized`` first lowercases them (Unicode
     casefold) and collapses every run of whitespace to one space, trimming the ends.
 split key
-    what decides a row's side. ``id`` (default): the row id. ``first-turn``: the
+    what decides a row's side. ``id`` (default): the row id without the ``#t<turn>`` of a
+    row that continues a conversation (:func:`distill.conversation.conversation_id`), so a
+    conversation's rows stay on one side. ``first-turn``: the
     conversation's first user turn, normalized as above, so conversations that open
     alike (a seed set with repeated prompts, replies regenerated at temperature > 0,
     self-talk from one opener) all land on the same side and the eval split never
@@ -25,6 +27,7 @@ import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from distill.conversation import conversation_id
 from distill.data.dataset import Dataset
 from distill.data.write import DEFAULT_SHARD_ROWS, ShardWriter, check_new_output, derived_meta
 from distill.errors import ConfigError
@@ -150,7 +153,7 @@ def eval_side(key: str, eval_fraction: float) -> bool:
 def split_key(row: dict, by: str = "id") -> str:
     """The split key of a row (see the module's terms)."""
     if by == "id":
-        return row["id"]
+        return conversation_id(row["id"])
     return normalize(next((m["content"] for m in row["messages"] if m["role"] == "user"), ""))
 
 
