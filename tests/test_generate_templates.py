@@ -20,6 +20,7 @@ import pytest
 
 from conftest import DISTILL, REPO, assert_teacher_matches_model
 from distill.conversation import conversation_id, turn_row_id
+from distill.data.convert import export
 from distill.data.validate import validate_dataset
 from distill.errors import ConfigError, StoreError
 from distill.generate import GenerateConfig, Generator
@@ -207,6 +208,10 @@ def test_turns_cut_with_a_re_rendering_template_ends_as_truncated_turns(hf_backe
     assert [(r["id"], r["stop_reason"]) for r in iter_rows(out)] == [
         ("seed:c0", "continued"), ("seed:c0#t1", "truncated_turns"), ("seed:c1", "continued"), ("seed:c1#t1", "truncated_turns")]
     assert (summary.generated, summary.continued_rows) == (2, 2)
+    # message-only exports: one entry per conversation, its last row's messages, under the conversation's id
+    export(out, "openai", tmp_path / "chat.jsonl")
+    lines = [json.loads(line) for line in (tmp_path / "chat.jsonl").read_text().splitlines()]
+    assert [(e["id"], len(e["messages"])) for e in lines] == [("seed:c0", 4), ("seed:c1", 4)]
     # validate accepts the history inside a continuing row's first turn only for a continuing row's id
     shard = next(out.glob("shard-*.parquet"))
     table = pq.read_table(shard)

@@ -20,6 +20,11 @@ Exports (``to``)
     JSON lines of ``{"id", "conversations": [{"role", "content"}]}``, the conversation
     format SpecForge's EAGLE-3 scripts read.
 
+The message-only exports (``sharegpt``, ``openai``, ``specforge``) write one entry per
+conversation: a conversation stored as several rows (a chat template that re-renders the
+history, ``distill generate``) is its last row, whose messages hold all of it, under the
+conversation's id. ``hf`` and ``trl`` keep every row (each is its own training sequence).
+
 Import (``to="shards"``)
 ------------------------
 Any seed the seed readers accept (registered name, file, ``hf:`` dataset) is
@@ -43,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import distill
-from distill.conversation import Rejection, turn_row_id
+from distill.conversation import Rejection, conversation_id, turn_row_id
 from distill.data.dataset import Dataset
 from distill.data.write import DEFAULT_SHARD_ROWS, ShardWriter, check_new_output
 from distill.store.atomic import StagedFolder, atomic_file
@@ -81,7 +86,10 @@ def export(inp: Path | str, to: str, out: Path | str) -> ConvertSummary:
     with atomic_file(out) as tmp, open(tmp, "w", encoding="utf-8") as f:
         if to == "sharegpt":
             f.write("[\n")
-        for row in d.iter_rows(["id", "messages"]):
+        for row in d.iter_rows(["id", "messages", "stop_reason"]):
+            if row["stop_reason"] == "continued":  # a later row of the conversation holds all of its messages
+                continue
+            row["id"] = conversation_id(row["id"])
             if to == "sharegpt":
                 conv = [{"from": SHAREGPT_ROLE[m["role"]], "value": m["content"]} for m in row["messages"]]
                 f.write((",\n" if summary.rows else "") + json.dumps({"id": row["id"], "conversations": conv}, ensure_ascii=False))
