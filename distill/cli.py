@@ -85,6 +85,10 @@ def generate(
     turns: Annotated[Optional[int], typer.Option(help="self-talk: max assistant turns (default 4); multi-turn: replay at most N user turns (default 0 = all).")] = None,
     temperature: Annotated[Optional[float], typer.Option(help="Sampling temperature (0 = greedy).")] = None,
     top_p: Annotated[Optional[float], typer.Option(help="Nucleus sampling threshold.")] = None,
+    top_k: Annotated[Optional[int], typer.Option(help="Sample from the K most likely tokens only (0 = all); not --topk. The stored teacher top-k stays the raw model's.")] = None,
+    min_p: Annotated[Optional[float], typer.Option(help="Drop tokens less likely than MIN_P x the most likely one (0 = none).")] = None,
+    repetition_penalty: Annotated[Optional[float], typer.Option(help="vLLM's repetition penalty on tokens already in the conversation (1 = none; > 1 discourages repeats).")] = None,
+    samples: Annotated[Optional[int], typer.Option(help="Independent completions per seed conversation (ids ID#s0..#sN-1 when N > 1; needs --temperature > 0).")] = None,
     max_new_tokens: Annotated[Optional[int], typer.Option(help="Max new tokens per turn.")] = None,
     max_model_len: Annotated[Optional[int], typer.Option(help="Context-length guard (default: the model's).")] = None,
     topk: Annotated[Optional[int], typer.Option(help="Teacher candidates stored per generated token.")] = None,
@@ -155,7 +159,8 @@ class _progress:
 
 def _print_summary(s) -> None:
     typer.echo(
-        f"{s.out}: {s.generated} generated + {s.rejected} rejected + {s.skipped} skipped = {s.seed_rows} seed rows"
+        f"{s.out}: {s.generated} generated + {s.rejected} rejected + {s.skipped} skipped = "
+        + (f"{s.seed_rows} seed rows" if s.samples == 1 else f"{s.rows} rows ({s.seed_rows} seed rows x {s.samples} samples)")
         + ("" if s.balanced else f" (+{s.pending} pending)")
     )
     typer.echo(

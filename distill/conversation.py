@@ -13,6 +13,22 @@ from typing import Literal
 
 Role = Literal["system", "user", "assistant"]
 ROLES: tuple[str, ...] = ("system", "user", "assistant")
+_SAMPLE_SUFFIX = re.compile(r"#s\d+$")
+
+
+def sample_id(conv_id: str, index: int, samples: int) -> str:
+    """The id of completion ``index`` of ``samples`` drawn from one seed conversation.
+
+    One sample keeps the seed conversation's id; with more, ``#s<index>`` is appended
+    (``sharegpt:42#s0`` .. ``sharegpt:42#s3``). Sample i's id does not depend on how many
+    samples there are, so it stays stable when a rerun asks for more.
+    """
+    return conv_id if samples == 1 else f"{conv_id}#s{index}"
+
+
+def seed_conversation_id(row_id: str) -> str:
+    """The id of the seed conversation a row was drawn from: ``row_id`` without its ``#s<index>`` suffix."""
+    return _SAMPLE_SUFFIX.sub("", row_id)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,11 @@ journal
     every finished conversation is appended to the dataset folder's journal (fsynced)
     as soon as it finishes, in both drivers; each time the journal holds
     ``shard_size`` conversations it is compacted into a shard (``distill.store.journal``).
+sample
+    with ``--samples N`` > 1, each seed conversation is regenerated N times independently,
+    as rows ``<seed id>#s0`` .. ``#s{N-1}`` (:func:`distill.conversation.sample_id`). A sample
+    is a conversation like any other: its own request seeds (they derive from its id), its
+    own resume key and reject. The counts are in rows: seed rows x samples.
 stop reason
     why a conversation ended: ``completed`` (no seed user turn left), ``max_turns``,
     ``user_ended`` (the simulated user wrote the end marker or nothing),
@@ -37,14 +42,14 @@ import asyncio
 import hashlib
 import importlib.metadata
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
 import distill
-from distill.conversation import Conversation, Rejection, conversation_id, turn_row_id
+from distill.conversation import Conversation, Rejection, conversation_id, sample_id, seed_conversation_id, turn_row_id
 from distill.errors import ConfigError, StoreError
 from distill.generate.backends import Backend, BackendOptions, Completion, Request, make_backend, resolve_backend_name
 from distill.generate.config import GenerateConfig
@@ -60,7 +65,8 @@ ProgressFn = Callable[..., None]  # (conversations finished, tokens generated si
 
 @dataclass
 class GenerateSummary:
-    """The accounting of a run: ``generated + rejected + skipped == seed_rows``."""
+    """The accounting of a run, in rows (a row is one sample of one seed row): ``generated + rejected + skipped
+    == seed_rows * samples``."""
 
     out: str
     seed_rows: int
@@ -75,10 +81,19 @@ class GenerateSummary:
     seconds: float = 0.0
     rejects_by_reason: dict[str, int] = field(default_factory=dict)
     continued_rows: int = 0  # rows beyond a conversation's first (a template that re-renders the history)
+    samples: int = 1  # rows per seed row (--samples)
+
+    @property
+    def rows(self) -> int:
+        return self.seed_rows * self.samples
 
     @property
     def balanced(self) -> bool:
-        return self.generated + self.rejected + self.skipped == self.seed_rows
+        return self.generated + self.rejected + self.skipped == self.rows
+
+
+#: The values of the sampling options that leave the distribution as it is.
+SAMPLING_OFF = {"top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
 
 
 def _request_seed(sampling_seed: int, conv_id: str, turn: int, kind: str) -> int:
@@ -301,10 +316,13 @@ class Generator:
             "backend": self.backend_name,
             "dtype": self.placement.dtype,
             **({"part": "%d/%d" % c.part_slot} if c.part is not None else {}),
-            # only when set, so that folders made before these options resume
+            # only when set, so that folders made before these options resume; not the number of samples: a
+            # rerun with more samples adds them (sample i's id and seeds do not depend on it)
             **({"chat_template_sha256": template_sha256(self.chat_template)} if c.chat_template is not None else {}),
             **({"chat_template_kwargs": c.chat_template_kwargs} if c.chat_template_kwargs else {}),
             **({"reasoning": c.reasoning} if c.reasoning != "keep" else {}),
+            **{k: getattr(c, k) for k in ("top_k", "min_p", "repetition_penalty") if getattr(c, k) != SAMPLING_OFF[k]},
+            **({"sample_ids": True} if c.samples > 1 else {}),
         }
 
     def meta(self) -> dict:
@@ -315,8 +333,12 @@ class Generator:
             "sampling": {
                 "temperature": self.cfg.temperature,
                 "top_p": self.cfg.top_p,
+                "top_k": self.cfg.top_k,
+                "min_p": self.cfg.min_p,
+                "repetition_penalty": self.cfg.repetition_penalty,
                 "max_new_tokens": self.cfg.max_new_tokens,
                 "sampling_seed": self.cfg.sampling_seed,
+                "samples": self.cfg.samples,
             },
             "teacher": self.enc.to_dict(),
             "backend": {"name": self.backend_name, "version": self._backend.version if self.backend_name == "openai" else _backend_version(self.backend_name),
@@ -343,18 +365,25 @@ class Generator:
         done = store.done_ids()
         seed_rejects: list[dict] = []
         todo: list[Conversation] = []
-        seed_ids: list[tuple[str, str]] = []  # (id, kind) per seed row: kind in seed-reject / in-limit / beyond-limit
+        seed_ids: list[tuple[str, str]] = []  # (id, kind) per row (seed row x sample): kind in seed-reject / todo / beyond / skipped
+        seed_rows = 0
         for index, item in enumerate(self.source):
-            # beyond --limit, or another process's part: counted as skipped
+            seed_rows += 1
+            # beyond --limit, or another process's part (every sample of a seed row is in the same part): skipped
             beyond = (cfg.limit is not None and index >= cfg.limit) or not cfg.in_part(index)
-            if isinstance(item, Rejection):
-                if not beyond:
-                    seed_rejects.append(item.to_dict())
-                seed_ids.append((item.id, "skipped" if beyond else "seed-reject"))
-                continue
-            seed_ids.append((item.id, "beyond" if beyond else "todo"))
-            if not beyond and item.id not in done:
-                todo.append(item)
+            for i in range(cfg.samples):
+                row = replace(item, id=sample_id(item.id, i, cfg.samples))
+                if isinstance(row, Rejection):
+                    if not beyond:
+                        seed_rejects.append(row.to_dict())
+                    seed_ids.append((row.id, "skipped" if beyond else "seed-reject"))
+                    continue
+                seed_ids.append((row.id, "beyond" if beyond else "todo"))
+                if not beyond and row.id not in done:
+                    todo.append(row)
+        if fewer := sorted(i for i in done - {row_id for row_id, _ in seed_ids} if seed_conversation_id(i) != i):
+            raise ConfigError(f"{cfg.out} holds {len(fewer)} samples beyond --samples {cfg.samples} (e.g. {fewer[-1]}): "
+                              "rerun with the --samples it was made with (or more), or use another --out")
         store.seed_rejects = seed_rejects
         store.commit(complete=False)
 
@@ -378,11 +407,11 @@ class Generator:
         store.flush(self.order)  # what the journal holds (this run's last conversations, or a killed run's)
         new_convs, new_tokens = self.new
 
-        summary = self._account(store, seed_ids)
+        summary = self._account(store, seed_ids, seed_rows)
         summary.new_conversations, summary.new_tokens = new_convs, new_tokens
         summary.seconds = time.monotonic() - t0
         store.commit(
-            seed_rows=summary.seed_rows, generated=summary.generated, rejected=summary.rejected,
+            seed_rows=summary.seed_rows, samples=cfg.samples, generated=summary.generated, rejected=summary.rejected,
             skipped=summary.skipped, pending=summary.pending, complete=summary.pending == 0,
         )
         return summary
@@ -419,7 +448,7 @@ class Generator:
             batch_size=c.batch_size, enforce_eager=c.enforce_eager, tensor_parallel_size=c.tensor_parallel_size,
         )
 
-    def _account(self, store: ShardStore, seed_ids: list[tuple[str, str]]) -> GenerateSummary:
+    def _account(self, store: ShardStore, seed_ids: list[tuple[str, str]], seed_rows: int) -> GenerateSummary:
         import pyarrow.parquet as pq
 
         stored: set[str] = set()
@@ -457,7 +486,8 @@ class Generator:
         for r in store.seed_rejects + store.generation_rejects:
             by_reason[r["reason"]] = by_reason.get(r["reason"], 0) + 1
         return GenerateSummary(
-            out=str(store.root), seed_rows=len(seed_ids), generated=counts["generated"], rejected=counts["rejected"],
+            out=str(store.root), seed_rows=seed_rows, samples=self.cfg.samples, generated=counts["generated"],
+            rejected=counts["rejected"],
             skipped=counts["skipped"], pending=counts["pending"], generated_tokens=store.totals["generated_tokens"],
             prompt_tokens=store.totals["prompt_tokens"], rejects_by_reason=by_reason, continued_rows=len(continued),
         )
@@ -563,4 +593,5 @@ class Generator:
     def _request(self, ids: list[int], s: ConversationState, kind: str, topk: int) -> Request:
         c = self.cfg
         seed = _request_seed(c.sampling_seed, s.conv.id, s.n_assistant, kind)
-        return Request(ids, c.max_new_tokens, seed, topk, temperature=c.temperature, top_p=c.top_p)
+        return Request(ids, c.max_new_tokens, seed, topk, temperature=c.temperature, top_p=c.top_p, top_k=c.top_k,
+                       min_p=c.min_p, repetition_penalty=c.repetition_penalty)
