@@ -31,6 +31,9 @@ app.add_typer(model_app, name="model")
 console = Console(stderr=True)
 _state = {"debug": False}
 
+ChatTemplateOpt = Annotated[Optional[str], typer.Option("--chat-template", help="Chat template that renders the prompts: a Jinja file, or the template itself (default: the model's).")]
+ChatTemplateKwargsOpt = Annotated[Optional[str], typer.Option("--chat-template-kwargs", help='The chat template\'s extra variables, a JSON object, e.g. \'{"enable_thinking": false}\'.')]
+
 ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="Pipeline YAML (pipelines/NAME.yaml): this stage's section (or a flat file); --set and CLI options override it.")]
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override one option: KEY=VALUE, the value read as YAML (e.g. --set max_len=256); repeatable; CLI options override it.")]
 ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="Bundled default (omit), a local HF folder, or a Hub id.")]
@@ -82,6 +85,10 @@ def generate(
     turns: Annotated[Optional[int], typer.Option(help="self-talk: max assistant turns (default 4); multi-turn: replay at most N user turns (default 0 = all).")] = None,
     temperature: Annotated[Optional[float], typer.Option(help="Sampling temperature (0 = greedy).")] = None,
     top_p: Annotated[Optional[float], typer.Option(help="Nucleus sampling threshold.")] = None,
+    top_k: Annotated[Optional[int], typer.Option(help="Sample from the K most likely tokens only (0 = all); not --topk. The stored teacher top-k stays the raw model's.")] = None,
+    min_p: Annotated[Optional[float], typer.Option(help="Drop tokens less likely than MIN_P x the most likely one (0 = none).")] = None,
+    repetition_penalty: Annotated[Optional[float], typer.Option(help="vLLM's repetition penalty on tokens already in the conversation (1 = none; > 1 discourages repeats).")] = None,
+    samples: Annotated[Optional[int], typer.Option(help="Independent completions per seed conversation (ids ID#s0..#sN-1 when N > 1; needs --temperature > 0).")] = None,
     max_new_tokens: Annotated[Optional[int], typer.Option(help="Max new tokens per turn.")] = None,
     max_model_len: Annotated[Optional[int], typer.Option(help="Context-length guard (default: the model's).")] = None,
     topk: Annotated[Optional[int], typer.Option(help="Teacher candidates stored per generated token.")] = None,
@@ -98,6 +105,9 @@ def generate(
     concurrency: Annotated[Optional[int], typer.Option(help="--backend openai: conversations in flight, each advancing turn by turn on its own (default 64).")] = None,
     api_key_env: Annotated[Optional[str], typer.Option(help="--backend openai: the environment variable that holds the servers' API key (never the key itself).")] = None,
     retries: Annotated[Optional[int], typer.Option(help="--backend openai: attempts after the first per request on connection errors, 429 and 5xx, with backoff (default 8).")] = None,
+    chat_template: ChatTemplateOpt = None,
+    chat_template_kwargs: ChatTemplateKwargsOpt = None,
+    reasoning: Annotated[Optional[str], typer.Option(help="keep | strip | both: think blocks (<think>...</think>) in the stored messages: kept, removed, or kept only in the replies a row trains (input_ids always hold what the model saw and wrote).")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
 ) -> None:
     """Regenerate seed conversations with the model; write shards with its top-k logprobs."""
@@ -149,7 +159,8 @@ class _progress:
 
 def _print_summary(s) -> None:
     typer.echo(
-        f"{s.out}: {s.generated} generated + {s.rejected} rejected + {s.skipped} skipped = {s.seed_rows} seed rows"
+        f"{s.out}: {s.generated} generated + {s.rejected} rejected + {s.skipped} skipped = "
+        + (f"{s.seed_rows} seed rows" if s.samples == 1 else f"{s.rows} rows ({s.seed_rows} seed rows x {s.samples} samples)")
         + ("" if s.balanced else f" (+{s.pending} pending)")
     )
     typer.echo(
@@ -159,6 +170,9 @@ def _print_summary(s) -> None:
     )
     if s.rejects_by_reason:
         typer.echo("  rejects: " + ", ".join(f"{k} {v}" for k, v in sorted(s.rejects_by_reason.items())))
+    if s.continued_rows:
+        typer.echo(f"  + {s.continued_rows} rows that continue a conversation (ID#tN): the chat template re-renders "
+                   "the history, so each such turn is a row of its own")
     typer.echo(f"  rejects: {s.out}/rejects.jsonl, manifest: {s.out}/manifest.json")
 
 
@@ -307,14 +321,19 @@ def data_convert(
     seed_format: Annotated[Optional[str], typer.Option(help="--to shards: force the seed format instead of detecting it.")] = None,
     limit: Annotated[Optional[int], typer.Option(help="--to shards: only the first N seed rows.")] = None,
     shard_size: ShardRowsOpt = 1000,
+    chat_template: ChatTemplateOpt = None,
+    chat_template_kwargs: ChatTemplateKwargsOpt = None,
 ) -> None:
     """Export shards to ShareGPT / OpenAI messages / a datasets folder, or turn seed data into shards (no teacher)."""
     from distill.data.convert import export, seed_to_shards
 
+    if to != "shards" and (chat_template is not None or chat_template_kwargs is not None):
+        raise ConfigError("--chat-template and --chat-template-kwargs apply to --to shards only (the rows hold their tokens)")
     if to == "shards":
         if limit is not None and limit < 0:
             raise ConfigError(f"--limit must be >= 0; got {limit}")
-        summary = seed_to_shards(source, out, model=model, seed_format=seed_format, limit=limit, shard_rows=shard_size)
+        summary = seed_to_shards(source, out, model=model, seed_format=seed_format, limit=limit, shard_rows=shard_size,
+                                 chat_template=chat_template, chat_template_kwargs=chat_template_kwargs)
     else:
         if model or seed_format or limit is not None:
             raise ConfigError("--model, --seed-format and --limit apply to --to shards only")
@@ -536,6 +555,7 @@ def serve(
     max_model_len: Annotated[Optional[int], typer.Option(help="Context limit for prompt + max_tokens (default: the model's).")] = None,
     generation_config: Annotated[Optional[str], typer.Option("--generation-config", help="Where requests' sampling defaults come from, as vLLM's option: auto (the model's generation_config.json), vllm or none (neutral: temperature 1, top_p 1), or a folder holding a generation_config.json.")] = None,
     chat_template: Annotated[Optional[str], typer.Option("--chat-template", help="Chat template for /v1/chat/completions: a Jinja file, or the template itself (default: the model's).")] = None,
+    chat_template_kwargs: Annotated[Optional[str], typer.Option("--chat-template-kwargs", help='The chat template\'s extra variables for every chat request, a JSON object (e.g. \'{"enable_thinking": false}\'); a request\'s own chat_template_kwargs override them (vLLM: --default-chat-template-kwargs).')] = None,
     tree: TreeOpt = None,
     draft_nodes: DraftNodesOpt = None,
     acceptance: Annotated[Optional[str], typer.Option(help="Acceptance for sampled requests: typical | rejection | greedy (temperature 0 is always greedy, lossless).")] = None,
@@ -605,6 +625,8 @@ def bench(
     dtype: Annotated[Optional[str], typer.Option(help="auto (the heads' teacher dtype, else the model's; bf16 on CPUs only where native) | float32 | bfloat16 | float16.")] = None,
     device: Annotated[Optional[str], typer.Option(help="auto (CUDA when available, else CPU) | cpu | cuda | cuda:N.")] = None,
     seed: Annotated[Optional[int], typer.Option(help="Sampling seed of the first prompt (prompt i uses seed + i).")] = None,
+    chat_template: ChatTemplateOpt = None,
+    chat_template_kwargs: ChatTemplateKwargsOpt = None,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Folder for bench.json, bench.md, bench.png (and sweep.png, tree.json).")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress lines.")] = False,
 ) -> None:

@@ -7,11 +7,28 @@ Every seed format is normalized to :class:`Conversation` at the edge
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 
 Role = Literal["system", "user", "assistant"]
 ROLES: tuple[str, ...] = ("system", "user", "assistant")
+_SAMPLE_SUFFIX = re.compile(r"#s\d+$")
+
+
+def sample_id(conv_id: str, index: int, samples: int) -> str:
+    """The id of completion ``index`` of ``samples`` drawn from one seed conversation.
+
+    One sample keeps the seed conversation's id; with more, ``#s<index>`` is appended
+    (``sharegpt:42#s0`` .. ``sharegpt:42#s3``). Sample i's id does not depend on how many
+    samples there are, so it stays stable when a rerun asks for more.
+    """
+    return conv_id if samples == 1 else f"{conv_id}#s{index}"
+
+
+def seed_conversation_id(row_id: str) -> str:
+    """The id of the seed conversation a row was drawn from: ``row_id`` without its ``#s<index>`` suffix."""
+    return _SAMPLE_SUFFIX.sub("", row_id)
 
 
 @dataclass(frozen=True)
@@ -61,3 +78,22 @@ class Rejection:
 
     def to_dict(self) -> dict[str, str]:
         return {"id": self.id, "source": self.source, "stage": self.stage, "reason": self.reason, "detail": self.detail}
+
+
+_TURN_ROW = re.compile(r"#t(\d+)$")
+
+
+def turn_row_id(conv_id: str, turn: int) -> str:
+    """The id of the row that continues conversation ``conv_id`` from its assistant turn ``turn`` (0-based).
+
+    A conversation is one row while its chat template extends the token stream turn by
+    turn; when the template re-renders the history (``distill.generate.templating``), each
+    later part is a row of its own, ``<conversation id>#t<turn>``; the first part keeps the
+    conversation's id.
+    """
+    return conv_id if turn == 0 else f"{conv_id}#t{turn}"
+
+
+def conversation_id(row_id: str) -> str:
+    """The conversation a row belongs to: ``row_id`` without the ``#t<turn>`` of a continuing row."""
+    return _TURN_ROW.sub("", row_id)

@@ -6,8 +6,15 @@ user text key
     what dedupe compares: the user turns of a conversation, in order. ``exact``
     compares them as stored; ``normalized`` first lowercases them (Unicode
     casefold) and collapses every run of whitespace to one space, trimming the ends.
+samples
+    rows ``<seed id>#s0``, ``#s1``, ... regenerated from one seed conversation
+    (``distill generate --samples N``). They are one conversation for both tools: dedupe
+    never drops a sample of the conversation it keeps, and a split keeps them together.
 split key
-    what decides a row's side. ``id`` (default): the row id. ``first-turn``: the
+    what decides a row's side. ``id`` (default): the seed conversation's id: the row id without
+    the ``#t<turn>`` of a row that continues a conversation (:func:`distill.conversation.conversation_id`)
+    and then without its sample suffix (:func:`distill.conversation.seed_conversation_id`), so a
+    conversation's rows and every sample of a seed conversation stay on one side. ``first-turn``: the
     conversation's first user turn, normalized as above, so conversations that open
     alike (a seed set with repeated prompts, replies regenerated at temperature > 0,
     self-talk from one opener) all land on the same side and the eval split never
@@ -25,6 +32,7 @@ import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from distill.conversation import conversation_id, seed_conversation_id
 from distill.data.dataset import Dataset
 from distill.data.write import DEFAULT_SHARD_ROWS, ShardWriter, check_new_output, derived_meta
 from distill.errors import ConfigError
@@ -106,7 +114,8 @@ def user_text_key(messages: list[dict], mode: str) -> bytes:
 
 
 def dedupe(inp: Path | str, out: Path | str, mode: str = "normalized", shard_rows: int = DEFAULT_SHARD_ROWS) -> TransformSummary:
-    """Keep the first conversation of each user text key; dropped rows go to the new rejects.jsonl.
+    """Keep the first conversation of each user text key (and the other samples of it); dropped rows go to the
+    new rejects.jsonl.
 
     In ``normalized`` mode the drops are counted apart: ``duplicate_exact`` (the same
     text as stored as an earlier row) and ``duplicate_normalized`` (the same only after
@@ -128,13 +137,13 @@ def dedupe(inp: Path | str, out: Path | str, mode: str = "normalized", shard_row
             k = exact if mode == "exact" else user_text_key(row["messages"], "normalized")
             is_exact = exact in exact_seen
             exact_seen.add(exact)
-            if k in first_of:
+            if k in first_of and seed_conversation_id(first_of[k]) != seed_conversation_id(row["id"]):
                 reason = "duplicate_exact" if mode == "exact" or is_exact else "duplicate_normalized"
                 summary.dropped[reason] = summary.dropped.get(reason, 0) + 1
                 w.rejects.append({"id": row["id"], "source": row["source"], "stage": "dedupe", "reason": reason,
                                   "detail": f"same user turns ({mode}) as {first_of[k]}"})
                 continue
-            first_of[k] = row["id"]
+            first_of.setdefault(k, row["id"])
             w.add(row)
         w.close(derived_rows_in=summary.rows_in, dedupe_dropped=summary.dropped)
         summary.rows_out["out"] = w.count
@@ -150,7 +159,7 @@ def eval_side(key: str, eval_fraction: float) -> bool:
 def split_key(row: dict, by: str = "id") -> str:
     """The split key of a row (see the module's terms)."""
     if by == "id":
-        return row["id"]
+        return seed_conversation_id(conversation_id(row["id"]))
     return normalize(next((m["content"] for m in row["messages"] if m["role"] == "user"), ""))
 
 

@@ -25,7 +25,9 @@ messages
     alternating from ``user``; no message may be empty or whitespace.
 turns
     ``turns`` spans tile ``input_ids`` exactly, their roles follow the non-system
-    messages, and each assistant turn's ``n_tokens`` equals the masked tokens in it.
+    messages, and each assistant turn's ``n_tokens`` equals the masked tokens in it. A row
+    that continues a conversation (``<id>#t<turn>``: its chat template re-renders the history)
+    holds the earlier messages inside its first user turn: its turns follow the last messages.
 teacher
     the teacher columns decode: candidate ids below the vocabulary size and
     distinct per position, and the stored probabilities sum to at most 1 (+ the
@@ -47,6 +49,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from distill.conversation import conversation_id
 from distill.data.dataset import BATCH_ROWS
 from distill.store.location import Folder, open_folder
 from distill.store.shards import FORMAT, MANIFEST, META_KEY, REJECTS, SHARD_RE, shard_schema
@@ -279,6 +282,8 @@ class _RowChecker:
                 continue
             want = [x for x in m_roles[m_off[r]:m_off[r + 1]] if x != "system"]
             have = list(role[off[r]:off[r + 1]])
+            if conversation_id(ids[r]) != ids[r] and have and have[0] == "user" and len(have) < len(want):
+                want = want[len(want) - len(have):]  # the earlier messages are history inside the first user turn
             if want != have:
                 flag(r, f"turn roles {have} do not follow the messages' roles {want}")
 

@@ -55,6 +55,12 @@ def changes_logits(params) -> bool:
         or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
 
 
+def repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """vLLM's repetition penalty: the logits (..., V) of ``seen`` tokens (..., V) bool divided by ``penalty``
+    where positive, multiplied by it where not (a new tensor)."""
+    return torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
+
+
 def _path_counts(tokens: torch.Tensor, mask: torch.Tensor, depth: torch.Tensor, vocab: int) -> torch.Tensor:
     """Counts (T, V) of each node's path tokens below the root: node t counts its ancestors at depth >= 1 and itself."""
     on_path = (mask & (depth >= 1)[None, :]).float()  # (T, T): [t, a] = a is on t's path below the root
@@ -90,8 +96,7 @@ def process(logits: torch.Tensor, tokens: torch.Tensor, buf: TreeBuffers, rows: 
             if p.repetition_penalty != 1.0:
                 seen = counts > 0
                 seen[:, torch.tensor(list(row.prompt), dtype=torch.long, device=dev)] = True
-                r = p.repetition_penalty
-                x.copy_(torch.where(seen, torch.where(x > 0, x / r, x * r), x))
+                x.copy_(repetition_penalty(x, seen, p.repetition_penalty))
             if p.frequency_penalty != 0.0:
                 x -= p.frequency_penalty * counts
             if p.presence_penalty != 0.0:

@@ -6,6 +6,13 @@ returns, per request, the sampled ids, the finish reason and, when asked, the
 teacher top-k of the *unmodified* next-token distribution at every sampled
 position (vLLM ``logprobs_mode="raw_logprobs"``; transformers ``output_logits``,
 which are the logits before any logits processor).
+
+Sampling options act on what is sampled, never on the stored top-k, in vLLM's order:
+the repetition penalty on the raw logits (tokens of the prompt and of the output so far),
+then greedy argmax at temperature 0, else temperature, ``min_p``, ``top_k``, ``top_p`` and
+one draw. A request's draws come from its own seed only, so they do not depend on
+batching (vLLM: ``SamplingParams.seed``; transformers: one ``torch.Generator`` per row,
+:class:`RowSampler`).
 """
 
 from __future__ import annotations
@@ -33,6 +40,14 @@ class Request:
     topk: int  # 0: no teacher top-k wanted (the self-talk user simulator)
     temperature: float = 1.0  # 0: greedy
     top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+
+    @property
+    def sampling(self) -> tuple:
+        """What decides the distribution sampled from (requests that share it share one transformers call)."""
+        return (self.temperature, self.top_p, self.top_k, self.min_p, self.repetition_penalty)
 
 
 @dataclass
@@ -182,6 +197,9 @@ class VLLMBackend:
             SamplingParams(
                 temperature=r.temperature,
                 top_p=r.top_p,
+                top_k=r.top_k,
+                min_p=r.min_p,
+                repetition_penalty=r.repetition_penalty,
                 max_tokens=r.max_new_tokens,
                 seed=r.seed,
                 logprobs=r.topk or None,
@@ -251,7 +269,7 @@ class HFBackend:
         results: list[Completion | None] = [None] * len(requests)
         # Group requests that share generate() settings; sort by length to keep padding small.
         def settings(r: Request) -> tuple:
-            return (r.max_new_tokens, r.topk, r.temperature, r.top_p)
+            return (r.max_new_tokens, r.topk, r.sampling)
 
         order = sorted(range(len(requests)), key=lambda i: (settings(requests[i]), len(requests[i].prompt_ids)))
         bs = max(1, self.opts.batch_size)
@@ -273,27 +291,24 @@ class HFBackend:
         for b, r in enumerate(reqs):
             input_ids[b, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
             attention[b, width - len(r.prompt_ids):] = 1
-        from transformers import GenerationConfig
+        from transformers import GenerationConfig, LogitsProcessorList
 
-        head = reqs[0]
-        sample = head.temperature > 0
-        # An explicit config: the model's own sampling defaults (top_k=50, penalties...) must not apply,
-        # so both backends sample from the same distribution.
-        sampling = dict(temperature=head.temperature, top_p=head.top_p, top_k=0) if sample else {}
+        # An explicit greedy config whose only processor is ours: the model's own sampling defaults (top_k=50,
+        # penalties...) never apply, and RowSampler draws each row's token from that row's generator.
         gen_config = GenerationConfig(
             max_new_tokens=reqs[0].max_new_tokens,
-            do_sample=sample,
-            **sampling,
+            do_sample=False,
             eos_token_id=sorted(self.stop_ids),
             pad_token_id=self.pad_id,
             bos_token_id=self.tokenizer.bos_token_id,
             output_logits=bool(reqs[0].topk),
             return_dict_in_generate=True,
         )
-        torch.manual_seed(reqs[0].seed)
+        sampler = RowSampler(reqs, width, self.device)
         with torch.inference_mode():
             out = self.model.generate(
-                input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device), generation_config=gen_config
+                input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device), generation_config=gen_config,
+                logits_processor=LogitsProcessorList([sampler]),
             )
         new = out.sequences[:, width:].cpu()  # (B, N)
         k = reqs[0].topk
@@ -316,3 +331,47 @@ class HFBackend:
 
     def close(self) -> None:
         self.model = None
+
+
+class RowSampler:
+    """A transformers logits processor that picks each row's next token itself (the module docstring's order).
+
+    It returns scores that are ``-inf`` everywhere but at the chosen token, so greedy ``generate`` emits it;
+    ``output_logits`` still reports the raw logits. Row b draws one uniform u per step from a
+    ``torch.Generator`` seeded with ``requests[b].seed`` and takes the token where the cumulative
+    distribution passes u, so its tokens depend on its own seed and logits only, never on the batch it
+    shares (the per-request seed contract); the cumulative sums run batched (one ``torch.multinomial``
+    per row costs far more on CPUs). The requests share one ``Request.sampling``.
+    """
+
+    def __init__(self, requests: list[Request], width: int, device: str):
+        import torch
+
+        head = requests[0]
+        self.temperature, self.top_p, self.top_k, self.min_p, self.penalty = head.sampling
+        self.starts = torch.tensor([width - len(r.prompt_ids) for r in requests], device=device)  # (B,) first non-pad
+        self.generators = [torch.Generator(device=device).manual_seed(r.seed) for r in requests] if self.temperature > 0 else []
+
+    def __call__(self, input_ids, scores):
+        """input_ids (B, P + n) left-padded, scores (B, V) raw logits -> (B, V): 0 at the chosen token, -inf elsewhere."""
+        import torch
+
+        from distill.engine.acceptance import warp
+        from distill.engine.logits import repetition_penalty
+
+        x = scores.float()  # (B, V)
+        if self.penalty != 1.0:
+            real = (torch.arange(input_ids.shape[1], device=x.device)[None] >= self.starts[:, None]).float()  # (B, P + n)
+            counts = torch.zeros_like(x).scatter_add_(1, input_ids, real)  # (B, V) occurrences, padding left out
+            x = repetition_penalty(x, counts > 0, self.penalty)
+        if self.temperature > 0:
+            B = x.shape[0]
+            full = lambda v: torch.full((B,), v, device=x.device)  # noqa: E731
+            probs = warp(x[:, None], full(self.temperature), full(self.top_p), full(self.top_k).long(), full(self.min_p))
+            cdf = probs[:, 0].double().cumsum(-1)  # (B, V)
+            u = torch.cat([torch.rand(1, generator=g, device=x.device, dtype=torch.float64) for g in self.generators])  # (B,)
+            # the first token whose cumulative probability exceeds u (scaled to the row's total): never one of probability 0
+            chosen = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp(max=x.shape[1] - 1)  # (B,)
+        else:
+            chosen = x.argmax(-1)  # (B,)
+        return torch.full_like(scores, float("-inf")).scatter_(1, chosen[:, None], 0.0)

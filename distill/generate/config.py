@@ -8,6 +8,8 @@ from pathlib import Path
 
 from distill.configs import config_from_options
 from distill.errors import ConfigError
+from distill.generate.templating import REASONING
+from distill.models import chat_template_kwargs, load_chat_template
 from distill.runtime import canonical_dtype
 
 MODES = ("multi-turn", "self-talk", "single-turn")
@@ -37,6 +39,10 @@ class GenerateConfig:
     turns: int | None = None  # self-talk: at most this many assistant turns (default 4); multi-turn: at most N user turns (default 0 = all)
     temperature: float = 0.7
     top_p: float = 1.0
+    top_k: int = 0  # sampling: only the K most likely tokens (0: all); not --topk, the teacher candidates stored
+    min_p: float = 0.0  # sampling: drop tokens less likely than min_p x the most likely one (0: none)
+    repetition_penalty: float = 1.0  # vLLM's: logits of tokens already in the conversation / (or x) this (1: none)
+    samples: int = 1  # independent completions per seed conversation (ids <seed id>#s0..#s{N-1} when N > 1)
     max_new_tokens: int = 512  # per assistant turn (and per simulated user turn)
     max_model_len: int | None = None  # context-length guard; None: the model's
     topk: int = 20
@@ -55,6 +61,9 @@ class GenerateConfig:
     concurrency: int = 64  # openai: conversations in flight
     api_key_env: str | None = None  # openai: the environment variable that holds the servers' API key
     retries: int = 8  # openai: attempts after the first per request (connection errors, 429, 5xx)
+    chat_template: str | None = None  # a Jinja file, or the template itself; None: the model's own
+    chat_template_kwargs: dict | None = None  # the template's extra variables (JSON object or mapping), e.g. enable_thinking
+    reasoning: str = "keep"  # keep | strip | both: the think blocks the stored messages keep (templating.reasoning_view)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -65,6 +74,16 @@ class GenerateConfig:
             raise ConfigError(f"--temperature must be >= 0; got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"--top-p must be in (0, 1]; got {self.top_p}")
+        if self.top_k < 0:
+            raise ConfigError(f"--top-k must be >= 0 (0: no top-k sampling); got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ConfigError(f"--min-p must be in [0, 1]; got {self.min_p}")
+        if not 0 < self.repetition_penalty < float("inf"):
+            raise ConfigError(f"--repetition-penalty must be > 0 (1: none); got {self.repetition_penalty}")
+        if self.samples < 1:
+            raise ConfigError(f"--samples must be >= 1; got {self.samples}")
+        if self.samples > 1 and self.temperature == 0:
+            raise ConfigError(f"--samples {self.samples} needs --temperature > 0: greedy decoding gives {self.samples} identical completions")
         for name in ("max_new_tokens", "shard_size", "batch_size", "tensor_parallel_size", "concurrency"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(self, name)}")
@@ -83,6 +102,10 @@ class GenerateConfig:
         if self.server and self.backend != "openai":
             raise ConfigError(f"--server is for --backend openai (got --backend {self.backend})")
         self.dtype = canonical_dtype(self.dtype)
+        load_chat_template(self.chat_template)  # a missing file is an error now, not after the engine loaded
+        self.chat_template_kwargs = chat_template_kwargs(self.chat_template_kwargs)
+        if self.reasoning not in REASONING:
+            raise ConfigError(f"--reasoning must be one of {', '.join(REASONING)}; got '{self.reasoning}'")
         if self.max_model_len is not None and self.max_model_len <= self.max_new_tokens:
             raise ConfigError(f"--max-model-len ({self.max_model_len}) must exceed --max-new-tokens ({self.max_new_tokens})")
 

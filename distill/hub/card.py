@@ -65,9 +65,10 @@ class SplitCard:
 
 def reproduce_command(meta: dict, totals: dict | None = None) -> str:
     """The shell command(s) that rebuild the dataset from its recorded config (``totals``: its manifest's,
-    from which a ``--limit`` is recovered: rows past the limit are counted as skipped)."""
+    from which a ``--limit`` is recovered: rows past the limit are counted as skipped, ``samples`` rows per seed row)."""
     totals = totals or {}
-    limit = totals["seed_rows"] - totals["skipped"] if totals.get("skipped") and "seed_rows" in totals else None
+    samples = totals.get("samples", 1)
+    limit = totals["seed_rows"] - totals["skipped"] // samples if totals.get("skipped") and "seed_rows" in totals else None
     derived = meta.get("derived") or {}
     chain = []
     d = derived
@@ -86,6 +87,8 @@ def reproduce_command(meta: dict, totals: dict | None = None) -> str:
                 ("mode", key.get("mode")), ("turns", key.get("turns")), ("temperature", key.get("temperature")),
                 ("top-p", key.get("top_p")), ("max-new-tokens", key.get("max_new_tokens")),
                 ("max-model-len", key.get("max_model_len")), ("topk", key.get("topk")),
+                ("top-k", key.get("top_k")), ("min-p", key.get("min_p")),
+                ("repetition-penalty", key.get("repetition_penalty")), ("samples", samples if samples > 1 else None),
                 ("sampling-seed", key.get("sampling_seed")), ("system-prompt", key.get("system_prompt")),
                 ("backend", key.get("backend")), ("dtype", key.get("dtype"))]
         opts.append(("limit", limit))
