@@ -320,7 +320,7 @@ class Generator:
             **({"chat_template_sha256": template_sha256(self.chat_template)} if c.chat_template is not None else {}),
             **({"chat_template_kwargs": c.chat_template_kwargs} if c.chat_template_kwargs else {}),
             **({"reasoning": c.reasoning} if c.reasoning != "keep" else {}),
-            **{k: getattr(c, k) for k in ("top_k", "min_p", "repetition_penalty") if getattr(c, k) != SAMPLING_OFF[k]},
+            **{k: getattr(c, k) for k, off in SAMPLING_OFF.items() if getattr(c, k) != off},
             **({"sample_ids": True} if c.samples > 1 else {}),
         }
 
