@@ -14,20 +14,17 @@ import time
 import uuid
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from conftest import REPO, TRAINED_HEADS_OPTIONS, assert_same_rows, free_port
+from conftest import REPO, TRAINED_HEADS_OPTIONS, assert_same_rows, free_port, tiny_row as _row, tiny_store as _store
 from distill.errors import StoreError
 from distill.generate import GenerateConfig, Generator
-from distill.store import ShardStore, TeacherEncoding, encode_topk, iter_rows, load_manifest
+from distill.store import ShardStore, iter_rows, load_manifest
 from distill.store.location import open_folder
 from distill.store.lock import LOCK_FILE, ObjectLock
 
 MOTO = Path(sys.executable).with_name("moto_server")
 SCRIPT = REPO / "tests" / "scripts" / "generate_reporting.py"
-KEY = {"model_id": "m", "topk": 2}
-ENC = TeacherEncoding.for_vocab(2, 100)
 
 
 @pytest.fixture(scope="module")
@@ -84,19 +81,6 @@ def _key(url: str) -> str:
     return url.removeprefix("s3://")
 
 
-def _row(i: int) -> dict:
-    ids, lp = encode_topk(np.array([[3, 4], [5, 6]]), np.array([[-0.1, -2.0], [-0.3, -1.5]]), ENC)
-    return {
-        "id": f"s:{i}", "source": "s", "messages": [{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": "yo"}],
-        "input_ids": [1, 2, 3, 5], "loss_mask": [False, False, True, True], "teacher_ids": ids, "teacher_lp": lp,
-        "turns": [{"role": "user", "start": 0, "end": 2, "n_tokens": 0, "finish_reason": None},
-                  {"role": "assistant", "start": 2, "end": 4, "n_tokens": 2, "finish_reason": "stop"}],
-        "stop_reason": "completed", "n_prompt_tokens": 2, "n_generated_tokens": 2,
-    }
-
-
-def _store(root, key=KEY):
-    return ShardStore(root, {"config_key": key, "teacher": ENC.to_dict()}, key, ENC.id_dtype).open()
 
 
 def _dead_pid() -> int:
