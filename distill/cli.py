@@ -31,11 +31,14 @@ app.add_typer(model_app, name="model")
 console = Console(stderr=True)
 _state = {"debug": False}
 
+ChatTemplateOpt = Annotated[Optional[str], typer.Option("--chat-template", help="Chat template that renders the prompts: a Jinja file, or the template itself (default: the model's).")]
+ChatTemplateKwargsOpt = Annotated[Optional[str], typer.Option("--chat-template-kwargs", help='The chat template\'s extra variables, a JSON object, e.g. \'{"enable_thinking": false}\'.')]
+
 ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="Pipeline YAML (pipelines/NAME.yaml): this stage's section (or a flat file); --set and CLI options override it.")]
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override one option: KEY=VALUE, the value read as YAML (e.g. --set max_len=256); repeatable; CLI options override it.")]
 ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="Bundled default (omit), a local HF folder, or a Hub id.")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto (CUDA when available, else CPU) | cpu | cuda | cuda:1 ...")]
-OutOpt = Annotated[Optional[Path], typer.Option("--out", "-o", help="Output folder for shards, manifest.json and rejects.jsonl.")]
+OutOpt = Annotated[Optional[str], typer.Option("--out", "-o", help="Output folder for shards, manifest.json and rejects.jsonl: a path, or an object-store URL (s3://BUCKET/PREFIX, gs://...).")]
 
 
 @app.callback()
@@ -102,6 +105,9 @@ def generate(
     concurrency: Annotated[Optional[int], typer.Option(help="--backend openai: conversations in flight, each advancing turn by turn on its own (default 64).")] = None,
     api_key_env: Annotated[Optional[str], typer.Option(help="--backend openai: the environment variable that holds the servers' API key (never the key itself).")] = None,
     retries: Annotated[Optional[int], typer.Option(help="--backend openai: attempts after the first per request on connection errors, 429 and 5xx, with backoff (default 8).")] = None,
+    chat_template: ChatTemplateOpt = None,
+    chat_template_kwargs: ChatTemplateKwargsOpt = None,
+    reasoning: Annotated[Optional[str], typer.Option(help="keep | strip | both: think blocks (<think>...</think>) in the stored messages: kept, removed, or kept only in the replies a row trains (input_ids always hold what the model saw and wrote).")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
 ) -> None:
     """Regenerate seed conversations with the model; write shards with its top-k logprobs."""
@@ -164,6 +170,9 @@ def _print_summary(s) -> None:
     )
     if s.rejects_by_reason:
         typer.echo("  rejects: " + ", ".join(f"{k} {v}" for k, v in sorted(s.rejects_by_reason.items())))
+    if s.continued_rows:
+        typer.echo(f"  + {s.continued_rows} rows that continue a conversation (ID#tN): the chat template re-renders "
+                   "the history, so each such turn is a row of its own")
     typer.echo(f"  rejects: {s.out}/rejects.jsonl, manifest: {s.out}/manifest.json")
 
 
@@ -209,8 +218,8 @@ def seeds_list() -> None:
 data_app = typer.Typer(help="Look at, check, reshape and convert shard folders.", no_args_is_help=True)
 app.add_typer(data_app, name="data")
 
-DataDirArg = Annotated[Path, typer.Argument(help="A dataset folder (manifest.json + shard-*.parquet).")]
-NewOutOpt = Annotated[Path, typer.Option("--out", "-o", help="A new folder to write (never an existing one).")]
+DataDirArg = Annotated[str, typer.Argument(help="A dataset folder (manifest.json + shard-*.parquet): a path, or an object-store URL (s3://..., gs://...).")]
+NewOutOpt = Annotated[str, typer.Option("--out", "-o", help="A new local folder to write (never an existing one).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON (for machines) instead of a table.")]
 ShardRowsOpt = Annotated[int, typer.Option("--shard-size", help="Conversations per written shard.")]
 
@@ -307,29 +316,34 @@ def data_repair(root: DataDirArg) -> None:
 def data_convert(
     source: Annotated[str, typer.Argument(help="A dataset folder; with --to shards, any seed (NAME | PATH | hf:DATASET[:split]).")],
     to: Annotated[str, typer.Option("--to", help="sharegpt (JSON) | openai (JSONL) | specforge (JSONL) | hf (save_to_disk folder) | trl (Parquet folder, teacher top-k as lists) | shards (seed -> teacher-less shards).")],
-    out: Annotated[Path, typer.Option("--out", "-o", help="The new file (sharegpt, openai) or folder (hf, shards).")],
+    out: Annotated[str, typer.Option("--out", "-o", help="The new local file (sharegpt, openai) or folder (hf, shards).")],
     model: ModelOpt = None,
     seed_format: Annotated[Optional[str], typer.Option(help="--to shards: force the seed format instead of detecting it.")] = None,
     limit: Annotated[Optional[int], typer.Option(help="--to shards: only the first N seed rows.")] = None,
     shard_size: ShardRowsOpt = 1000,
+    chat_template: ChatTemplateOpt = None,
+    chat_template_kwargs: ChatTemplateKwargsOpt = None,
 ) -> None:
     """Export shards to ShareGPT / OpenAI messages / a datasets folder, or turn seed data into shards (no teacher)."""
     from distill.data.convert import export, seed_to_shards
 
+    if to != "shards" and (chat_template is not None or chat_template_kwargs is not None):
+        raise ConfigError("--chat-template and --chat-template-kwargs apply to --to shards only (the rows hold their tokens)")
     if to == "shards":
         if limit is not None and limit < 0:
             raise ConfigError(f"--limit must be >= 0; got {limit}")
-        summary = seed_to_shards(source, out, model=model, seed_format=seed_format, limit=limit, shard_rows=shard_size)
+        summary = seed_to_shards(source, out, model=model, seed_format=seed_format, limit=limit, shard_rows=shard_size,
+                                 chat_template=chat_template, chat_template_kwargs=chat_template_kwargs)
     else:
         if model or seed_format or limit is not None:
             raise ConfigError("--model, --seed-format and --limit apply to --to shards only")
-        summary = export(Path(source), to, out)
+        summary = export(source, to, out)
     _echo_json(summary.to_dict())
 
 
 @data_app.command("merge")
 def data_merge(
-    inputs: Annotated[list[Path], typer.Argument(help="Two or more dataset folders of the same model and teacher encoding.")],
+    inputs: Annotated[list[str], typer.Argument(help="Two or more dataset folders (paths or object-store URLs) of the same model and teacher encoding.")],
     out: NewOutOpt,
     skip_duplicate_ids: Annotated[bool, typer.Option(help="Keep the first row of a repeated id instead of failing.")] = False,
     shard_size: ShardRowsOpt = 1000,
@@ -370,7 +384,7 @@ def data_split(
 
 @app.command("push")
 def push_cmd(
-    root: Annotated[Path, typer.Argument(help="A dataset folder, or a split folder (train/, eval/) from `distill data split`.")],
+    root: Annotated[str, typer.Argument(help="A dataset folder, or a split folder (train/, eval/) from `distill data split`: a path or an object-store URL.")],
     repo: Annotated[str, typer.Option("--repo", help="Hub dataset repo OWNER/NAME (created if missing).")],
     private: Annotated[bool, typer.Option("--private", help="Create the repo private.")] = False,
     dry_run: Annotated[Optional[Path], typer.Option("--dry-run", help="Write exactly what would be uploaded into this new folder; upload nothing.")] = None,
@@ -387,7 +401,7 @@ def push_cmd(
 
 
 # == training commands: distill train-heads, calibrate, export ==
-DataOpt = Annotated[Optional[Path], typer.Option("--data", "-d", help="Dataset folder made by `distill generate` (manifest.json + shards).")]
+DataOpt = Annotated[Optional[str], typer.Option("--data", "-d", help="Dataset folder made by `distill generate` (manifest.json + shards): a path or an object-store URL.")]
 HeadsDirOpt = Annotated[Path, typer.Option("--heads", help="Heads folder made by `distill train-heads`.")]
 
 
@@ -541,6 +555,7 @@ def serve(
     max_model_len: Annotated[Optional[int], typer.Option(help="Context limit for prompt + max_tokens (default: the model's).")] = None,
     generation_config: Annotated[Optional[str], typer.Option("--generation-config", help="Where requests' sampling defaults come from, as vLLM's option: auto (the model's generation_config.json), vllm or none (neutral: temperature 1, top_p 1), or a folder holding a generation_config.json.")] = None,
     chat_template: Annotated[Optional[str], typer.Option("--chat-template", help="Chat template for /v1/chat/completions: a Jinja file, or the template itself (default: the model's).")] = None,
+    chat_template_kwargs: Annotated[Optional[str], typer.Option("--chat-template-kwargs", help='The chat template\'s extra variables for every chat request, a JSON object (e.g. \'{"enable_thinking": false}\'); a request\'s own chat_template_kwargs override them (vLLM: --default-chat-template-kwargs).')] = None,
     tree: TreeOpt = None,
     draft_nodes: DraftNodesOpt = None,
     acceptance: Annotated[Optional[str], typer.Option(help="Acceptance for sampled requests: typical | rejection | greedy (temperature 0 is always greedy, lossless).")] = None,
@@ -610,6 +625,8 @@ def bench(
     dtype: Annotated[Optional[str], typer.Option(help="auto (the heads' teacher dtype, else the model's; bf16 on CPUs only where native) | float32 | bfloat16 | float16.")] = None,
     device: Annotated[Optional[str], typer.Option(help="auto (CUDA when available, else CPU) | cpu | cuda | cuda:N.")] = None,
     seed: Annotated[Optional[int], typer.Option(help="Sampling seed of the first prompt (prompt i uses seed + i).")] = None,
+    chat_template: ChatTemplateOpt = None,
+    chat_template_kwargs: ChatTemplateKwargsOpt = None,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Folder for bench.json, bench.md, bench.png (and sweep.png, tree.json).")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress lines.")] = False,
 ) -> None:

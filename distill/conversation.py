@@ -78,3 +78,22 @@ class Rejection:
 
     def to_dict(self) -> dict[str, str]:
         return {"id": self.id, "source": self.source, "stage": self.stage, "reason": self.reason, "detail": self.detail}
+
+
+_TURN_ROW = re.compile(r"#t(\d+)$")
+
+
+def turn_row_id(conv_id: str, turn: int) -> str:
+    """The id of the row that continues conversation ``conv_id`` from its assistant turn ``turn`` (0-based).
+
+    A conversation is one row while its chat template extends the token stream turn by
+    turn; when the template re-renders the history (``distill.generate.templating``), each
+    later part is a row of its own, ``<conversation id>#t<turn>``; the first part keeps the
+    conversation's id.
+    """
+    return conv_id if turn == 0 else f"{conv_id}#t{turn}"
+
+
+def conversation_id(row_id: str) -> str:
+    """The conversation a row belongs to: ``row_id`` without the ``#t<turn>`` of a continuing row."""
+    return _TURN_ROW.sub("", row_id)

@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from distill.errors import HubUnreachableError, ModelError
+from distill.errors import ConfigError, HubUnreachableError, ModelError
 from distill.store.atomic import StagedFolder, sha256_file
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -52,8 +52,13 @@ def model_record(resolved: "ResolvedModel", vocab_size: int, chat_template: str 
         "revision": resolved.revision,
         "vocab_size": vocab_size,
         "tokenizer_sha256": sha256_file(tokenizer)[:16] if tokenizer.is_file() else None,
-        "chat_template_sha256": hashlib.sha256((chat_template or "").encode()).hexdigest()[:16],
+        "chat_template_sha256": template_sha256(chat_template),
     }
+
+
+def template_sha256(chat_template: str | None) -> str:
+    """The chat-template hash datasets record (16 hex digits)."""
+    return hashlib.sha256((chat_template or "").encode()).hexdigest()[:16]
 
 
 def _bundled_gguf() -> Path:
@@ -186,6 +191,44 @@ def stop_token_ids(tokenizer, model_path: Path) -> frozenset[int]:
     if not ids:
         raise ModelError(f"{model_path} defines no EOS token: cannot tell where an answer ends")
     return frozenset(ids)
+
+
+#: apply_chat_template's own parameters: chat template kwargs may not set them (a request's
+#: ``add_generation_prompt`` and ``continue_final_message`` are its own fields, merged in by the server).
+TEMPLATE_PARAMS = frozenset({"conversation", "messages", "tools", "chat_template", "tokenize", "padding", "truncation",
+                             "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+                             "tokenizer_kwargs"})
+
+
+def load_chat_template(value: str | None, option: str = "--chat-template") -> str | None:
+    """A ``--chat-template`` value: a file's text, or ``value`` itself when it reads as a Jinja template (has
+    ``{`` or a line break, as vLLM tells them apart); None: the tokenizer's own template."""
+    if value is None:
+        return None
+    if any(c in value for c in "{}\n"):
+        return value
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"{option} {value}: no such file (give a Jinja template file, or the template itself)")
+    return path.read_text()
+
+
+def chat_template_kwargs(value, option: str = "--chat-template-kwargs") -> dict:
+    """A ``--chat-template-kwargs`` value: a JSON object (the command line's string) or a mapping (a YAML file's),
+    the chat template's extra variables (e.g. ``{"enable_thinking": false}``); None: none."""
+    if value is None or value == "":
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise ConfigError(f"{option} must be a JSON object like '{{\"enable_thinking\": false}}': {exc}") from None
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise ConfigError(f"{option} must be a JSON object (name -> value); got {json.dumps(value)}")
+    clash = sorted((TEMPLATE_PARAMS | {"add_generation_prompt", "continue_final_message"}) & set(value))
+    if clash:
+        raise ConfigError(f"{option} may not set {', '.join(clash)} (apply_chat_template's own parameters)")
+    return dict(value)
 
 
 def context_limit(config, tree_nodes: int = 0) -> int:

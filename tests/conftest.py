@@ -6,7 +6,10 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+
+from distill.store import ShardStore, TeacherEncoding, encode_topk
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -17,6 +20,26 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 REPO = Path(__file__).resolve().parents[1]
 DISTILL = str(Path(sys.executable).with_name("distill"))
 COMMAND_SECONDS = pytest.StashKey[list]()  # (seconds, command) of the README walkthrough's commands
+
+
+# A two-token, two-turn row and a store for it: the shard store's own tests (local, journal, object store) share them.
+TINY_KEY = {"model_id": "m", "topk": 2}
+TINY_ENC = TeacherEncoding.for_vocab(2, 100)
+
+
+def tiny_row(i: int) -> dict:
+    ids, lp = encode_topk(np.array([[3, 4], [5, 6]]), np.array([[-0.1, -2.0], [-0.3, -1.5]]), TINY_ENC)
+    return {
+        "id": f"s:{i}", "source": "s", "messages": [{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": "yo"}],
+        "input_ids": [1, 2, 3, 5], "loss_mask": [False, False, True, True], "teacher_ids": ids, "teacher_lp": lp,
+        "turns": [{"role": "user", "start": 0, "end": 2, "n_tokens": 0, "finish_reason": None},
+                  {"role": "assistant", "start": 2, "end": 4, "n_tokens": 2, "finish_reason": "stop"}],
+        "stop_reason": "completed", "n_prompt_tokens": 2, "n_generated_tokens": 2,
+    }
+
+
+def tiny_store(root, key=TINY_KEY) -> ShardStore:
+    return ShardStore(root, {"config_key": key, "teacher": TINY_ENC.to_dict()}, key, TINY_ENC.id_dtype).open()
 
 
 def pytest_terminal_summary(terminalreporter, config):

@@ -18,7 +18,8 @@ from distill.engine import Engine, EngineConfig
 from distill.errors import ConfigError
 from distill.serve.app import AppSettings, create_app
 from distill.serve.protocol import HONOURED, ChatCompletionRequest, CompletionRequest, fields_of, request_defaults
-from distill.serve.server import generation_config, load_chat_template
+from distill.models import load_chat_template
+from distill.serve.server import generation_config
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -225,6 +226,12 @@ def test_chat_template_and_its_kwargs_shape_the_prompt(engine, model_dir, tokeni
             assert r["usage"]["prompt_tokens"] == thinking["count"]  # what the answer was generated from
         bad = chat(c, max_tokens=1, chat_template_kwargs={"tokenize": True})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template_kwargs"
+    # --chat-template-kwargs: the server's defaults, under each request's own (vLLM's --default-chat-template-kwargs)
+    with serving(engine, model_dir, chat_template=THINKING_TEMPLATE, chat_template_kwargs={"enable_thinking": True}) as c:
+        assert c.post("/tokenize", json={"messages": QUESTION}).json()["tokens"] == thinking["tokens"]
+        assert chat(c, max_tokens=1).json()["usage"]["prompt_tokens"] == thinking["count"]
+        off = c.post("/tokenize", json={"messages": QUESTION, "chat_template_kwargs": {"enable_thinking": False}}).json()
+        assert off["tokens"] == plain
 
 
 def test_continue_final_message_leaves_the_last_turn_open(client, tokenizer):

@@ -97,6 +97,8 @@ def test_vllm_command_passes_chat_template_and_generation_config_under_vllms_own
     assert cmd[cmd.index("--chat-template") + 1] == "t.jinja"
     assert cmd[cmd.index("--generation-config") + 1] == "vllm"  # vLLM's name for neutral defaults
     assert "--generation-config" not in vllm_command(ServeConfig(engine="vllm", heads=str(heads_dir)))  # auto: vLLM's default
+    cmd = vllm_command(ServeConfig(engine="vllm", heads=str(heads_dir), chat_template_kwargs='{"enable_thinking": false}'))
+    assert json.loads(cmd[cmd.index("--default-chat-template-kwargs") + 1]) == {"enable_thinking": False}
 
 
 def test_vllm_command_runs_the_heads_teacher_dtype(heads_dir, monkeypatch):

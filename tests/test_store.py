@@ -5,30 +5,14 @@ from __future__ import annotations
 import json
 import os
 
-import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
 from distill.errors import StoreError
-from distill.store import ShardStore, TeacherEncoding, encode_topk, iter_rows, load_manifest
-
-KEY = {"model_id": "m", "topk": 2}
-ENC = TeacherEncoding.for_vocab(2, 100)
+from distill.store import iter_rows, load_manifest
+from conftest import TINY_KEY as KEY, tiny_row as _row, tiny_store as _store
 
 
-def _row(i: int) -> dict:
-    ids, lp = encode_topk(np.array([[3, 4], [5, 6]]), np.array([[-0.1, -2.0], [-0.3, -1.5]]), ENC)
-    return {
-        "id": f"s:{i}", "source": "s", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
-        "input_ids": [1, 2, 3, 5], "loss_mask": [False, False, True, True], "teacher_ids": ids, "teacher_lp": lp,
-        "turns": [{"role": "user", "start": 0, "end": 2, "n_tokens": 0, "finish_reason": None},
-                  {"role": "assistant", "start": 2, "end": 4, "n_tokens": 2, "finish_reason": "stop"}],
-        "stop_reason": "completed", "n_prompt_tokens": 2, "n_generated_tokens": 2,
-    }
-
-
-def _store(root, key=KEY):
-    return ShardStore(root, {"config_key": key, "teacher": ENC.to_dict()}, key, ENC.id_dtype).open()
 
 
 def test_shards_and_manifest_are_committed_together_and_stream_back(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from distill.errors import ConfigError
+from distill.models import chat_template_kwargs, load_chat_template
 
 MODES = ("greedy", "typical")
 DEFAULT_SWEEP_NODES = (1, 2, 4, 8, 16, 32, 64)
@@ -50,6 +51,8 @@ class BenchConfig:
     sweep_context: int = 256
     sweep_repeats: int = 10
     warmup: int = 1  # untimed generate calls before measuring
+    chat_template: str | None = None  # a Jinja file, or the template itself; None: the model's own
+    chat_template_kwargs: dict | None = None  # the template's extra variables (JSON object or mapping), e.g. enable_thinking
     extra: dict = field(default_factory=dict)  # free-form notes stored with the results
 
     def __post_init__(self) -> None:
@@ -75,6 +78,8 @@ class BenchConfig:
             raise ConfigError(f"--sweep-nodes must be positive integers; got {list(self.sweep_nodes)}")
         if self.sweep_context < 1 or self.sweep_repeats < 1 or self.warmup < 0:
             raise ConfigError("--sweep-context and --sweep-repeats must be >= 1, --warmup >= 0")
+        load_chat_template(self.chat_template)  # a missing file is an error now, not after the engine loaded
+        self.chat_template_kwargs = chat_template_kwargs(self.chat_template_kwargs)
 
     def to_dict(self) -> dict:
         return asdict(self)

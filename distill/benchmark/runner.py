@@ -22,6 +22,7 @@ from typing import Callable
 from distill.benchmark.config import BenchConfig
 from distill.benchmark.stats import BenchResult, Group, Run
 from distill.errors import ConfigError
+from distill.models import load_chat_template
 from distill.runtime import machine
 
 log = logging.getLogger("distill.benchmark")
@@ -61,8 +62,10 @@ def load_prompts(spec: str, limit: int | None = None) -> list[Prompt]:
     return prompts
 
 
-def chat_ids(tokenizer, messages) -> list[int]:
-    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+def chat_ids(tokenizer, messages, chat_template: str | None = None, template_kwargs: dict | None = None) -> list[int]:
+    """A prompt's token ids through the chat template (``chat_template``, else the model's) and its extra variables."""
+    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True,
+                                         chat_template=chat_template, **(template_kwargs or {}))
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
@@ -105,7 +108,8 @@ class BenchRunner:
         cfg = self.config
         prompts = load_prompts(cfg.prompts, cfg.limit)
         tok = self.engine.tokenizer
-        encoded = [chat_ids(tok, p.messages) for p in prompts]
+        template = load_chat_template(cfg.chat_template)
+        encoded = [chat_ids(tok, p.messages, template, cfg.chat_template_kwargs) for p in prompts]
         for _ in range(cfg.warmup):  # untimed: first calls pay for allocations and lazy init
             for spec in (False, True):
                 self._one(prompts[0], encoded[0], "greedy", spec, cfg.seed)

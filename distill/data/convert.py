@@ -20,6 +20,11 @@ Exports (``to``)
     JSON lines of ``{"id", "conversations": [{"role", "content"}]}``, the conversation
     format SpecForge's EAGLE-3 scripts read.
 
+The message-only exports (``sharegpt``, ``openai``, ``specforge``) write one entry per
+conversation: a conversation stored as several rows (a chat template that re-renders the
+history, ``distill generate``) is its last row, whose messages hold all of it, under the
+conversation's id. ``hf`` and ``trl`` keep every row (each is its own training sequence).
+
 Import (``to="shards"``)
 ------------------------
 Any seed the seed readers accept (registered name, file, ``hf:`` dataset) is
@@ -29,7 +34,10 @@ tokens (their content and the end-of-turn token) and whose teacher columns are
 empty (``meta.teacher`` null): the data trains with hard targets. The seed's own
 assistant replies are kept; a trailing user turn with no reply is dropped (counted
 as ``trailing_user_turns``), and a conversation with no assistant reply is rejected
-(``no_assistant_turn``) into ``rejects.jsonl`` with the seed rejects.
+(``no_assistant_turn``) into ``rejects.jsonl`` with the seed rejects. A chat template
+that re-renders the history (a Qwen3-style template drops earlier ``<think>`` blocks)
+gives one row per such turn, as in ``distill generate``: ``<id>#t<turn>`` starts from the
+whole rendered prompt, so each row holds the tokens the model would be prompted with.
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import distill
-from distill.conversation import Rejection
+from distill.conversation import Rejection, conversation_id, turn_row_id
 from distill.data.dataset import Dataset
 from distill.data.write import DEFAULT_SHARD_ROWS, ShardWriter, check_new_output
 from distill.store.atomic import StagedFolder, atomic_file
@@ -67,8 +75,8 @@ def export(inp: Path | str, to: str, out: Path | str) -> ConvertSummary:
     if to not in EXPORTS:
         raise ConfigError(f"--to must be one of {', '.join(EXPORTS + ('shards',))}; got {to!r}")
     d = Dataset.open(inp)
-    out = Path(out)
     check_new_output(out, [d.root])
+    out = Path(out)
     summary = ConvertSummary(to, str(out))
     if to == "hf":
         return _export_hf(d, out, summary)
@@ -78,7 +86,10 @@ def export(inp: Path | str, to: str, out: Path | str) -> ConvertSummary:
     with atomic_file(out) as tmp, open(tmp, "w", encoding="utf-8") as f:
         if to == "sharegpt":
             f.write("[\n")
-        for row in d.iter_rows(["id", "messages"]):
+        for row in d.iter_rows(["id", "messages", "stop_reason"]):
+            if row["stop_reason"] == "continued":  # a later row of the conversation holds all of its messages
+                continue
+            row["id"] = conversation_id(row["id"])
             if to == "sharegpt":
                 conv = [{"from": SHAREGPT_ROLE[m["role"]], "value": m["content"]} for m in row["messages"]]
                 f.write((",\n" if summary.rows else "") + json.dumps({"id": row["id"], "conversations": conv}, ensure_ascii=False))
@@ -106,9 +117,9 @@ def _export_trl(d: Dataset, out: Path, summary: ConvertSummary) -> ConvertSummar
                         ("teacher_topk_logprobs", pa.list_(pa.list_(pa.float32())))])
     cols = ["id", "messages", "input_ids", "loss_mask", "teacher_ids", "teacher_lp"]
     with StagedFolder(out) as stage:
-        for n, path in enumerate(d.files):
+        for n, name in enumerate(d.shards):
             rows = []
-            for batch in pq.ParquetFile(path).iter_batches(columns=cols):
+            for batch in d.shard_batches(name, cols):
                 for row in batch.to_pylist():
                     mask = np.asarray(row["loss_mask"], dtype=bool)  # (T,)
                     ids = lps = [[] for _ in mask]
@@ -138,32 +149,37 @@ def _export_hf(d: Dataset, out: Path, summary: ConvertSummary) -> ConvertSummary
 
 
 def seed_to_shards(seed: str, out: Path | str, model: str | None = None, seed_format: str | None = None,
-                   limit: int | None = None, shard_rows: int = DEFAULT_SHARD_ROWS) -> ConvertSummary:
-    """Tokenize a seed's conversations (their own assistant replies) into teacher-less shards."""
+                   limit: int | None = None, shard_rows: int = DEFAULT_SHARD_ROWS, chat_template: str | None = None,
+                   chat_template_kwargs: dict | str | None = None) -> ConvertSummary:
+    """Tokenize a seed's conversations (their own assistant replies) into teacher-less shards, with the chat template
+    ``chat_template`` (a file or the template; None: the model's) and its extra variables ``chat_template_kwargs``."""
     from transformers import AutoConfig, AutoTokenizer
 
     from distill.generate.templating import ChatFormat
-    from distill.models import model_record, resolve_model, stop_token_ids
+    from distill.models import load_chat_template, model_record, resolve_model, stop_token_ids
+    from distill.models import chat_template_kwargs as parse_kwargs
     from distill.seeds import load_seed
 
-    out = Path(out)
+    template, kwargs = load_chat_template(chat_template), parse_kwargs(chat_template_kwargs)
     check_new_output(out)
+    out = Path(out)
     resolved = resolve_model(model)
     source = load_seed(seed, seed_format)
     tokenizer = AutoTokenizer.from_pretrained(resolved.path)
     cfg = AutoConfig.from_pretrained(resolved.path)
     vocab = int(getattr(cfg, "vocab_size", 0) or cfg.get_text_config().vocab_size)
-    fmt = ChatFormat(tokenizer, stop_token_ids(tokenizer, resolved.path))
+    fmt = ChatFormat(tokenizer, stop_token_ids(tokenizer, resolved.path), template, kwargs)
     meta = {
         "format": "distill-shards/v1",
         "tool": f"distill {distill.__version__}",
-        "model": model_record(resolved, vocab, getattr(tokenizer, "chat_template", None)),
+        "model": model_record(resolved, vocab, fmt.template),
         "sampling": None,
         "teacher": None,
         "backend": None,
         "seed": source.public_record(),
         "generation": {"mode": "seed-replies", "limit": limit,
-                       "note": "assistant turns are the seed's own text, not generated"},
+                       "note": "assistant turns are the seed's own text, not generated",
+                       "chat_template": template, "chat_template_kwargs": kwargs},
         "derived": {"op": "convert", "tool": f"distill {distill.__version__}", "from": None},
     }
     summary = ConvertSummary("shards", str(out))
@@ -175,50 +191,69 @@ def seed_to_shards(seed: str, out: Path | str, model: str | None = None, seed_fo
                 w.rejects.append(item.to_dict())
                 summary.rejected[item.reason] = summary.rejected.get(item.reason, 0) + 1
                 continue
-            row, dropped = conversation_row(item, fmt)
-            if row is None:
+            rows, dropped = conversation_rows(item, fmt)
+            if not rows:
                 w.rejects.append({"id": item.id, "source": item.source, "stage": "convert", "reason": "no_assistant_turn",
                                   "detail": "the seed conversation has no assistant reply to train on"})
                 summary.rejected["no_assistant_turn"] = summary.rejected.get("no_assistant_turn", 0) + 1
                 continue
             summary.trailing_user_turns += dropped
-            w.add(row)
+            for row in rows:
+                w.add(row)
         w.close()
         summary.rows = w.count
     return summary
 
 
-def conversation_row(conv, fmt) -> tuple[dict | None, int]:
-    """One seed conversation as a teacher-less shard row, and the number of trailing user turns dropped."""
+def conversation_rows(conv, fmt) -> tuple[list[dict], int]:
+    """One seed conversation as teacher-less shard rows (one, or one per turn whose prompt re-renders the history),
+    and the number of trailing user turns dropped."""
     msgs = [m.to_dict() for m in conv.messages]
     last_asst = max((i for i, m in enumerate(msgs) if m["role"] == "assistant"), default=None)
     if last_asst is None:
-        return None, 0
+        return [], 0
     dropped = len(msgs) - 1 - last_asst
     msgs = msgs[: last_asst + 1]
+    rows: list[dict] = []
+    history: list[dict] = [msgs[0]] if msgs[0]["role"] == "system" else []
     ids: list[int] = []
     mask: list[bool] = []
     turns: list[dict] = []
-    history: list[dict] = [msgs[0]] if msgs[0]["role"] == "system" else []
+    text = ""  # the stream text of ids (distill.generate.templating's terms)
+    n_assistant = row_start = 0
     for m in msgs[len(history):]:
-        start = len(ids)
         if m["role"] == "user":
-            delta = fmt.first_prompt(history + [m]) if not ids else fmt.next_user(history, m["content"])
-            ids += delta
-            mask += [False] * len(delta)
+            prompt = fmt.prompt(history + [m])
+            delta = fmt.delta(text, prompt) if ids else None
+            if ids and delta is None:  # the template re-renders the history: the next row starts here
+                rows.append(_seed_row(conv, history, ids, mask, turns, row_start, "continued"))
+                ids, mask, turns, text, row_start = [], [], [], "", n_assistant
+            piece = prompt if delta is None else delta
+            start = len(ids)
+            ids += fmt.encode(piece)
+            mask += [False] * (len(ids) - start)
+            text += piece
             turns.append({"role": "user", "start": start, "end": len(ids), "n_tokens": 0, "finish_reason": None})
         else:
+            start = len(ids)
             reply = fmt.encode(m["content"])
             closing = fmt.encode(fmt.assistant_suffix)
             # The end-of-turn token (the stop token that opens the suffix) is a target: the model must learn to stop.
             n_stop = 1 if closing and closing[0] in fmt.stop_ids else 0
             ids += reply + closing
             mask += [True] * (len(reply) + n_stop) + [False] * (len(closing) - n_stop)
+            text += m["content"] + fmt.assistant_suffix
             turns.append({"role": "assistant", "start": start, "end": len(ids), "n_tokens": len(reply) + n_stop,
                           "finish_reason": "stop"})
+            n_assistant += 1
         history.append(m)
+    rows.append(_seed_row(conv, history, ids, mask, turns, row_start, "completed"))
+    return rows, dropped
+
+
+def _seed_row(conv, messages: list[dict], ids: list[int], mask: list[bool], turns: list[dict], row_start: int,
+              stop_reason: str) -> dict:
     n_gen = sum(mask)
-    row = {"id": conv.id, "source": conv.source, "messages": msgs, "input_ids": ids, "loss_mask": mask,
-           "teacher_ids": [], "teacher_lp": [], "turns": turns, "stop_reason": "completed",
-           "n_prompt_tokens": len(ids) - n_gen, "n_generated_tokens": n_gen}
-    return row, dropped
+    return {"id": turn_row_id(conv.id, row_start), "source": conv.source, "messages": list(messages), "input_ids": ids,
+            "loss_mask": mask, "teacher_ids": [], "teacher_lp": [], "turns": turns, "stop_reason": stop_reason,
+            "n_prompt_tokens": len(ids) - n_gen, "n_generated_tokens": n_gen}

@@ -135,7 +135,9 @@ def conversation_view(root: Path | str, row_id: str | None = None, index: int | 
                 tv.sampled_rank = int(hit[0]) + 1 if hit.size else None
                 tv.top = [(text_of(int(c)), round(float(p), 4)) for c, p in zip(cand[pos, :TOP_SHOWN], probs[pos, :TOP_SHOWN])]
             tokens.append(tv)
-        content = messages[n]["content"] if n < len(messages) else ""
+        # a row that continues a conversation (<id>#t<turn>) holds the earlier messages inside its first user turn
+        shift = max(0, len(messages) - len(row["turns"]))
+        content = messages[shift + n]["content"] if shift + n < len(messages) else ""
         turns.append(TurnView(t["role"], content, t["n_tokens"], t["finish_reason"], tokens))
     return ConversationView(row["id"], row["source"], idx, row["stop_reason"], system, enc.k if enc else 0, turns)
 

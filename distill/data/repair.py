@@ -4,19 +4,19 @@ A listed shard that is missing, truncated, altered (size, SHA-256 or row count d
 the manifest) or unreadable is renamed ``*.corrupt`` and dropped from the manifest, with
 the rejects recorded for its chunk; the dataset is marked incomplete. Nothing else changes:
 the same ``distill generate`` command then regenerates exactly those conversations (resume is
-by id). The folder is locked while it is repaired, like a generate run.
+by id). The folder is locked while it is repaired, like a generate run. A dataset in an object
+store (``s3://...``) is repaired the same way (its shards are read whole to check their SHA-256).
 """
 
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from distill.data.dataset import Dataset
 from distill.errors import StoreError
-from distill.store.lock import FolderLock
+from distill.store.location import open_folder
 from distill.store.shards import ShardInfo, ShardStore, shard_problem
 
 
@@ -32,27 +32,27 @@ class RepairReport:
 
 
 def repair(root: Path | str) -> RepairReport:
-    root = Path(root)
-    with FolderLock(root):
-        ds = Dataset.open(root)
+    folder = open_folder(root)
+    root = folder.root
+    with folder.lock():
+        ds = Dataset.open(folder)
         manifest = ds.manifest
         shards = [ShardInfo(**s) for s in manifest.get("shards", [])]
         keep, report = [], RepairReport(root=str(root), kept=0)
         for info in shards:
-            problem = shard_problem(root, info) if info.file else None
+            problem = shard_problem(folder, info) if info.file else None
             if problem is None:
                 keep.append(info)
                 continue
             report.set_aside[info.file] = problem
             report.rows_dropped += info.rows
-            path = root / info.file
-            if path.exists():
-                os.replace(path, path.with_name(path.name + ".corrupt"))
+            if folder.is_file(info.file):
+                folder.rename(info.file, info.file + ".corrupt")
         report.kept = sum(1 for s in keep if s.file)
         if not report.set_aside:
             return report
         generation = {json.dumps(r, sort_keys=True) for s in shards for r in s.rejects}
-        store = ShardStore(root, manifest.get("meta") or {}, manifest.get("config_key") or {}, ds.id_dtype)
+        store = ShardStore(folder, manifest.get("meta") or {}, manifest.get("config_key") or {}, ds.id_dtype)
         store.shards, store.totals = keep, dict(manifest.get("totals") or {})
         try:
             store.seed_rejects = [r for r in ds.rejects() if json.dumps(r, sort_keys=True) not in generation]

@@ -11,10 +11,10 @@ samples
     (``distill generate --samples N``). They are one conversation for both tools: dedupe
     never drops a sample of the conversation it keeps, and a split keeps them together.
 split key
-    what decides a row's side. ``id`` (default): the row id without its sample suffix
-    (:func:`distill.conversation.seed_conversation_id`), so every sample of a seed
-    conversation lands on the same side and none is scored as held out while another
-    trained the heads. ``first-turn``: the
+    what decides a row's side. ``id`` (default): the seed conversation's id: the row id without
+    the ``#t<turn>`` of a row that continues a conversation (:func:`distill.conversation.conversation_id`)
+    and then without its sample suffix (:func:`distill.conversation.seed_conversation_id`), so a
+    conversation's rows and every sample of a seed conversation stay on one side. ``first-turn``: the
     conversation's first user turn, normalized as above, so conversations that open
     alike (a seed set with repeated prompts, replies regenerated at temperature > 0,
     self-talk from one opener) all land on the same side and the eval split never
@@ -32,7 +32,7 @@ import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from distill.conversation import seed_conversation_id
+from distill.conversation import conversation_id, seed_conversation_id
 from distill.data.dataset import Dataset
 from distill.data.write import DEFAULT_SHARD_ROWS, ShardWriter, check_new_output, derived_meta
 from distill.errors import ConfigError
@@ -71,7 +71,7 @@ def merge(inputs: list[Path | str], out: Path | str, skip_duplicate_ids: bool = 
     if len(inputs) < 2:
         raise ConfigError("merge needs at least two input folders")
     sets = [Dataset.open(p) for p in inputs]
-    check_new_output(Path(out), [d.root for d in sets])
+    check_new_output(out, [d.root for d in sets])
     first = sets[0]
     key = lambda d: ((d.meta.get("model") or {}).get("id"), (d.meta.get("model") or {}).get("revision"))  # noqa: E731
     for d in sets[1:]:
@@ -124,7 +124,7 @@ def dedupe(inp: Path | str, out: Path | str, mode: str = "normalized", shard_row
     if mode not in DEDUPE_MODES:
         raise ConfigError(f"--mode must be one of {', '.join(DEDUPE_MODES)}; got {mode!r}")
     d = Dataset.open(inp)
-    check_new_output(Path(out), [d.root])
+    check_new_output(out, [d.root])
     summary = TransformSummary("dedupe", {"out": str(out)})
     first_of: dict[bytes, str] = {}
     exact_seen: set[bytes] = set()
@@ -159,7 +159,7 @@ def eval_side(key: str, eval_fraction: float) -> bool:
 def split_key(row: dict, by: str = "id") -> str:
     """The split key of a row (see the module's terms)."""
     if by == "id":
-        return seed_conversation_id(row["id"])
+        return seed_conversation_id(conversation_id(row["id"]))
     return normalize(next((m["content"] for m in row["messages"] if m["role"] == "user"), ""))
 
 
@@ -171,8 +171,8 @@ def split(inp: Path | str, out: Path | str, eval_fraction: float = 0.05, shard_r
     if by not in SPLIT_KEYS:
         raise ConfigError(f"--by must be one of {', '.join(SPLIT_KEYS)}; got '{by}'")
     d = Dataset.open(inp)
-    out = Path(out)
     check_new_output(out, [d.root])
+    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     summary = TransformSummary("split", {"train": str(out / "train"), "eval": str(out / "eval")})
     writers = {

@@ -25,7 +25,9 @@ messages
     alternating from ``user``; no message may be empty or whitespace.
 turns
     ``turns`` spans tile ``input_ids`` exactly, their roles follow the non-system
-    messages, and each assistant turn's ``n_tokens`` equals the masked tokens in it.
+    messages, and each assistant turn's ``n_tokens`` equals the masked tokens in it. A row
+    that continues a conversation (``<id>#t<turn>``: its chat template re-renders the history)
+    holds the earlier messages inside its first user turn: its turns follow the last messages.
 teacher
     the teacher columns decode: candidate ids below the vocabulary size and
     distinct per position, and the stored probabilities sum to at most 1 (+ the
@@ -47,8 +49,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from distill.conversation import conversation_id
 from distill.data.dataset import BATCH_ROWS
-from distill.store.shards import FORMAT, MANIFEST, META_KEY, REJECTS, SHARD_RE, sha256_file, shard_schema
+from distill.store.location import Folder, open_folder
+from distill.store.shards import FORMAT, MANIFEST, META_KEY, REJECTS, SHARD_RE, shard_schema
 from distill.store.teacher import TeacherEncoding, manifest_encoding
 
 MAX_LISTED = 10  # problems listed per (file, check); the rest are counted
@@ -278,39 +282,41 @@ class _RowChecker:
                 continue
             want = [x for x in m_roles[m_off[r]:m_off[r + 1]] if x != "system"]
             have = list(role[off[r]:off[r + 1]])
+            if conversation_id(ids[r]) != ids[r] and have and have[0] == "user" and len(have) < len(want):
+                want = want[len(want) - len(have):]  # the earlier messages are history inside the first user turn
             if want != have:
                 flag(r, f"turn roles {have} do not follow the messages' roles {want}")
 
 
-def _check_schema(path: Path, pf: pq.ParquetFile, id_dtype: str, out: _Collector) -> bool:
+def _check_schema(name: str, pf: pq.ParquetFile, id_dtype: str, out: _Collector) -> bool:
     actual = pf.schema_arrow
     expected = shard_schema(id_dtype)
     ok = True
     for f in expected:
         idx = actual.get_field_index(f.name)
         if idx < 0:
-            out.add(path.name, "schema", f"column {f.name!r} is missing")
+            out.add(name, "schema", f"column {f.name!r} is missing")
             ok = False
         elif not actual.field(idx).type.equals(f.type):
-            out.add(path.name, "schema", f"column {f.name!r} is {actual.field(idx).type}, expected {f.type}")
+            out.add(name, "schema", f"column {f.name!r} is {actual.field(idx).type}, expected {f.type}")
             ok = False
     extra = sorted(set(actual.names) - set(expected.names))
     if extra:
-        out.add(path.name, "schema", f"unexpected column(s) {', '.join(extra)}")
+        out.add(name, "schema", f"unexpected column(s) {', '.join(extra)}")
     return ok
 
 
 def validate_dataset(root: Path | str, checksums: bool = True) -> ValidationReport:
-    """Run every check on the dataset folder ``root`` and return the report (never raises on bad data)."""
-    root = Path(root)
-    report = ValidationReport(root=str(root))
+    """Run every check on the dataset folder ``root`` (local or an object-store URL) and return the report
+    (never raises on bad data)."""
+    folder = open_folder(root)
+    report = ValidationReport(root=str(folder))
     out = _Collector(report)
-    mpath = root / MANIFEST
-    if not mpath.is_file():
-        out.add(MANIFEST, "manifest", f"{root} has no {MANIFEST}: not a distill dataset folder")
+    if not folder.is_file(MANIFEST):
+        out.add(MANIFEST, "manifest", f"{folder} has no {MANIFEST}: not a distill dataset folder")
         return report
     try:
-        manifest = json.loads(mpath.read_text())
+        manifest = json.loads(folder.read_bytes(MANIFEST))
     except (ValueError, UnicodeDecodeError) as exc:
         out.add(MANIFEST, "manifest", f"not valid JSON ({exc})")
         return report
@@ -327,9 +333,9 @@ def validate_dataset(root: Path | str, checksums: bool = True) -> ValidationRepo
     vocab = (meta.get("model") or {}).get("vocab_size")
     entries = [s for s in manifest.get("shards", []) if s.get("file")]
     listed = {s["file"] for s in entries}
-    for p in sorted(root.glob("shard-*.parquet")):
-        if SHARD_RE.match(p.name) and p.name not in listed:
-            out.add(p.name, "shard_unlisted", "shard file is in the folder but not in the manifest")
+    for name in folder.list("shard-*.parquet"):
+        if SHARD_RE.match(name) and name not in listed:
+            out.add(name, "shard_unlisted", "shard file is in the folder but not in the manifest")
     totals = manifest.get("totals") or {}
     for key, value in (("rows", sum(s.get("rows", 0) for s in entries)), ("shards", len(entries)),
                        ("prompt_tokens", sum(s.get("prompt_tokens", 0) for s in entries)),
@@ -339,41 +345,42 @@ def validate_dataset(root: Path | str, checksums: bool = True) -> ValidationRepo
 
     rows = _RowChecker(enc, vocab, out)
     for entry in entries:
-        path = root / entry["file"]
+        name = entry["file"]
         report.shards += 1
-        if not path.is_file():
-            out.add(entry["file"], "shard_missing", "listed in the manifest but missing from the folder")
+        if not folder.is_file(name):
+            out.add(name, "shard_missing", "listed in the manifest but missing from the folder")
             continue
-        size = path.stat().st_size
+        size = folder.size(name)
         if size != entry.get("bytes"):
-            out.add(path.name, "size", f"{size} bytes, manifest says {entry.get('bytes')} (truncated or altered)")
-        if checksums and sha256_file(path) != entry.get("sha256"):
-            out.add(path.name, "checksum", "SHA-256 differs from the manifest (the file was altered or damaged)")
-        _check_shard(path, entry, enc, id_dtype, rows, out, report)
+            out.add(name, "size", f"{size} bytes, manifest says {entry.get('bytes')} (truncated or altered)")
+        if checksums and folder.sha256(name) != entry.get("sha256"):
+            out.add(name, "checksum", "SHA-256 differs from the manifest (the file was altered or damaged)")
+        _check_shard(folder, name, entry, enc, id_dtype, rows, out, report)
 
-    _check_rejects(root, totals, out)
+    _check_rejects(folder, totals, out)
     return report
 
 
-def _check_shard(path, entry, enc, id_dtype, rows: _RowChecker, out: _Collector, report: ValidationReport) -> None:
+def _check_shard(folder: Folder, name: str, entry, enc, id_dtype, rows: _RowChecker, out: _Collector,
+                 report: ValidationReport) -> None:
     try:
-        pf = pq.ParquetFile(path)
+        pf = folder.parquet(name)
     except Exception as exc:  # noqa: BLE001 - any failure to open is the finding
-        out.add(path.name, "unreadable", f"not a readable Parquet file ({exc})")
+        out.add(name, "unreadable", f"not a readable Parquet file ({exc})")
         return
     md = pf.schema_arrow.metadata or {}
     if META_KEY not in md:
-        out.add(path.name, "metadata", "no 'distill' file metadata: not a distill shard")
+        out.add(name, "metadata", "no 'distill' file metadata: not a distill shard")
     else:
         try:
             file_teacher = manifest_encoding(json.loads(md[META_KEY]))
             if file_teacher != enc:
-                out.add(path.name, "metadata", f"teacher encoding {file_teacher} differs from the manifest's {enc}")
+                out.add(name, "metadata", f"teacher encoding {file_teacher} differs from the manifest's {enc}")
         except Exception as exc:  # noqa: BLE001
-            out.add(path.name, "metadata", f"file metadata cannot be read ({exc})")
+            out.add(name, "metadata", f"file metadata cannot be read ({exc})")
     if pf.metadata.num_rows != entry.get("rows"):
-        out.add(path.name, "row_count", f"{pf.metadata.num_rows} rows, manifest says {entry.get('rows')}")
-    if not _check_schema(path, pf, id_dtype, out):
+        out.add(name, "row_count", f"{pf.metadata.num_rows} rows, manifest says {entry.get('rows')}")
+    if not _check_schema(name, pf, id_dtype, out):
         return
     n_rows = prompt = generated = 0
     batches = pf.iter_batches(batch_size=BATCH_ROWS, columns=ROW_COLUMNS)
@@ -381,31 +388,30 @@ def _check_shard(path, entry, enc, id_dtype, rows: _RowChecker, out: _Collector,
         try:
             batch = next(batches, None)
         except Exception as exc:  # noqa: BLE001 - a corrupt page is the finding
-            out.add(path.name, "unreadable", f"reading failed after {n_rows} rows ({type(exc).__name__}: {exc})")
+            out.add(name, "unreadable", f"reading failed after {n_rows} rows ({type(exc).__name__}: {exc})")
             report.rows += n_rows
             return
         if batch is None:
             break
-        report.tokens += rows.check(path.name, batch)
+        report.tokens += rows.check(name, batch)
         n_rows += batch.num_rows
         prompt += int(pc.sum(batch.column("n_prompt_tokens")).as_py() or 0)
         generated += int(pc.sum(batch.column("n_generated_tokens")).as_py() or 0)
     report.rows += n_rows
     if prompt != entry.get("prompt_tokens") or generated != entry.get("generated_tokens"):
-        out.add(path.name, "token_count", f"rows hold {prompt} prompt + {generated} generated tokens, manifest says "
+        out.add(name, "token_count", f"rows hold {prompt} prompt + {generated} generated tokens, manifest says "
                 f"{entry.get('prompt_tokens')} + {entry.get('generated_tokens')}")
 
 
-def _check_rejects(root: Path, totals: dict, out: _Collector) -> None:
+def _check_rejects(folder: Folder, totals: dict, out: _Collector) -> None:
     """rejects.jsonl: JSON lines with an id and a reason, as many per reason as the manifest counted."""
-    path = root / REJECTS
     want = totals.get("rejects_by_reason")
     found: dict[str, int] = {}
-    if not path.is_file():
+    if not folder.is_file(REJECTS):
         if want:
             out.add(REJECTS, "rejects", f"missing, but the manifest counts {sum(want.values())} rejected rows")
         return
-    with open(path, "rb") as f:
+    with folder.open(REJECTS) as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue

@@ -14,15 +14,24 @@ from typing import Any
 import distill
 from distill.errors import ConfigError
 from distill.store.atomic import StagedFolder
+from distill.store.location import is_remote
 from distill.store.shards import ShardStore
 
 DEFAULT_SHARD_ROWS = 1000
 
 
-def check_new_output(out: Path, inputs: list[Path] = ()) -> None:
-    """Refuse an existing non-empty ``out`` (or one inside/equal to an input): outputs are always new folders."""
+def check_new_output(out: Path | str, inputs: list[Path | str] = ()) -> None:
+    """Refuse an existing non-empty ``out`` (or one inside/equal to an input): outputs are always new folders.
+
+    They are local: an object-store URL is refused (``distill generate --out`` is what writes there).
+    """
+    if is_remote(out):
+        raise ConfigError(f"--out {out}: this command writes a local folder or file; only `distill generate --out` "
+                          "writes to an object store (the inputs may be URLs)")
     out = Path(out)
     for inp in inputs:
+        if is_remote(inp):
+            continue
         if out.resolve() == Path(inp).resolve() or Path(inp).resolve() in out.resolve().parents:
             raise ConfigError(f"--out {out} is inside the input {inp}; write to a new folder")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -42,8 +51,8 @@ class ShardWriter:
     def __init__(self, out: Path, meta: dict, id_dtype: str, shard_rows: int = DEFAULT_SHARD_ROWS):
         if shard_rows < 1:
             raise ConfigError(f"--shard-size must be >= 1; got {shard_rows}")
+        check_new_output(out)
         self.out = Path(out)
-        check_new_output(self.out)
         self.staged = StagedFolder(self.out)
         self.stage = self.staged.path
         self.store = ShardStore(self.stage, meta, {"derived": meta.get("derived", {}).get("op")}, id_dtype).open()

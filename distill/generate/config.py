@@ -8,6 +8,8 @@ from pathlib import Path
 
 from distill.configs import config_from_options
 from distill.errors import ConfigError
+from distill.generate.templating import REASONING
+from distill.models import chat_template_kwargs, load_chat_template
 from distill.runtime import canonical_dtype
 
 MODES = ("multi-turn", "self-talk", "single-turn")
@@ -59,6 +61,9 @@ class GenerateConfig:
     concurrency: int = 64  # openai: conversations in flight
     api_key_env: str | None = None  # openai: the environment variable that holds the servers' API key
     retries: int = 8  # openai: attempts after the first per request (connection errors, 429, 5xx)
+    chat_template: str | None = None  # a Jinja file, or the template itself; None: the model's own
+    chat_template_kwargs: dict | None = None  # the template's extra variables (JSON object or mapping), e.g. enable_thinking
+    reasoning: str = "keep"  # keep | strip | both: the think blocks the stored messages keep (templating.reasoning_view)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -97,6 +102,10 @@ class GenerateConfig:
         if self.server and self.backend != "openai":
             raise ConfigError(f"--server is for --backend openai (got --backend {self.backend})")
         self.dtype = canonical_dtype(self.dtype)
+        load_chat_template(self.chat_template)  # a missing file is an error now, not after the engine loaded
+        self.chat_template_kwargs = chat_template_kwargs(self.chat_template_kwargs)
+        if self.reasoning not in REASONING:
+            raise ConfigError(f"--reasoning must be one of {', '.join(REASONING)}; got '{self.reasoning}'")
         if self.max_model_len is not None and self.max_model_len <= self.max_new_tokens:
             raise ConfigError(f"--max-model-len ({self.max_model_len}) must exceed --max-new-tokens ({self.max_new_tokens})")
 

@@ -25,7 +25,15 @@ sample
 stop reason
     why a conversation ended: ``completed`` (no seed user turn left), ``max_turns``,
     ``user_ended`` (the simulated user wrote the end marker or nothing),
-    ``context_length`` (the next turn would not fit in the context).
+    ``context_length`` (the next turn would not fit in the context); ``continued`` for a row that
+    a later row of the same conversation continues (below).
+rows of a conversation
+    one row while the chat template extends the token stream turn by turn. A template that
+    re-renders the history (a Qwen3-style template drops earlier ``<think>`` blocks) gives
+    one row per part instead: the next turn's prompt is the whole rendering and starts row
+    ``<id>#t<turn>`` (:func:`distill.conversation.turn_row_id`), so every row holds exactly
+    the tokens the teacher conditioned on and its loss mask only what the teacher generated
+    in it. A conversation's rows are appended to the journal together (one entry).
 """
 
 from __future__ import annotations
@@ -35,18 +43,17 @@ import hashlib
 import importlib.metadata
 import time
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
 import distill
-from distill.conversation import Conversation, Rejection, sample_id, seed_conversation_id
+from distill.conversation import Conversation, Rejection, conversation_id, sample_id, seed_conversation_id, turn_row_id
 from distill.errors import ConfigError, StoreError
 from distill.generate.backends import Backend, BackendOptions, Completion, Request, make_backend, resolve_backend_name
 from distill.generate.config import GenerateConfig
-from distill.generate.templating import ChatFormat
-from distill.models import ResolvedModel, model_record, resolve_model
+from distill.generate.templating import THINK_OPEN, ChatFormat, reasoning_view, strip_reasoning
+from distill.models import ResolvedModel, load_chat_template, model_record, resolve_model, template_sha256
 from distill.runtime import Placement, canonical_dtype, placement
 from distill.seeds import load_seed
 from distill.store.shards import FORMAT, ShardStore
@@ -72,6 +79,7 @@ class GenerateSummary:
     new_tokens: int = 0
     seconds: float = 0.0
     rejects_by_reason: dict[str, int] = field(default_factory=dict)
+    continued_rows: int = 0  # rows beyond a conversation's first (a template that re-renders the history)
     samples: int = 1  # rows per seed row (--samples)
 
     @property
@@ -110,10 +118,20 @@ def _first_error(error: BaseException) -> BaseException:
 
 
 class ConversationState:
-    """One conversation being regenerated: its token stream and what it needs next."""
+    """One conversation being regenerated: its token stream (the row being built) and what it needs next.
+
+    While the chat template extends the stream turn by turn, the conversation is one row. When it
+    re-renders the history instead (``distill.generate.templating``), the row built so far is
+    finished with stop reason ``continued`` and the next turn starts a new row from the whole
+    rendered prompt: every row holds exactly the tokens the teacher conditioned on.
+    """
+
+    #: what a row is made of (with the number of messages it holds): :meth:`_part`, :meth:`_row`
+    _ROW_STATE = ("row_start", "ids", "mask", "teacher_ids", "teacher_lps", "turns")
 
     def __init__(self, conv: Conversation, cfg: GenerateConfig):
         self.conv = conv
+        self.reasoning = cfg.reasoning
         system = conv.system if conv.system is not None else cfg.system_prompt
         self.messages: list[dict] = [{"role": "system", "content": system}] if system else []
         users = conv.user_turns
@@ -124,14 +142,22 @@ class ConversationState:
         #: --turns cut user turns off this conversation (multi-turn): it ends as ``truncated_turns``, not ``completed``.
         self.truncated = cfg.mode == "multi-turn" and len(users) < len(conv.user_turns)
         self.pending_users = list(users)
+        self.parts: list[dict] = []  # the finished rows' state (stop reason "continued"), before the current row
+        self.n_assistant = 0
+        self.stop_reason: str | None = None
+        self.needs_user_simulation = False
+        self._new_row()
+
+    def _new_row(self) -> None:
+        if self.n_assistant:  # the finished row becomes a row of its own in result()
+            self.parts.append(self._part())
+        self.row_start = self.n_assistant  # the first assistant turn of the row being built
         self.ids: list[int] = []
+        self.text = ""  # the stream text of ``ids`` (templating's terms)
         self.mask: list[bool] = []
         self.teacher_ids: list[np.ndarray] = []
         self.teacher_lps: list[np.ndarray] = []
         self.turns: list[dict] = []
-        self.n_assistant = 0
-        self.stop_reason: str | None = None
-        self.needs_user_simulation = False
 
     @property
     def active(self) -> bool:
@@ -144,14 +170,19 @@ class ConversationState:
             self.stop_reason = "max_turns" if cfg.mode == "self-talk" else "truncated_turns" if self.truncated else "completed"
             return False
         user = self.pending_users[0]
-        delta = fmt.first_prompt(self.messages + [{"role": "user", "content": user}]) if not self.ids else fmt.next_user(self.messages, user)
-        if len(self.ids) + len(delta) + cfg.max_new_tokens > limit:
+        prompt = fmt.prompt(self.messages + [{"role": "user", "content": user}])
+        delta = fmt.delta(self.text, prompt) if self.ids else None
+        tokens = fmt.encode(prompt if delta is None else delta)
+        if (len(tokens) if delta is None else len(self.ids) + len(tokens)) + cfg.max_new_tokens > limit:
             self.stop_reason = "context_length"
             return False
+        if self.ids and delta is None:  # the template re-renders the history: this turn starts the next row
+            self._new_row()
         self.pending_users.pop(0)
         start = len(self.ids)
-        self.ids += delta
-        self.mask += [False] * len(delta)
+        self.ids += tokens
+        self.text += prompt if delta is None else delta
+        self.mask += [False] * len(tokens)
         self.messages.append({"role": "user", "content": user})
         self.turns.append({"role": "user", "start": start, "end": len(self.ids), "n_tokens": 0, "finish_reason": None})
         return True
@@ -163,10 +194,12 @@ class ConversationState:
         self.mask += [True] * len(comp.token_ids)
         self.teacher_ids.append(comp.topk_ids)
         self.teacher_lps.append(comp.topk_logprobs)
-        closing = fmt.close_assistant(comp.token_ids)
-        self.ids += closing
-        self.mask += [False] * len(closing)
-        self.messages.append({"role": "assistant", "content": fmt.decode_reply(comp.token_ids)})
+        closing = fmt.closing(comp.token_ids)
+        closing_ids = fmt.encode(closing)
+        self.ids += closing_ids
+        self.mask += [False] * len(closing_ids)
+        self.text += fmt.generated_text(comp.token_ids) + closing
+        self.messages.append({"role": "assistant", "content": fmt.reply_content(comp.token_ids)})
         self.turns.append({"role": "assistant", "start": start, "end": len(self.ids), "n_tokens": len(comp.token_ids),
                            "finish_reason": comp.finish_reason})
         self.n_assistant += 1
@@ -177,10 +210,13 @@ class ConversationState:
                 self.needs_user_simulation = True
 
     def user_sim_prompt(self, fmt: ChatFormat, cfg: GenerateConfig, limit: int, user_prompt: str) -> list[int] | None:
-        """Self-talk: the prompt that asks the model, as the user, for the next user message (None: it does not fit)."""
+        """Self-talk: the prompt that asks the model, as the user, for the next user message (None: it does not fit).
+
+        The simulated user reads the replies as a user would: without their think blocks."""
         self.needs_user_simulation = False
         flipped = [{"role": "system", "content": user_prompt}] + [
-            {"role": "assistant" if m["role"] == "user" else "user", "content": m["content"]}
+            {"role": "user", "content": strip_reasoning(m["content"])} if m["role"] == "assistant"
+            else {"role": "assistant", "content": m["content"]}
             for m in self.messages if m["role"] != "system"
         ]
         ids = fmt.first_prompt(flipped)
@@ -190,36 +226,42 @@ class ConversationState:
         return ids
 
     def add_user(self, comp: Completion, fmt: ChatFormat, cfg: GenerateConfig) -> None:
-        text = fmt.decode_reply(comp.token_ids).strip()
-        if not text or cfg.end_marker in text:
+        text = strip_reasoning(fmt.decode_reply(comp.token_ids)).strip()
+        if not text or cfg.end_marker in text or THINK_OPEN in text:  # nothing, the end marker, or only reasoning
             self.stop_reason = "user_ended"
         else:
             self.pending_users.append(text)
 
-    def result(self, enc: TeacherEncoding, cfg: GenerateConfig, limit: int) -> tuple[dict | None, dict | None]:
-        """A finished conversation as (row, None), or (None, reject) when not even its first prompt fit."""
+    def result(self, enc: TeacherEncoding, cfg: GenerateConfig, limit: int) -> tuple[list[dict], dict | None]:
+        """A finished conversation as (rows, None): one row, or one per part when the template re-rendered the
+        history; ([], reject) when not even its first prompt fit."""
         if self.n_assistant == 0:
-            return None, Rejection(self.conv.id, self.conv.source, "context_length",
-                                   f"the first prompt does not fit in {limit} tokens with {cfg.max_new_tokens} new tokens",
-                                   stage="generate").to_dict()
-        return self.to_row(enc), None
+            return [], Rejection(self.conv.id, self.conv.source, "context_length",
+                                 f"the first prompt does not fit in {limit} tokens with {cfg.max_new_tokens} new tokens",
+                                 stage="generate").to_dict()
+        rows = [self._row(part, enc, "continued") for part in self.parts]
+        return rows + [self._row(self._part(), enc, self.stop_reason)], None
 
-    def to_row(self, enc: TeacherEncoding) -> dict:
-        t_ids = np.concatenate(self.teacher_ids) if self.teacher_ids else np.zeros((0, enc.k), np.int64)
-        t_lps = np.concatenate(self.teacher_lps) if self.teacher_lps else np.zeros((0, enc.k), np.float32)
+    def _part(self) -> dict:
+        """The row being built, as :meth:`_row` reads it."""
+        return {k: getattr(self, k) for k in self._ROW_STATE} | {"n_messages": len(self.messages)}
+
+    def _row(self, part: dict, enc: TeacherEncoding, stop_reason: str) -> dict:
+        t_ids = np.concatenate(part["teacher_ids"]) if part["teacher_ids"] else np.zeros((0, enc.k), np.int64)
+        t_lps = np.concatenate(part["teacher_lps"]) if part["teacher_lps"] else np.zeros((0, enc.k), np.float32)
         flat_ids, flat_lp = encode_topk(t_ids, t_lps, enc)
-        n_gen = int(sum(self.mask))
+        n_gen = int(sum(part["mask"]))
         return {
-            "id": self.conv.id,
+            "id": turn_row_id(self.conv.id, part["row_start"]),
             "source": self.conv.source,
-            "messages": self.messages,
-            "input_ids": self.ids,
-            "loss_mask": self.mask,
+            "messages": reasoning_view(self.messages[: part["n_messages"]], self.reasoning, own_from=part["row_start"]),
+            "input_ids": part["ids"],
+            "loss_mask": part["mask"],
             "teacher_ids": flat_ids,
             "teacher_lp": flat_lp,
-            "turns": self.turns,
-            "stop_reason": self.stop_reason,
-            "n_prompt_tokens": len(self.ids) - n_gen,
+            "turns": part["turns"],
+            "stop_reason": stop_reason,
+            "n_prompt_tokens": len(part["ids"]) - n_gen,
             "n_generated_tokens": n_gen,
         }
 
@@ -247,6 +289,7 @@ class Generator:
         self.placement = self._placement(backend)
         self.seed_record = self.source.public_record()  # no local paths in what is stored (datasets are shared)
         self.user_prompt = cfg.user_prompt_path.read_text().strip() if cfg.mode == "self-talk" else None
+        self.chat_template = load_chat_template(cfg.chat_template) or getattr(self.tokenizer, "chat_template", None)
 
     # -- metadata ---------------------------------------------------------------------------
     def config_key(self) -> dict:
@@ -272,8 +315,11 @@ class Generator:
             "backend": self.backend_name,
             "dtype": self.placement.dtype,
             **({"part": "%d/%d" % c.part_slot} if c.part is not None else {}),
-            # only when set, so folders made before these options resume; not the number of samples: a rerun
-            # with more samples adds them (sample i's id and seeds do not depend on it)
+            # only when set, so that folders made before these options resume; not the number of samples: a
+            # rerun with more samples adds them (sample i's id and seeds do not depend on it)
+            **({"chat_template_sha256": template_sha256(self.chat_template)} if c.chat_template is not None else {}),
+            **({"chat_template_kwargs": c.chat_template_kwargs} if c.chat_template_kwargs else {}),
+            **({"reasoning": c.reasoning} if c.reasoning != "keep" else {}),
             **{k: getattr(c, k) for k, off in SAMPLING_OFF.items() if getattr(c, k) != off},
             **({"sample_ids": True} if c.samples > 1 else {}),
         }
@@ -282,7 +328,7 @@ class Generator:
         return {
             "format": FORMAT,
             "tool": f"distill {distill.__version__}",
-            "model": model_record(self.model, self.vocab_size, getattr(self.tokenizer, "chat_template", None)),
+            "model": model_record(self.model, self.vocab_size, self.chat_template),
             "sampling": {
                 "temperature": self.cfg.temperature,
                 "top_p": self.cfg.top_p,
@@ -299,7 +345,10 @@ class Generator:
                         "device": self.placement.device, "dtype_reason": self.placement.reason},
             "seed": self.seed_record,
             "generation": {"mode": self.cfg.mode, "turns": self.cfg.turns, "system_prompt": self.cfg.system_prompt,
-                           "user_prompt": self.user_prompt, "end_marker": self.cfg.end_marker},
+                           "user_prompt": self.user_prompt, "end_marker": self.cfg.end_marker,
+                           # the template the prompts were rendered with when it is not the model's own
+                           "chat_template": self.chat_template if self.cfg.chat_template is not None else None,
+                           "chat_template_kwargs": self.cfg.chat_template_kwargs, "reasoning": self.cfg.reasoning},
             "config_key": self.config_key(),
         }
 
@@ -307,7 +356,7 @@ class Generator:
     def run(self) -> GenerateSummary:
         t0 = time.monotonic()
         cfg = self.cfg
-        with ShardStore(Path(cfg.out), self.meta(), self.config_key(), self.enc.id_dtype) as store:
+        with ShardStore(cfg.out, self.meta(), self.config_key(), self.enc.id_dtype) as store:
             return self._run(store, t0)
 
     def _run(self, store: ShardStore, t0: float) -> GenerateSummary:
@@ -338,12 +387,15 @@ class Generator:
         store.commit(complete=False)
 
         self.order = {conv_id: i for i, (conv_id, _) in enumerate(seed_ids)}  # shards keep seed order
+        for row_id in done - self.order.keys():  # later rows of a conversation (the journal's too) follow its first
+            if conversation_id(row_id) in self.order:
+                self.order[row_id] = self.order[conversation_id(row_id)]
         self.new = [0, 0]  # conversations, generated tokens appended by this invocation
         self.progress(0, 0, total=len(todo))
         if todo:
             backend = self._backend or self._make_backend(self._backend_options())
             try:
-                fmt = ChatFormat(backend.tokenizer, backend.stop_ids)
+                fmt = ChatFormat(backend.tokenizer, backend.stop_ids, self.chat_template, self.cfg.chat_template_kwargs)
                 if hasattr(backend, "agenerate"):
                     asyncio.run(self._run_stream(todo, backend, fmt, store))
                 else:
@@ -396,15 +448,11 @@ class Generator:
         )
 
     def _account(self, store: ShardStore, seed_ids: list[tuple[str, str]], seed_rows: int) -> GenerateSummary:
-        import pyarrow.parquet as pq
-
         stored: set[str] = set()
         rows = 0
-        for s in store.shards:
-            if s.file:
-                ids = pq.read_table(store.root / s.file, columns=["id"])["id"].to_pylist()
-                stored.update(ids)
-                rows += len(ids)
+        for ids in store.shard_id_lists():
+            stored.update(ids)
+            rows += len(ids)
         if rows != len(stored):
             raise StoreError(f"{store.root} holds {rows - len(stored)} rows with an id that another row has too: "
                              f"run `distill data validate {store.root}` to find them")
@@ -421,9 +469,13 @@ class Generator:
                 counts["skipped"] += 1
             else:
                 counts["pending"] += 1
-        if counts["generated"] != len(stored):
+        # the other rows continue a generated conversation (<id>#t<turn>: a template that re-renders the history)
+        seed_set = {conv_id for conv_id, _ in seed_ids}
+        continued = {i for i in stored - seed_set if conversation_id(i) in stored and conversation_id(i) in seed_set}
+        if counts["generated"] + len(continued) != len(stored):
             raise StoreError(
-                f"{store.root} holds {len(stored) - counts['generated']} rows whose ids are not in seed '{self.cfg.seed}'"
+                f"{store.root} holds {len(stored) - counts['generated'] - len(continued)} rows whose ids are not in "
+                f"seed '{self.cfg.seed}'"
             )
         by_reason: dict[str, int] = {}
         for r in store.seed_rejects + store.generation_rejects:
@@ -432,7 +484,7 @@ class Generator:
             out=str(store.root), seed_rows=seed_rows, samples=self.cfg.samples, generated=counts["generated"],
             rejected=counts["rejected"],
             skipped=counts["skipped"], pending=counts["pending"], generated_tokens=store.totals["generated_tokens"],
-            prompt_tokens=store.totals["prompt_tokens"], rejects_by_reason=by_reason,
+            prompt_tokens=store.totals["prompt_tokens"], rejects_by_reason=by_reason, continued_rows=len(continued),
         )
 
     # -- in-process backends: chunks of rounds ------------------------------------------------
@@ -481,11 +533,13 @@ class Generator:
         """Append finished conversations to the journal (one fsynced entry)."""
         rows, rejects = [], []
         for s in states:
-            row, reject = s.result(self.enc, self.cfg, limit)
-            rows += [row] if row else []
+            conv_rows, reject = s.result(self.enc, self.cfg, limit)
+            for row in conv_rows[1:]:  # a conversation's later rows go into its shard right after its first
+                self.order.setdefault(row["id"], self.order.get(s.conv.id, len(self.order)))
+            rows += conv_rows
             rejects += [reject] if reject else []
+            self.new[0] += 1 if conv_rows else 0
         store.append(rows, rejects)
-        self.new[0] += len(rows)
         self.new[1] += sum(r["n_generated_tokens"] for r in rows)
 
     # -- the server backend: a stream of independent conversations -----------------------------

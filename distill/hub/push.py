@@ -28,12 +28,13 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from distill.data.dataset import Dataset, split_folders
+from distill.data.dataset import Dataset, local_copy, split_folders
 from distill.data.stats import compute_stats
 from distill.data.validate import validate_dataset
 from distill.errors import ConfigError, PushError
 from distill.hub.card import CardOptions, SplitCard, render_card
 from distill.store.atomic import StagedFolder
+from distill.store.location import is_remote
 from distill.store.shards import MANIFEST, META_KEY, REJECTS, ShardInfo
 
 #: Metadata keys whose values may be a local path (seed file, model folder, input dataset).
@@ -138,7 +139,14 @@ def stage(root: Path | str, out: Path, opts: CardOptions, link: bool = False) ->
 
 
 def push(root: Path | str, opts: CardOptions, private: bool = False, dry_run: Path | str | None = None) -> PushSummary:
-    """Push ``root`` to the dataset repo ``opts.repo_id`` (or, with ``dry_run``, write what would be uploaded)."""
+    """Push ``root`` to the dataset repo ``opts.repo_id`` (or, with ``dry_run``, write what would be uploaded).
+
+    A dataset in an object store (``s3://...``) is first copied into a temporary local folder
+    (what its manifest lists) and pushed from there.
+    """
+    if is_remote(root):
+        with tempfile.TemporaryDirectory(prefix="distill-push-source-") as source:
+            return push(local_copy(root, Path(source)), opts, private=private, dry_run=dry_run)
     if dry_run is not None:
         out = Path(dry_run)
         if out.exists() and (not out.is_dir() or any(out.iterdir())):

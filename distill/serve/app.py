@@ -31,6 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from distill.models import TEMPLATE_PARAMS
 from distill.serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from distill.serve.protocol import (ENGINE, FIELDS, APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                    TokenizeRequest, new_id, now, usage)
@@ -58,6 +59,7 @@ class AppSettings:
     max_body_bytes: int | None = None  # None: default_body_limit(max_model_len)
     sampling_defaults: dict[str, Any] = field(default_factory=dict)  # request fields' defaults (protocol.request_defaults)
     chat_template: str | None = None  # None: the tokenizer's own
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # defaults under each request's chat_template_kwargs
     model_root: str | None = None  # the model's folder, /v1/models' "root"
 
     def __post_init__(self) -> None:
@@ -250,7 +252,7 @@ class _Service:
     async def chat(self, req: ChatCompletionRequest, request: Request):
         self.check_common(req)
         ids = await self.tokenize(_chat_ids, _messages(req.messages), self.tokenizer, self.settings.chat_template,
-                                  req.template_kwargs(), req.add_special_tokens)
+                                  {**self.settings.chat_template_kwargs, **req.template_kwargs()}, req.add_special_tokens)
         return await self.respond(self.make_job(req, [ids]), req, request, _ChatShape)
 
     async def complete(self, req: CompletionRequest, request: Request):
@@ -271,7 +273,8 @@ class _Service:
             raise APIError(400, f"not supported by this server: {', '.join(bad)}", param=bad[0])
         if req.messages is not None:
             ids = await self.tokenize(_chat_ids, _messages(req.messages), self.tokenizer, self.settings.chat_template,
-                                      req.template_kwargs(), bool(req.add_special_tokens))
+                                      {**self.settings.chat_template_kwargs, **req.template_kwargs()},
+                                      bool(req.add_special_tokens))
         else:
             add = True if req.add_special_tokens is None else req.add_special_tokens
             ids = await self.tokenize(lambda: list(self.tokenizer(req.prompt, add_special_tokens=add)["input_ids"]))
@@ -539,9 +542,6 @@ def _failed_error(ev: Failed) -> APIError:
 
 _STARTED = now()
 _ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize", "/health", "/metrics"}
-#: apply_chat_template's own parameters: a chat_template_kwargs key may not set them
-_TEMPLATE_PARAMS = frozenset({"conversation", "tools", "chat_template", "tokenize", "padding", "truncation", "max_length",
-                              "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
 def _given(*values):
@@ -556,7 +556,7 @@ def _messages(messages) -> list[dict]:
 def _chat_ids(messages: list[dict], tokenizer, template: str | None, kwargs: dict, add_special_tokens: bool) -> list[int]:
     """Messages -> prompt token ids through the chat template (``template``, else the model's), with the
     template's extra variables ``kwargs`` (400 when the template refuses them)."""
-    clash = sorted(_TEMPLATE_PARAMS & set(kwargs))
+    clash = sorted(TEMPLATE_PARAMS & set(kwargs))
     if clash:
         raise APIError(400, f"chat_template_kwargs may not set {', '.join(clash)}", param="chat_template_kwargs")
     try:

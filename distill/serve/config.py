@@ -6,6 +6,7 @@ import ipaddress
 from dataclasses import asdict, dataclass
 
 from distill.errors import ConfigError
+from distill.models import chat_template_kwargs
 from distill.runtime import canonical_dtype
 
 ENGINES = ("distill", "vllm")
@@ -25,6 +26,9 @@ class ServeConfig:
     requests' sampling defaults come from, as vLLM's option: ``auto`` the model's
     ``generation_config.json``, ``vllm`` (or ``none``) neutral defaults, or a folder holding one.
     ``chat_template``: a Jinja template file, or the template itself; None: the tokenizer's.
+    ``chat_template_kwargs``: the template's extra variables for every chat request (e.g.
+    ``{"enable_thinking": false}``); a request's own ``chat_template_kwargs`` override them, as
+    with vLLM's ``--default-chat-template-kwargs``.
     """
 
     model: str | None = None  # None = the bundled SmolLM2
@@ -39,6 +43,7 @@ class ServeConfig:
     default_max_tokens: int | None = None
     generation_config: str = "auto"  # auto | vllm | none | a folder with generation_config.json
     chat_template: str | None = None  # a file, or the template text; None: the model's own
+    chat_template_kwargs: dict | None = None  # JSON object or mapping: defaults under each request's chat_template_kwargs
     max_model_len: int | None = None  # default: the model's context length
     tree: str | None = None  # tree.json, a named default, or a Cartesian spec "3,2,2,1"
     draft_nodes: int | None = None  # EAGLE drafter or lookup: node budget of the dynamic tree (None: the proposer's default)
@@ -67,6 +72,7 @@ class ServeConfig:
             except ValueError:
                 raise ConfigError(f"--host must be an IP address (e.g. 127.0.0.1 or 0.0.0.0) or localhost; got '{self.host}'") from None
         self.dtype = canonical_dtype(self.dtype)
+        self.chat_template_kwargs = chat_template_kwargs(self.chat_template_kwargs)
         self.vllm_args = tuple(self.vllm_args)
         if self.vllm_args and self.engine != "vllm":
             raise ConfigError(f"arguments after -- go to vLLM's server: they need --engine vllm (got {' '.join(self.vllm_args)})")

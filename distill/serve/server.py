@@ -40,7 +40,7 @@ def bind_warning(cfg: ServeConfig) -> str | None:
 def build_app(cfg: ServeConfig, worker_thread: bool = True):
     """Load the engine and make the app (no socket yet); ``worker_thread``: see :func:`~distill.serve.app.create_app`."""
     from distill.engine import Engine, EngineConfig
-    from distill.models import resolve_model, stop_token_ids
+    from distill.models import load_chat_template, resolve_model, stop_token_ids
     from distill.serve.app import AppSettings, create_app
     from distill.serve.protocol import request_defaults
 
@@ -77,6 +77,7 @@ def build_app(cfg: ServeConfig, worker_thread: bool = True):
         max_body_bytes=cfg.max_body_bytes,
         sampling_defaults=defaults,
         chat_template=template,
+        chat_template_kwargs=cfg.chat_template_kwargs,
         model_root=str(resolved.path),
     )
     return create_app(engine, settings, worker_thread=worker_thread), settings
@@ -97,19 +98,6 @@ def generation_config(source: str, model_path: Path) -> dict:
         if source == "auto":
             return {}
         raise ConfigError(f"--generation-config {source}: no generation_config.json there (auto: the model's; vllm: none)") from None
-
-
-def load_chat_template(value: str | None) -> str | None:
-    """``--chat-template``: a file's text, or ``value`` itself when it reads as a Jinja template (has ``{`` or a
-    line break, as vLLM tells them apart); None: the tokenizer's own template."""
-    if value is None:
-        return None
-    if any(c in value for c in "{}\n"):
-        return value
-    path = Path(value).expanduser()
-    if not path.is_file():
-        raise ConfigError(f"--chat-template {value}: no such file (give a Jinja template file, or the template itself)")
-    return path.read_text()
 
 
 def serve(cfg: ServeConfig, log_level: str = "info") -> None:
@@ -230,6 +218,8 @@ def _vllm_server_command(cfg: ServeConfig, python: str | None, resolved, spec: d
         cmd += ["--max-model-len", str(cfg.max_model_len)]
     if cfg.chat_template is not None:  # vLLM's options of the same names and meanings
         cmd += ["--chat-template", cfg.chat_template]
+    if cfg.chat_template_kwargs:
+        cmd += ["--default-chat-template-kwargs", json.dumps(cfg.chat_template_kwargs)]
     if cfg.generation_config != "auto":
         cmd += ["--generation-config", "vllm" if cfg.generation_config == "none" else cfg.generation_config]
     return cmd + list(cfg.vllm_args)

@@ -18,6 +18,9 @@ a warning (only the batch being written when the process died can be torn, since
 earlier one was fsynced). A journal written with another config is an error, as a shard
 would be. The surviving batches are rewritten into a fresh journal (temp file + rename) and
 appending continues after them.
+
+An object store has no append: there the journal is one object per entry
+(:class:`SegmentJournal`), with the same schema, checksums and recovery rules.
 """
 
 from __future__ import annotations
@@ -66,6 +69,17 @@ class Journal:
         self._writer = None
 
     # -- reading back ----------------------------------------------------------------------
+    def _check_header(self, schema: pa.Schema, where) -> None:
+        """A journal of this format and this run's config, or a :class:`StoreError` naming ``where``."""
+        header = json.loads((schema.metadata or {}).get(JOURNAL_KEY, b"{}"))
+        if header.get("format") != JOURNAL_FORMAT:
+            raise StoreError(f"{where} is not a distill journal (format {header.get('format')!r}); move it aside")
+        key = json.loads((self.schema.metadata or {})[JOURNAL_KEY])["config_key"]
+        if header.get("config_key") != key:
+            diff = sorted(k for k in set(key) | set(header.get("config_key", {})) if key.get(k) != header["config_key"].get(k))
+            raise StoreError(f"{where} holds conversations generated with a different config (differs in: "
+                             f"{', '.join(diff)}); use the same options to resume, or another --out")
+
     def recover(self) -> list[pa.RecordBatch]:
         """Read the journal a previous run left (see the module docstring); -> its good batches."""
         if not self.path.exists():
@@ -81,14 +95,7 @@ class Journal:
             log.warning("%s: no readable header (%s); nothing in it was committed, removing it", self.path, exc)
             self.path.unlink()
             return []
-        header = json.loads((reader.schema.metadata or {}).get(JOURNAL_KEY, b"{}"))
-        if header.get("format") != JOURNAL_FORMAT:
-            raise StoreError(f"{self.path} is not a distill journal (format {header.get('format')!r}); move it aside")
-        key = json.loads((self.schema.metadata or {})[JOURNAL_KEY])["config_key"]
-        if header.get("config_key") != key:
-            diff = sorted(k for k in set(key) | set(header.get("config_key", {})) if key.get(k) != header["config_key"].get(k))
-            raise StoreError(f"{self.path} holds conversations generated with a different config (differs in: "
-                             f"{', '.join(diff)}); use the same options to resume, or another --out")
+        self._check_header(reader.schema, self.path)
         end = source.tell()
         while True:
             try:
@@ -167,3 +174,93 @@ class Journal:
         if self._file is not None:
             self._file.close()
         self._file = self._writer = None
+
+
+class SegmentJournal(Journal):
+    """The journal in an object store, where nothing can be appended to: one object per entry.
+
+    Each append is one new object ``journal-<n>.arrow`` (an Arrow IPC stream: the journal
+    schema with its config header and one checksummed batch), created by a conditional PUT
+    (create only if absent: a second writer's entry never replaces one). A PUT is atomic, so
+    no entry is ever torn: :meth:`recover` reads every entry in order and keeps each whole one;
+    an entry that cannot be read or fails its checksum (damaged in the store) is dropped with
+    a warning and its conversations are generated again. :meth:`start` deletes the entries
+    it is not given (those a shard already holds); :meth:`clear`, after a shard commit, deletes
+    them all, so a crash in between leaves entries the next run finds in a shard and drops.
+    An append costs one PUT (tens of milliseconds), where the local journal costs one fsync.
+    """
+
+    PREFIX, SUFFIX = "journal-", ".arrow"
+
+    def __init__(self, folder, schema: pa.Schema):
+        self.folder = folder
+        self.path = folder.where(f"{self.PREFIX}*{self.SUFFIX}")
+        self.schema = schema
+        self.batches: list[pa.RecordBatch] = []
+        self._entries: list[tuple[str, pa.RecordBatch]] = []  # (object name, batch) of every live entry
+        self._next = 0
+
+    def _number(self, name: str) -> int | None:
+        digits = name[len(self.PREFIX):-len(self.SUFFIX)]
+        return int(digits) if digits.isdigit() else None
+
+    def recover(self) -> list[pa.RecordBatch]:
+        names = [n for n in self.folder.list(f"{self.PREFIX}*{self.SUFFIX}") if self._number(n) is not None]
+        names.sort(key=self._number)
+        self._next = max((self._number(n) for n in names), default=-1) + 1
+        self._entries = []
+        for name in names:
+            where = self.folder.where(name)
+            try:
+                data = self.folder.read_bytes(name)
+            except FileNotFoundError:
+                continue
+            problem = None
+            try:
+                reader = pa.ipc.RecordBatchStreamReader(pa.BufferReader(data))
+                self._check_header(reader.schema, where)
+                batch, meta = reader.read_next_batch_with_custom_metadata()
+                if meta is None or meta.get(_SUM) != _checksum(batch):
+                    problem = "its checksum does not match"
+                elif not batch.schema.equals(self.schema, check_metadata=False):
+                    problem = "it has another schema"
+            except StoreError:
+                raise
+            except (StopIteration, pa.ArrowException, OSError) as exc:
+                problem = f"it is not readable ({exc or 'no entry'})"
+            if problem is not None:
+                log.warning("%s: %s; dropped, its conversations are generated again", where, problem)
+                self.folder.remove(name)
+                continue
+            self._entries.append((name, batch))
+        return [b for _, b in self._entries]
+
+    def start(self, batches: list[pa.RecordBatch]) -> None:
+        """Keep exactly the entries holding ``batches`` (from :meth:`recover`); delete the others."""
+        keep = {id(b) for b in batches}
+        for name, b in self._entries:
+            if id(b) not in keep:
+                self.folder.remove(name)
+        self._entries = [(n, b) for n, b in self._entries if id(b) in keep]
+        self.batches = [b for _, b in self._entries]
+
+    def append(self, rows: list[dict]) -> None:
+        """Append rows as one new entry object; durable (in the store) when this returns."""
+        if not rows:
+            return
+        batch = pa.RecordBatch.from_pylist(rows, schema=self.schema)
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, self.schema) as writer:
+            writer.write_batch(batch, custom_metadata={_SUM: _checksum(batch)})
+        name = f"{self.PREFIX}{self._next:08d}{self.SUFFIX}"
+        try:
+            self.folder.create(name, sink.getvalue().to_pybytes())
+        except FileExistsError:
+            raise StoreError(f"{self.folder.where(name)} was written by another run: one writer per --out "
+                             "(check that no other run writes this prefix)") from None
+        self._next += 1
+        self._entries.append((name, batch))
+        self.batches.append(batch)
+
+    def close(self) -> None:
+        """Nothing is open: every entry is a whole object already."""

@@ -23,13 +23,25 @@ the manifest is then rewritten the same way. Resume is by ``id``. On opening:
 Finished conversations reach a shard through the journal: :meth:`ShardStore.append`
 makes them durable at once, :meth:`ShardStore.flush` writes the journal's rows as one
 shard, commits the manifest, then empties the journal.
+
+In an object store (``--out s3://...``, see :mod:`distill.store.location`) the same steps run
+with what the store offers, and the manifest is the commit point as it is locally:
+
+- a shard is written whole to a local temp file and uploaded under its final name (one
+  atomic PUT that never replaces an object; there is no rename): a crash before the manifest
+  leaves an unlisted shard, adopted or set aside as above (setting aside is a copy then a delete);
+- the manifest and rejects.jsonl are single PUTs (readers see the old or the new one);
+- the lock is a conditionally created object (:class:`distill.store.lock.ObjectLock`),
+  the journal one object per entry (:class:`distill.store.journal.SegmentJournal`);
+- on opening, a listed shard must have its recorded size and row count; its SHA-256 is not
+  re-read (that would download the whole dataset at every resume: a PUT is never torn, and
+  the store checks what it receives), ``distill data validate URL`` reads and checks every byte.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,9 +52,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from distill.errors import StoreError
-from distill.store.atomic import atomic_file, atomic_write_bytes, atomic_write_json, sha256_file
-from distill.store.journal import Journal, journal_schema
-from distill.store.lock import FolderLock
+from distill.store.journal import Journal, SegmentJournal, journal_schema
+from distill.store.location import Folder, LocalFolder, open_folder, write_json
 
 log = logging.getLogger("distill.store")
 
@@ -84,10 +95,12 @@ def shard_schema(id_dtype: str) -> pa.Schema:
 
 
 
-def read_shard_meta(path: Path) -> dict:
-    md = pq.read_schema(path).metadata or {}
+def read_shard_meta(path: Path | str, folder: Folder | None = None) -> dict:
+    """A shard's ``distill`` file metadata (``path``: a local file, or a name in ``folder``)."""
+    schema = folder.parquet(str(path)).schema_arrow if folder is not None else pq.read_schema(path)
+    md = schema.metadata or {}
     if META_KEY not in md:
-        raise StoreError(f"{path} has no distill metadata: not a distill shard")
+        raise StoreError(f"{folder.where(str(path)) if folder is not None else path} has no distill metadata: not a distill shard")
     return json.loads(md[META_KEY])
 
 
@@ -103,13 +116,22 @@ class ShardInfo:
     rejects: list[dict] = field(default_factory=list)  # rows rejected while generating this shard's chunk
 
     @classmethod
-    def of_file(cls, path: Path, rejects: list[dict] | None = None) -> "ShardInfo":
-        table = pq.read_table(path, columns=["id", "n_prompt_tokens", "n_generated_tokens"])
+    def of_file(cls, path: Path, rejects: list[dict] | None = None, name: str | None = None) -> "ShardInfo":
+        """The entry of a local shard file (``name``: the name it is listed under, if not its own)."""
+        path = Path(path)
+        info = cls.in_folder(LocalFolder(path.parent), path.name, rejects)
+        info.file = name or path.name
+        return info
+
+    @classmethod
+    def in_folder(cls, folder: Folder, name: str, rejects: list[dict] | None = None) -> "ShardInfo":
+        """The entry of the shard ``name`` of ``folder`` (reads it whole: size, SHA-256, ids and token sums)."""
+        table = folder.read_table(name, columns=["id", "n_prompt_tokens", "n_generated_tokens"])
         return cls(
-            file=path.name,
+            file=name,
             rows=table.num_rows,
-            bytes=path.stat().st_size,
-            sha256=sha256_file(path),
+            bytes=folder.size(name),
+            sha256=folder.sha256(name),
             prompt_tokens=int(pc.sum(table["n_prompt_tokens"]).as_py() or 0),
             generated_tokens=int(pc.sum(table["n_generated_tokens"]).as_py() or 0),
             ids_first=table["id"][0].as_py() if table.num_rows else "",
@@ -117,17 +139,21 @@ class ShardInfo:
         )
 
 
-def shard_problem(root: Path, info: ShardInfo) -> str | None:
-    """What is wrong with a listed shard file (None: present, with its recorded size, SHA-256 and row count)."""
-    p = Path(root) / info.file
-    if not p.is_file():
+def shard_problem(root: Folder | Path | str, info: ShardInfo, checksum: bool = True) -> str | None:
+    """What is wrong with a listed shard file (None: present, with its recorded size, SHA-256 and row count).
+
+    ``checksum=False`` leaves the SHA-256 out (a resume in an object store, see the module docstring).
+    """
+    folder = open_folder(root)
+    if not folder.is_file(info.file):
         return "listed in the manifest but missing"
-    if p.stat().st_size != info.bytes:
-        return f"{p.stat().st_size} bytes, the manifest says {info.bytes} (truncated or altered)"
-    if sha256_file(p) != info.sha256:
+    size = folder.size(info.file)
+    if size != info.bytes:
+        return f"{size} bytes, the manifest says {info.bytes} (truncated or altered)"
+    if checksum and folder.sha256(info.file) != info.sha256:
         return "SHA-256 differs from the manifest (altered or damaged)"
     try:
-        rows = pq.ParquetFile(p).metadata.num_rows
+        rows = folder.parquet(info.file).metadata.num_rows
     except Exception as exc:  # noqa: BLE001 - unreadable is the finding
         return f"not readable Parquet ({exc})"
     if rows != info.rows:
@@ -142,16 +168,18 @@ class ShardStore:
     ``config_key`` the part of it that must match to resume.
     """
 
-    def __init__(self, root: Path, meta: dict, config_key: dict, id_dtype: str):
-        self.root = Path(root)
+    def __init__(self, root: Folder | Path | str, meta: dict, config_key: dict, id_dtype: str):
+        self.folder = open_folder(root)
+        self.root = self.folder.root  # a Path, or the URL of an object-store prefix
         self.meta = meta
         self.config_key = config_key
         self.schema = shard_schema(id_dtype).with_metadata({META_KEY: json.dumps(meta, sort_keys=True).encode()})
         self.shards: list[ShardInfo] = []
         self.totals: dict[str, Any] = {}
         self.seed_rejects: list[dict] = []
-        self._lock = FolderLock(self.root)
-        self.journal = Journal(self.root, journal_schema(shard_schema(id_dtype), config_key))
+        self._lock = self.folder.lock()
+        schema = journal_schema(shard_schema(id_dtype), config_key)
+        self.journal = SegmentJournal(self.folder, schema) if self.folder.remote else Journal(self.root, schema)
 
     # -- opening / resuming -------------------------------------------------------------
     def open(self) -> "ShardStore":
@@ -176,20 +204,20 @@ class ShardStore:
         self.close()
 
     def _open(self) -> None:
-        for stray in self.root.glob(".*.tmp"):
-            stray.unlink()
-        manifest_path = self.root / MANIFEST
-        if manifest_path.exists():
+        folder = self.folder
+        for stray in folder.list(".*.tmp"):  # local temp files of an interrupted write (an object store has none)
+            folder.remove(stray)
+        if folder.is_file(MANIFEST):
             try:
-                manifest = json.loads(manifest_path.read_text())
+                manifest = json.loads(folder.read_bytes(MANIFEST))
             except ValueError as exc:
-                raise StoreError(f"{manifest_path} is not valid JSON ({exc}); move the folder aside or fix it") from None
+                raise StoreError(f"{folder.where(MANIFEST)} is not valid JSON ({exc}); move the folder aside or fix it") from None
             if manifest.get("format") != FORMAT:
                 raise StoreError(f"{self.root} holds a '{manifest.get('format')}' dataset, not {FORMAT}")
             shards = [ShardInfo(**s) for s in manifest.get("shards", [])]
             old_key = manifest.get("config_key", {})
             if old_key != self.config_key:
-                if any(s.file or s.rejects for s in shards) or any(self.root.glob("shard-*.parquet")):
+                if any(s.file or s.rejects for s in shards) or folder.list("shard-*.parquet"):
                     diff = sorted(k for k in set(old_key) | set(self.config_key) if old_key.get(k) != self.config_key.get(k))
                     raise StoreError(
                         f"{self.root} was generated with a different config (differs in: {', '.join(diff)}); "
@@ -207,30 +235,30 @@ class ShardStore:
     def _check_listed(self) -> None:
         """Every listed shard is there, whole and unaltered, or the run refuses (see :func:`shard_problem`)."""
         for s in self.shards:
-            if s.file and (problem := shard_problem(self.root, s)):
-                raise StoreError(f"{self.root / s.file}: {problem}; run `distill data repair {self.root}` to set damaged "
-                                 "shards aside (their conversations are generated again)")
+            if s.file and (problem := shard_problem(self.folder, s, checksum=not self.folder.remote)):
+                raise StoreError(f"{self.folder.where(s.file)}: {problem}; run `distill data repair {self.root}` to set "
+                                 "damaged shards aside (their conversations are generated again)")
 
     def _adopt_unlisted(self) -> None:
         listed = {s.file for s in self.shards if s.file}
         known = self.done_ids()
         changed = False
-        for p in sorted(self.root.glob("shard-*.parquet")):
-            if p.name in listed or not SHARD_RE.match(p.name):
+        for name in self.folder.list("shard-*.parquet"):
+            if name in listed or not SHARD_RE.match(name):
                 continue
             try:
-                meta = read_shard_meta(p)
+                meta = read_shard_meta(name, self.folder)
                 if {k: meta.get("config_key", {}).get(k) for k in self.config_key} != self.config_key:
                     raise StoreError("written with another config")
-                ids = pq.read_table(p)["id"].to_pylist()  # reads back whole, or raises
+                ids = self.folder.read_table(name)["id"].to_pylist()  # reads back whole, or raises
                 if len(set(ids)) != len(ids) or known & set(ids):
                     raise StoreError("holds ids that are already in the dataset")
-                self.shards.append(ShardInfo.of_file(p, rejects=meta.get("chunk_rejects", [])))
+                self.shards.append(ShardInfo.in_folder(self.folder, name, rejects=meta.get("chunk_rejects", [])))
                 known.update(ids)
-                log.warning("%s: adopted %s (written but not yet listed when a run stopped)", self.root, p.name)
+                log.warning("%s: adopted %s (written but not yet listed when a run stopped)", self.root, name)
             except Exception as exc:  # noqa: BLE001 - any leftover that cannot count is set aside, never counted
-                os.replace(p, p.with_name(p.name + ".corrupt"))
-                log.warning("%s: set %s aside as %s.corrupt: %s", self.root, p.name, p.name, exc)
+                self.folder.rename(name, name + ".corrupt")
+                log.warning("%s: set %s aside as %s.corrupt: %s", self.root, name, name, exc)
             changed = True
         if changed:
             self.shards.sort(key=lambda s: s.file)
@@ -262,9 +290,13 @@ class ShardStore:
         ids: set[str] = set()
         for s in self.shards:
             if s.file:
-                ids.update(pq.read_table(self.root / s.file, columns=["id"])["id"].to_pylist())
+                ids.update(self.folder.read_table(s.file, columns=["id"])["id"].to_pylist())
             ids.update(r["id"] for r in s.rejects)
         return ids
+
+    def shard_id_lists(self) -> list[list[str]]:
+        """The ids of every listed shard, in order (duplicates kept: the caller counts them)."""
+        return [self.folder.read_table(s.file, columns=["id"])["id"].to_pylist() for s in self.shards if s.file]
 
     def done_ids(self) -> set[str]:
         """Ids already written (in shards or the journal) or rejected while generating."""
@@ -274,7 +306,7 @@ class ShardStore:
         return ids
 
     def _next_index(self) -> int:
-        used = [int(m.group(1)) for p in self.root.iterdir() if (m := SHARD_RE.match(p.name.removesuffix(".corrupt")))]
+        used = [int(m.group(1)) for n in self.folder.list("shard-*") if (m := SHARD_RE.match(n.removesuffix(".corrupt")))]
         return max(used, default=-1) + 1
 
     # -- writing ------------------------------------------------------------------------
@@ -289,14 +321,14 @@ class ShardStore:
     def _write(self, table: pa.Table, chunk_rejects: list[dict]) -> ShardInfo | None:
         if not table.num_rows and not chunk_rejects:
             return None
-        path = self.root / f"shard-{self._next_index():05d}.parquet"
+        name = f"shard-{self._next_index():05d}.parquet"
         if table.num_rows:
             meta = dict(self.meta, chunk_rejects=chunk_rejects)
             schema = self.schema.with_metadata({META_KEY: json.dumps(meta, sort_keys=True).encode()})
             table = table.cast(schema)
-            with atomic_file(path) as tmp:
+            with self.folder.new_file(name) as tmp:  # becomes ``name`` whole, or not at all
                 pq.write_table(table, tmp, compression="zstd", compression_level=9, row_group_size=256)
-            info = ShardInfo.of_file(path, rejects=chunk_rejects)
+                info = ShardInfo.of_file(tmp, rejects=chunk_rejects, name=name)
         else:
             info = ShardInfo(file="", rows=0, bytes=0, sha256="", prompt_tokens=0, generated_tokens=0, rejects=chunk_rejects)
         self.shards.append(info)
@@ -361,25 +393,29 @@ class ShardStore:
             "shards": [s.__dict__ for s in self.shards],
             "totals": self.totals,
         }
-        atomic_write_bytes(self.root / REJECTS, "".join(json.dumps(r) + "\n" for r in rejects).encode())
-        atomic_write_json(self.root / MANIFEST, manifest)
+        self._lock.verify()  # an object store's lock: still this run's (see ObjectLock)
+        self.folder.write_bytes(REJECTS, "".join(json.dumps(r) + "\n" for r in rejects).encode())
+        write_json(self.folder, MANIFEST, manifest)  # the commit point
 
 
-def load_manifest(root: Path) -> dict:
-    path = Path(root) / MANIFEST
-    if not path.is_file():
-        raise StoreError(f"{root} has no {MANIFEST}: not a distill dataset folder")
-    return json.loads(path.read_text())
+def load_manifest(root: Folder | Path | str) -> dict:
+    """The manifest of the dataset at ``root`` (a local folder or an object-store URL)."""
+    folder = open_folder(root)
+    if not folder.is_file(MANIFEST):
+        raise StoreError(f"{folder} has no {MANIFEST}: not a distill dataset folder")
+    return json.loads(folder.read_bytes(MANIFEST))
 
 
-def shard_files(root: Path) -> list[Path]:
-    """The shard files a manifest lists, in order."""
-    return [Path(root) / s["file"] for s in load_manifest(root)["shards"] if s["file"]]
+def shard_files(root: Folder | Path | str) -> list[Path | str]:
+    """The shard files a manifest lists, in order (local paths, or URLs in an object store)."""
+    folder = open_folder(root)
+    return [folder.where(s["file"]) for s in load_manifest(folder)["shards"] if s["file"]]
 
 
-def iter_rows(root: Path, columns: list[str] | None = None, batch_size: int = 64) -> Iterator[dict]:
+def iter_rows(root: Folder | Path | str, columns: list[str] | None = None, batch_size: int = 64) -> Iterator[dict]:
     """Stream rows from every listed shard, one record batch at a time (memory bounded)."""
-    for path in shard_files(root):
-        pf = pq.ParquetFile(path)
-        for batch in pf.iter_batches(batch_size=batch_size, columns=columns):
-            yield from batch.to_pylist()
+    folder = open_folder(root)
+    for s in load_manifest(folder)["shards"]:
+        if s["file"]:
+            for batch in folder.parquet(s["file"]).iter_batches(batch_size=batch_size, columns=columns):
+                yield from batch.to_pylist()

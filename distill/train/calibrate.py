@@ -66,14 +66,14 @@ class HeadAccuracy:
 
 
 @torch.no_grad()
-def head_accuracy(backbone, heads: MedusaHeads, data: Path, max_len: int = 512, batch_size: int = 4, ranks: int = 10,
+def head_accuracy(backbone, heads: MedusaHeads, data: Path | str, max_len: int = 512, batch_size: int = 4, ranks: int = 10,
                   max_tokens: int = 0, chunk: int = 128) -> HeadAccuracy:
     """Per-head rank hits and CE on ``data`` (up to ``max_tokens`` input tokens; 0: all)."""
     K = heads.config.num_heads
     device = next(heads.parameters()).device
     acc = HeadAccuracy(ranks=ranks, counts=[0] * K, hits=[[0] * ranks for _ in range(K)], loss_sum=[0.0] * K)
     decoder = backbone.get_decoder()
-    for batch in iter_batches(Path(data), max_len, batch_size, epoch=0):
+    for batch in iter_batches(data, max_len, batch_size, epoch=0):
         ids = batch["input_ids"].to(device)
         hidden = decoder(input_ids=ids, attention_mask=batch["attention_mask"].to(device), use_cache=False).last_hidden_state
         hidden = hidden.to(heads.lm_heads[0].weight.dtype)  # (B, T, H)
@@ -194,9 +194,9 @@ def calibrate(cfg: CalibrateConfig) -> CalibrationResult:
     if backbone.get_output_embeddings().weight.shape[0] != heads.config.vocab_size:
         raise ConfigError(f"the heads have a {heads.config.vocab_size}-token vocabulary but {resolved.name} has another: pass the right --model")
     if eagle:
-        stats = drafter_accuracy(backbone, heads, Path(cfg.data), cfg.max_len, cfg.batch_size, cfg.ranks, cfg.max_tokens, steps=depths)
+        stats = drafter_accuracy(backbone, heads, cfg.data, cfg.max_len, cfg.batch_size, cfg.ranks, cfg.max_tokens, steps=depths)
     else:
-        stats = head_accuracy(backbone, heads, Path(cfg.data), cfg.max_len, cfg.batch_size, cfg.ranks, cfg.max_tokens)
+        stats = head_accuracy(backbone, heads, cfg.data, cfg.max_len, cfg.batch_size, cfg.ranks, cfg.max_tokens)
     if min(stats.counts) == 0:
         raise ConfigError(f"{cfg.data} has no generated token {depths + 1} positions ahead: use more held-out data")
     acc = stats.table

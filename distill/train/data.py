@@ -48,16 +48,16 @@ class Example:
     position_ids: np.ndarray | None = None  # (T,) int64: restarting at 0 for each window of a pack
 
 
-def teacher_encoding(root: Path) -> TeacherEncoding | None:
+def teacher_encoding(root: Path | str) -> TeacherEncoding | None:
     """The dataset's teacher encoding; ``None`` when it has no teacher (hard targets only)."""
     return manifest_encoding(load_manifest(root).get("meta", {}))
 
 
-def dataset_meta(root: Path) -> dict:
+def dataset_meta(root: Path | str) -> dict:
     return load_manifest(root).get("meta", {})
 
 
-def iter_examples(root: Path, max_len: int, context: int = 0) -> Iterator[Example]:
+def iter_examples(root: Path | str, max_len: int, context: int = 0) -> Iterator[Example]:
     """Every window of every row, in shard order.
 
     With ``context`` > 0, each window after a row's first starts ``context`` tokens
@@ -167,10 +167,10 @@ def decoder_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {"attention_mask": batch["attention_mask"]}
 
 
-def iter_batches(root: Path, max_len: int, batch_size: int, epoch: int, seed: int = 0, shuffle_buffer: int = 0,
+def iter_batches(root: Path | str, max_len: int, batch_size: int, epoch: int, seed: int = 0, shuffle_buffer: int = 0,
                  skip: int = 0, context: int = 0, pack: bool = False) -> Iterator[dict[str, torch.Tensor]]:
     """Batches of one epoch, skipping the first ``skip`` (the data position on resume)."""
-    stream = shuffled(iter_examples(Path(root), max_len, context), shuffle_buffer, seed * 100003 + epoch)
+    stream = shuffled(iter_examples(root, max_len, context), shuffle_buffer, seed * 100003 + epoch)
     if pack:
         stream = packed(stream, max_len)
     pending: list[Example] = []
@@ -186,7 +186,7 @@ def iter_batches(root: Path, max_len: int, batch_size: int, epoch: int, seed: in
         yield collate(pending)
 
 
-def count_tokens(root: Path) -> dict:
+def count_tokens(root: Path | str) -> dict:
     """Generated and total tokens of a dataset (from its manifest)."""
     m = load_manifest(root)
     t = m.get("totals", {})

@@ -54,10 +54,10 @@ class DraftVocabReport:
         return {**asdict(self), "coverage": self.coverage}
 
 
-def generated_token_counts(data: Path, vocab_size: int) -> np.ndarray:
+def generated_token_counts(data: Path | str, vocab_size: int) -> np.ndarray:
     """How often each token id was generated in a dataset: (V,) int64."""
     counts = np.zeros(vocab_size, dtype=np.int64)
-    for row in iter_rows(Path(data), columns=["input_ids", "loss_mask"], batch_size=256):
+    for row in iter_rows(data, columns=["input_ids", "loss_mask"], batch_size=256):
         ids = np.asarray(row["input_ids"], dtype=np.int64)[np.asarray(row["loss_mask"], dtype=bool)]
         if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
             raise ConfigError(f"{data} holds token ids outside the model's {vocab_size}-token vocabulary: pass the --model that made it")

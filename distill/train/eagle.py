@@ -215,7 +215,7 @@ class DrafterAccuracy(HeadAccuracy):
 
 
 @torch.no_grad()
-def drafter_accuracy(backbone, drafter: EagleDrafter, data: Path, max_len: int = 512, batch_size: int = 4, ranks: int = 10,
+def drafter_accuracy(backbone, drafter: EagleDrafter, data: Path | str, max_len: int = 512, batch_size: int = 4, ranks: int = 10,
                      max_tokens: int = 0, steps: int = 3, chunk: int = 512) -> DrafterAccuracy:
     """Teacher-forced per-depth accuracy on ``data`` (up to ``max_tokens`` input tokens; 0: all).
 
@@ -228,7 +228,7 @@ def drafter_accuracy(backbone, drafter: EagleDrafter, data: Path, max_len: int =
     acc = DrafterAccuracy(ranks=ranks, counts=[0] * steps, hits=[[0] * ranks for _ in range(steps)], loss_sum=[0.0] * steps,
                           in_vocab=[0] * steps)
     target_ids = drafter.vocab.target_ids.to(device)  # (Vd,)
-    for batch in iter_batches(Path(data), max_len, batch_size, epoch=0):
+    for batch in iter_batches(data, max_len, batch_size, epoch=0):
         batch = {k: v.to(device) for k, v in batch.items()}
         aux, _, embeds = target_features(backbone, batch, drafter.config.aux_layer_ids)
         ids = batch["input_ids"]

@@ -56,6 +56,7 @@ from distill.train.config import PRECISION_DTYPES, TrainConfig
 from distill.train.draft_vocab import choose_draft_vocab, generated_token_counts, special_token_ids
 from distill.train.eagle import build_eagle_module
 from distill.store import manifest_encoding
+from distill.store.location import recorded_location
 from distill.train.data import count_tokens, dataset_meta, decoder_inputs, iter_batches, iter_examples
 from distill.train.losses import Term, TermStats, chunked_term_losses, head_weights
 
@@ -211,7 +212,7 @@ def build_heads(backbone, cfg: TrainConfig) -> MedusaHeads:
     return MedusaHeads(hcfg, lm_head_weight=lm.detach().float())
 
 
-def build_module(backbone, cfg: TrainConfig, data: Path, model_path: Path) -> nn.Module:
+def build_module(backbone, cfg: TrainConfig, data: Path | str, model_path: Path) -> nn.Module:
     """The train module of ``cfg.arch`` around a frozen backbone (Medusa-2 adds its LoRA adapters here)."""
     if cfg.arch == "eagle3":
         vocab_size = backbone.get_output_embeddings().weight.shape[0]
@@ -253,7 +254,7 @@ def _has_bnb() -> bool:
     return importlib.util.find_spec("bitsandbytes") is not None
 
 
-def count_batches(data: Path, max_len: int, batch_size: int, context: int = 0, pack: bool = False,
+def count_batches(data: Path | str, max_len: int, batch_size: int, context: int = 0, pack: bool = False,
                   shuffle_buffer: int = 0, seed: int = 0) -> int:
     """Batches in epoch 0 (packed epochs can differ by a batch or so: the shuffle changes the packing)."""
     if pack:
@@ -293,7 +294,7 @@ class _Dealer:
 
     def _stream(self, skip: int = 0):
         c = self.cfg
-        return iter_batches(Path(c.data), c.max_len, c.batch_size, self.epoch, c.seed, c.shuffle_buffer, skip=skip, context=c.context, pack=c.pack)
+        return iter_batches(c.data, c.max_len, c.batch_size, self.epoch, c.seed, c.shuffle_buffer, skip=skip, context=c.context, pack=c.pack)
 
     def next(self) -> dict:
         mine = None
@@ -358,7 +359,7 @@ class Trainer:
         from distill.models import resolve_model
 
         cfg = self.cfg
-        data, out = Path(cfg.data), Path(cfg.out)
+        data, out = cfg.data, Path(cfg.out)  # data: a local folder or an object-store URL
         ds_meta = self._check_data(data)
         resolved = resolve_model(cfg.model)
         # The one dtype rule: the data's teacher dtype, bf16 on CPUs only where native (distill.runtime).
@@ -402,7 +403,7 @@ class Trainer:
         acc.wait_for_everyone()
         return summary
 
-    def _check_data(self, data: Path) -> dict:
+    def _check_data(self, data: Path | str) -> dict:
         """The dataset's metadata, refused where it lacks the teacher top-k the options need."""
         cfg = self.cfg
         ds_meta = dataset_meta(data)
@@ -419,7 +420,7 @@ class Trainer:
         from accelerate import Accelerator
         from accelerate.utils import DistributedDataParallelKwargs
 
-        cfg, data = self.cfg, Path(self.cfg.data)
+        cfg, data = self.cfg, self.cfg.data
         on_gpu = torch.cuda.is_available()
         # Medusa-2's two-stage schedule leaves the LoRA parameters without grads in stage 1.
         ddp = DistributedDataParallelKwargs(find_unused_parameters=cfg.mode == "medusa2")
@@ -504,8 +505,8 @@ class Trainer:
         out = Path(cfg.out)
         extra = {
             "base_model": {"id": resolved.model_id, "revision": resolved.revision, "path": str(resolved.path)},
-            "dataset": {"path": str(Path(cfg.data).resolve()), "model": ds_meta.get("model"), "teacher": ds_meta.get("teacher"),
-                        **count_tokens(Path(cfg.data))},
+            "dataset": {"path": recorded_location(cfg.data), "model": ds_meta.get("model"), "teacher": ds_meta.get("teacher"),
+                        **count_tokens(cfg.data)},
             "train_config": cfg.to_dict(),
             # Later stages (calibrate, bench, serve) run the model in the teacher's dtype by default.
             "teacher_dtype": dataset_dtype(ds_meta) or where.dtype,
