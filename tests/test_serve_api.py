@@ -350,7 +350,11 @@ def test_full_queue_answers_503_and_the_admitted_requests_succeed(tiny_queue_ser
     for i, r in enumerate(results):  # greedy with lookup drafting: plain decoding's answers
         if isinstance(r, str):
             assert r == plain(chat(QUESTIONS[i % len(QUESTIONS)]), max_tokens=24)[0]
-    assert 'distill_proposer{proposer="lookup"} 1.0' in httpx.get(f"{tiny_queue_server.url}/metrics").text
+    text = httpx.get(f"{tiny_queue_server.url}/metrics").text
+    assert 'distill_proposer{proposer="lookup"} 1.0' in text
+    # vLLM's admission counter: the refusals by the sequence limit, none by a token limit (the queue has none)
+    assert f'vllm:admission_rejections_total{{model_name="smollm2-135m-instruct",reason="max_num_queued_reqs"}} {len(refused)}.0' in text
+    assert 'vllm:admission_rejections_total{model_name="smollm2-135m-instruct",reason="max_num_queued_tokens"} 0.0' in text
 
 
 def scrape(srv: Server) -> dict[str, float]:

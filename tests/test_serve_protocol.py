@@ -258,6 +258,44 @@ def test_tokenize_and_detokenize_answer_in_vllms_shapes(client, tokenizer, engin
     assert client.post("/detokenize", json={"tokens": [10**9]}).json()["error"]["param"] == "tokens"
 
 
+#: vLLM metrics with nothing to count here, and why (each is absent from /metrics).
+NOT_SERVED = {
+    "vllm:cache_config_info": "vLLM's block-cache configuration as labels; the slot cache has no blocks",
+    "vllm:corrupted_requests": "vLLM's NaN-logits check of its own kernels",
+    "vllm:engine_sleep_state": "no sleep mode",
+    "vllm:prefix_cache_hits": "no prefix cache", "vllm:prefix_cache_queries": "no prefix cache",
+    "vllm:external_prefix_cache_hits": "no KV connector", "vllm:external_prefix_cache_queries": "no KV connector",
+    "vllm:prompt_tokens_cached": "no prefix cache", "vllm:prompt_tokens_cached_by_source": "no prefix cache",
+    "vllm:prompt_tokens_by_source": "every prompt token is computed here (vllm:prompt_tokens)",
+    "vllm:kv_block_lifetime_seconds": "no KV blocks", "vllm:kv_block_idle_before_evict_seconds": "no KV blocks",
+    "vllm:kv_block_reuse_gap_seconds": "no KV blocks",
+    "vllm:num_requests_kv_fetch_by_stage": "no KV connector",
+    "vllm:lora_requests_info": "no LoRA adapters",
+    "vllm:mm_cache_hits": "text only", "vllm:mm_cache_queries": "text only",
+    "vllm:watermark_requests": "no watermarking",
+}
+
+
+def test_every_vllm_metric_is_served_or_declared_not_served(engine, model_dir):
+    """The metric families the installed vLLM's Prometheus logger defines (read from its source) are all
+    on /metrics, but for the declared ones: a vLLM upgrade that adds a metric fails here until it is served
+    or declared."""
+    import re
+    from pathlib import Path
+
+    import vllm.v1.metrics.loggers as loggers
+
+    theirs = set(re.findall(r'"(vllm:[a-z_]+)"', Path(loggers.__file__).read_text()))  # every metric name it spells out
+    assert {"vllm:num_requests_running", "vllm:kv_cache_usage_perc"} <= theirs  # the source still reads as expected
+    with serving(engine, model_dir) as c:
+        chat(c, max_tokens=3)
+        text = c.get("/metrics").text
+    types = re.findall(r"^# TYPE (vllm:[a-z_]+) (\w+)$", text, re.M)
+    ours = {name.removesuffix("_total") if kind == "counter" else name for name, kind in types}  # a counter's samples end in _total
+    assert theirs - ours == set(NOT_SERVED), sorted(theirs - ours)
+    assert not ours & set(NOT_SERVED)
+
+
 def test_models_list_carries_max_model_len_root_and_permission(client, engine, model_dir):
     card = client.get("/v1/models").json()["data"][0]
     assert card["id"] == "smol" and card["max_model_len"] == engine.max_len and card["root"] == str(model_dir)
@@ -282,4 +320,15 @@ def test_vllm_metrics_count_every_sequence(engine, model_dir):
     assert finished == 3 and m['vllm:request_success_total{engine="0",finished_reason="length",model_name="smol"}'] >= 1
     assert m[f"vllm:num_requests_running{label}"] == 0 and m[f"vllm:num_requests_waiting{label}"] == 0
     assert m[f"vllm:kv_cache_usage_perc{label}"] == 0  # idle: no row holds a slot
+    # per prompt (vLLM's parent request): its n, and the most tokens one of its choices generated
+    assert m[f"vllm:request_params_n_count{label}"] == 2 and m[f"vllm:request_params_n_sum{label}"] == 3
+    assert m[f"vllm:request_max_num_generation_tokens_count{label}"] == 2
+    second = answers[1]["usage"]["completion_tokens"]  # its two choices' tokens: the longer has at least half
+    assert (second + 1) // 2 <= m[f"vllm:request_max_num_generation_tokens_sum{label}"] - 5 <= min(4, second)
+    assert m[f"vllm:request_params_max_tokens_sum{label}"] == 5 + 4 + 4
+    assert m[f"vllm:request_prefill_kv_computed_tokens_sum{label}"] == 3 * prompt  # no re-prefill
+    assert m[f"vllm:request_num_preemptions_sum{label}"] == 0 and m[f"vllm:num_preemptions_total{label}"] == 0
+    # every token the engine computed, in its steps: the prompts (with each first token) and the decoding steps
+    assert m[f"vllm:iteration_tokens_total_sum{label}"] == 3 * prompt + generated
+    assert m['vllm:num_requests_waiting_by_reason{engine="0",model_name="smol",reason="capacity"}'] == 0
     assert not any(k.startswith("vllm:spec_decode") for k in m)  # no speculation, no counters (as vLLM)

@@ -229,12 +229,13 @@ class _Service:
                 index = p * req.n + c
                 decoder = StreamDecoder(self.tokenizer, req.stop_strings(), include_stop=req.include_stop_str_in_output,
                                         skip_special_tokens=req.skip_special_tokens)
-                seqs.append(Sequence(index, ids, self.make_params(req, len(ids), index), decoder))
+                seqs.append(Sequence(index, ids, self.make_params(req, len(ids), index), decoder, n=req.n))
         job = Job(seqs, asyncio.get_running_loop(), prompt_tokens=sum(len(ids) for ids in prompts))
         try:
             self.scheduler.submit(job)
         except QueueFull as exc:
             self.metrics.rejected.inc()
+            self.metrics.vllm.queue_full.inc()
             raise APIError(503, str(exc), type="server_overloaded", code="queue_full") from None
         except ShuttingDown as exc:
             raise APIError(503, str(exc), type="server_unavailable", code="shutting_down") from None

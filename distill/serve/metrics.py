@@ -75,6 +75,9 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0,
                    1920.0, 7680.0)
 FINISH_REASONS = ("stop", "length", "abort", "error")
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+N_BUCKETS = (1, 2, 5, 10, 20)
+PREEMPTION_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
 
 
 def token_buckets(max_value: int) -> list[int]:
@@ -109,6 +112,15 @@ class VllmMetrics:
         the nodes on the accepted path (the bonus token not counted); accepted at position k:
         drafts whose accepted path reached depth k + 1. Mean acceptance length =
         1 + accepted / drafts.
+    engine step (``iteration_tokens_total``)
+        one forward of the engine: a prefill (its prompt tokens plus each sequence's first
+        token) or a decoding step (each row's accepted tokens plus its bonus token).
+    parent request (``request_max_num_generation_tokens``, ``request_params_n``)
+        one prompt's ``n`` choices: observed once all of them have ended, with the most tokens
+        any of them generated.
+    preemption
+        a sequence taken out of the batch to be prefilled again: after a failed decoding step,
+        the rows that step alone without failing go back to the waiting queue.
     KV-cache usage
         the KV slots the running sequences hold over the slots the engine has allocated (its
         cache grows with the batch, so this is the share of what is allocated; 0 when idle).
@@ -130,6 +142,25 @@ class VllmMetrics:
         self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
         self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
+        self.iteration_tokens = histogram("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+                                          ITERATION_TOKEN_BUCKETS)
+        self.max_generation_tokens = histogram("vllm:request_max_num_generation_tokens",
+                                               "Histogram of maximum number of requested generation tokens.", tokens)
+        self.params_n = histogram("vllm:request_params_n", "Histogram of the n request parameter.", N_BUCKETS)
+        self.params_max_tokens = histogram("vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.", tokens)
+        self.num_preemptions = histogram("vllm:request_num_preemptions", "Histogram of the number of times a request was preempted.",
+                                         PREEMPTION_BUCKETS)
+        self.prefill_computed = histogram("vllm:request_prefill_kv_computed_tokens",
+                                          "Histogram of new KV tokens computed during prefill (excluding cached tokens).", tokens)
+        by_reason = Gauge("vllm:num_requests_waiting_by_reason", "Number of waiting requests by reason.", labels + ["reason"],
+                          registry=r)
+        self.waiting_capacity = by_reason.labels(*values, "capacity")  # all of ours: the batch is full
+        by_reason.labels(*values, "deferred").set(0)  # no LoRA budget, KV transfer or blocked status here
+        admission = Counter("vllm:admission_rejections", "Number of admission attempts rejected by a queue limit, by reason.",
+                            ["model_name", "reason"], registry=r)
+        self.queue_full = admission.labels(model_name, "max_num_queued_reqs")  # --queue-size counts sequences
+        admission.labels(model_name, "max_num_queued_tokens")  # no token limit on the queue: stays 0
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
         success = Counter("vllm:request_success", "Count of successfully processed requests.", labels + ["finished_reason"], registry=r)
@@ -172,10 +203,19 @@ class VllmMetrics:
         for k in range(deepest):
             self.accepted_per_pos[k].inc(sum(a > k for a in accepted))
 
+    def parent_finished(self, n: int, most_generated: int) -> None:
+        """All ``n`` choices of one prompt ended; the longest generated ``most_generated`` tokens."""
+        self.params_n.observe(n)
+        self.max_generation_tokens.observe(most_generated)
+
     def finished(self, reason: str, arrived: float, scheduled: float | None, first: float | None, last: float | None,
-                 prompt_tokens: int, generated: int, now: float) -> None:
-        """A sequence ended (monotonic times; ``scheduled`` / ``first`` / ``last`` None where it never got that far)."""
+                 prompt_tokens: int, generated: int, now: float, *, max_tokens: int, prefill_tokens: int, preemptions: int) -> None:
+        """A sequence ended (monotonic times; ``scheduled`` / ``first`` / ``last`` None where it never got that far):
+        ``max_tokens`` its limit, ``prefill_tokens`` the tokens its prefills computed, ``preemptions`` its re-prefills."""
         self.success[reason if reason in self.success else "abort"].inc()
+        self.params_max_tokens.observe(max_tokens)
+        self.num_preemptions.observe(preemptions)
+        self.prefill_computed.observe(prefill_tokens)
         self.e2e.observe(now - arrived)
         self.request_prompt_tokens.observe(prompt_tokens)
         self.request_generation_tokens.observe(generated)

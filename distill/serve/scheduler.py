@@ -99,7 +99,7 @@ SHUTTING_DOWN = "the server is shutting down"
 
 @dataclass
 class Sequence:
-    index: int  # the choice index within its job
+    index: int  # the choice index within its job: prompt * n + choice
     prompt_ids: list[int]
     params: Any  # distill.engine.SamplingParams
     decoder: StreamDecoder
@@ -110,6 +110,13 @@ class Sequence:
     scheduled_at: float | None = None  # monotonic times (the metrics): taken into the batch, first and last token
     first_token_at: float | None = None
     last_token_at: float | None = None
+    prefill_tokens: int = 0  # tokens its prefills computed (a re-prefill after a preemption computes its tokens again)
+    preemptions: int = 0
+    n: int = 1  # choices per prompt (the request's n): this sequence's siblings are the job's others of its prompt
+
+    def siblings(self) -> list["Sequence"]:
+        """The job's sequences of this sequence's prompt (itself included)."""
+        return [t for t in self.job.sequences if t.index // self.n == self.index // self.n]
 
     def engine_input(self) -> tuple[list[int], Any]:
         """Prompt ids and sampling parameters for a (re)prefill: after a failed step, the tokens
@@ -247,6 +254,7 @@ class Scheduler:
         if self.metrics is not None:
             self.metrics.queue_depth.set(len(self._waiting))
             self.metrics.vllm.waiting.set(len(self._waiting))
+            self.metrics.vllm.waiting_capacity.set(len(self._waiting))
 
     def _ending(self, running: int) -> bool:
         """(holding the lock) Whether the loop must end now: stopped, or drained (idle or out of time)."""
@@ -345,12 +353,22 @@ class Scheduler:
             m.sequences.labels(reason).inc()
             m.generation_tokens.inc(len(s.decoder.ids))
             m.vllm.finished(reason, s.job.arrived, s.scheduled_at, s.first_token_at, s.last_token_at, len(s.prompt_ids),
-                            len(s.decoder.ids), time.monotonic())
+                            len(s.decoder.ids), time.monotonic(), max_tokens=s.params.max_tokens,
+                            prefill_tokens=s.prefill_tokens, preemptions=s.preemptions)
         s.finish(reason)
+        if m is not None:
+            siblings = s.siblings()
+            if all(t.finished for t in siblings):
+                m.vllm.parent_finished(s.n, max(len(t.decoder.ids) for t in siblings))
 
     def _add(self, batch, seqs: list[Sequence]) -> list:
         inputs = [s.engine_input() for s in seqs]
-        return batch.add([ids for ids, _ in inputs], [params for _, params in inputs], seqs)
+        done = batch.add([ids for ids, _ in inputs], [params for _, params in inputs], seqs)
+        for s, (ids, _) in zip(seqs, inputs):
+            s.prefill_tokens += len(ids)
+        if self.metrics is not None:  # one engine step: the prompts' tokens and a first token each
+            self.metrics.vllm.iteration_tokens.observe(sum(len(ids) + 1 for ids, _ in inputs))
+        return done
 
     def _join(self, batch, new: list[Sequence]) -> None:
         """Prefill the newcomers and add them to the running batch (continuous batching).
@@ -412,6 +430,10 @@ class Scheduler:
                 continue
             self._report(batch, done)
             survivors += batch.clear()
+        for s in survivors:
+            s.preemptions += 1
+        if self.metrics is not None:
+            self.metrics.vllm.preemptions.inc(len(survivors))
         with self._cond:
             self._waiting.extendleft(reversed(survivors))
             self._gauge()
@@ -438,6 +460,7 @@ class Scheduler:
                 m.tree_nodes.observe(n)
             for n, accepted in zip(stats.tree_nodes_per_step, stats.accepted_per_step):
                 m.vllm.step(n, accepted)
+                m.vllm.iteration_tokens.observe(sum(a + 1 for a in accepted))
             if stats.prefill_seconds:
                 m.prefill_latency.observe(stats.prefill_seconds)
             if getattr(self.engine, "policy", None) is not None:
