@@ -565,6 +565,7 @@ def serve(
     adaptive: Annotated[Optional[bool], typer.Option(
         "--adaptive/--static", help="adaptive (default): the tree size per batch size follows the acceptance and step "
         "times measured while serving, plain decoding when that is faster; static: the calibrated prediction alone.")] = None,
+    compile: Annotated[Optional[bool], typer.Option("--compile/--no-compile", help="torch.compile the engine's single-token forwards (plain decoding at batch 1), compiled before the server listens (tens of seconds; BENCHMARKS.md, issue 19).")] = None,
     num_speculative_tokens: Annotated[Optional[int], typer.Option(help="--engine vllm: heads used (default: all).")] = None,
     dtype: Annotated[Optional[str], typer.Option(help="auto (default: the heads' teacher dtype, else the model's; bf16 on CPUs only where native) | float32 | bfloat16 | float16.")] = None,
     device: Annotated[Optional[str], typer.Option(help="auto (default: CUDA when available, else CPU) | cpu | cuda | cuda:N (distill engine).")] = None,
@@ -618,6 +619,7 @@ def bench(
     typical_delta: Annotated[Optional[float], typer.Option(help="Typical acceptance delta.")] = None,
     draft_nodes: DraftNodesOpt = None,
     full_tree: Annotated[Optional[bool], typer.Option("--full-tree/--policy-tree", help="Verify the whole tree every step (speculation policy off): measures the tree itself.")] = None,
+    compile: Annotated[Optional[bool], typer.Option("--compile/--no-compile", help="torch.compile the engine's single-token forwards, for plain and speculative runs alike (compiled before timing).")] = None,
     sweep_tree: Annotated[Optional[bool], typer.Option("--sweep-tree/--no-sweep-tree", help="Also time step latency against tree size here and pick the node budget with the best predicted speedup (writes tree.json).")] = None,
     sweep_nodes: Annotated[Optional[str], typer.Option(help="Tree sizes of the sweep, comma-separated.")] = None,
     sweep_context: Annotated[Optional[int], typer.Option(help="Context length the sweep's steps are timed at.")] = None,

@@ -54,3 +54,12 @@ def test_help_shows_the_effective_defaults():
     out = run("serve", "--help").stdout
     help_of = out[out.index("--generation-config"):out.index("--chat-template")]
     assert "[default: (auto)]" in help_of  # ServeConfig.generation_config, though the option itself defaults to None
+
+
+def test_compile_is_an_option_of_the_distill_engine_only():
+    """--compile reaches serve's config; with --engine vllm it is one line, not a quiet no-op (vLLM compiles its own way)."""
+    r = run("serve", "--engine", "vllm", "--compile", "--print-command")
+    assert r.returncode == 2 and r.stderr.strip() == ("error: --compile compiles the distill engine's forwards: "
+                                                     "vLLM compiles its own (see its -O levels)")
+    for command in ("serve", "bench"):
+        assert "--compile" in run(command, "--help").stdout

@@ -209,3 +209,23 @@ def test_adaptive_policy_turns_off_heads_that_guess_wrong_and_stays_lossless(hf_
     nodes = stats.tree_nodes_per_step
     assert nodes[0] > 0 and 0 in nodes, nodes  # it started with the tree and switched to plain steps
     assert engine.policy.acceptance_ratio < 0.5 and engine.tree_size_for(1) == 0
+
+
+def test_compiled_single_token_forwards_decode_as_eager(model_dir, tokenizer, prompts, plain_reference):
+    """EngineConfig.compile: plain batch-1 steps run the compiled model and give plain decoding's tokens; a
+    Medusa run on the same engine (its trees and its batch of two stay eager) gives them too."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()  # its own: compile hooks its decoder
+    engine = Engine(model, tokenizer, make_heads(model, random_w1=True), EngineConfig(tree="sparse-16", speculate_max_batch=2, compile=True))
+    engine.warmup()
+    warm = engine.compiled_forwards
+    assert warm == 2  # the warm-up's two single-token steps (3 tokens: one from the prefill)
+    for p, ref in zip(prompts[:2], plain_reference):
+        res, stats = engine.generate([p], [SamplingParams(max_tokens=NEW_TOKENS)], speculative=False)
+        assert res[0].token_ids == ref.token_ids and stats.tree_nodes == 0
+    assert engine.compiled_forwards - warm == sum(len(r.token_ids) - 1 for r in plain_reference[:2])  # every step compiled
+    before = engine.compiled_forwards
+    results, stats = engine.generate(prompts[:2], [SamplingParams(max_tokens=NEW_TOKENS)] * 2)
+    assert [r.token_ids for r in results] == [r.token_ids for r in plain_reference[:2]] and stats.tree_nodes == 16
+    assert engine.compiled_forwards == before  # two rows, trees of 17 tokens: never a single-token forward

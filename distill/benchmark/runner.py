@@ -81,8 +81,10 @@ class BenchRunner:
             ecfg = EngineConfig(acceptance="typical", typical_epsilon=config.typical_epsilon, typical_delta=config.typical_delta,
                                 tree=config.tree, max_batch=1,
                                 speculate_max_batch=1 if config.full_tree else None, dtype=config.dtype, device=config.device,
+                                compile=config.compile,
                                 **({"draft_nodes": config.draft_nodes} if config.draft_nodes else {}))
             engine = Engine.from_pretrained(config.model, config.heads, ecfg)
+            engine.warmup()  # compiles first (--compile): no run is timed with the compiler in it
         if engine.proposer is None:
             raise ConfigError("the benchmark compares plain and speculative (Medusa, EAGLE or lookup) decoding: "
                               "pass --heads DIR or --heads lookup")

@@ -148,6 +148,7 @@ class EngineConfig:
     step_cost_ratio: float | None = None  # r of the policy's cost model (None: DEFAULT_COST_RATIO of the device type)
     adaptive: bool = False  # correct the policy with measured acceptance and step times (policy.AdaptivePolicy)
     weight_layout: str = "auto"  # "auto": CPU float32 linears re-laid out and packed (engine.weights); "as-loaded"
+    compile: bool = False  # torch.compile the model for single-token forwards (plain steps at batch 1); see Engine._forward
 
     def __post_init__(self) -> None:
         if self.acceptance not in ACCEPTANCE_MODES:
@@ -294,6 +295,22 @@ class Engine:
         if self.proposer is not None and self.config.adaptive and self.config.speculate_max_batch is None:
             self.policy = AdaptivePolicy(self._taus, self._cost_ratio(), self._proposal)
         self.max_len = context_limit(model.config, self.max_tree_size - 1)  # prompt + max_tokens, at most
+        self._hidden: dict = {}  # compiled forwards: the decoder's last_hidden_state, from a hook registered once
+        self._compiled = None
+        self.compiled_forwards = 0
+        if self.config.compile:
+            self._decoder.register_forward_hook(self._keep_hidden)  # traced into the graph (a per-call hook would recompile)
+            self._compiled = torch.compile(self.model, dynamic=True)
+
+    def _keep_hidden(self, module, args, output) -> None:
+        self._hidden["hidden"] = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """Compile (``EngineConfig.compile``) before the first request: a few plain batch-1 steps of a short prompt."""
+        if self._compiled is not None:
+            first = next(iter(self.stop_ids), 0)
+            self.generate([[first] * 4], SamplingParams(max_tokens=3, ignore_eos=True), speculative=False)
 
     def _proposer(self, heads: MedusaHeads | EagleDrafter, tree: ResolvedTree | None) -> Proposer:
         """Check the heads or drafter against the model, prepare its linears, wrap it in its proposer."""
@@ -410,6 +427,13 @@ class Engine:
         layers). Either is taken with forward hooks for the duration of the call, so no other
         layer's states are kept.
         """
+        if self._compiled is not None and layers is None and ids.numel() == 1:
+            # one token: every linear multiplies a single row (DualLinear's traceable path); multi-row forwards
+            # (prefills, trees, batches) stay eager on the oneDNN-packed weights, which the compiler cannot trace
+            out = self._compiled(input_ids=ids, position_ids=positions, attention_mask=bias, past_key_values=cache,
+                                 use_cache=True, logits_to_keep=keep)
+            self.compiled_forwards += 1
+            return out.logits.float(), self._hidden.pop("hidden")
         captured: dict = {}
 
         def grab(module, args, output):
@@ -430,6 +454,7 @@ class Engine:
         finally:
             for h in handles:
                 h.remove()
+        self._hidden.clear()  # the compile hook's copy of an eager forward's states
         features = captured["hidden"] if layers is None else torch.cat([captured[i] for i in layers], dim=-1)
         return out.logits.float(), features
 

@@ -57,6 +57,7 @@ class ServeConfig:
     num_speculative_tokens: int | None = None  # vllm engine: default = the heads' num_heads
     step_cost_ratio: float | None = None  # engine cost model r (from `distill bench --sweep-tree`); None = the device default
     adaptive: bool = True  # tree size from measured acceptance and step times (distill.engine.policy.AdaptivePolicy)
+    compile: bool = False  # distill engine: torch.compile its single-token forwards (EngineConfig.compile), compiled at start
     vllm_args: tuple[str, ...] = ()  # --engine vllm: passed to vLLM's server unchanged (what follows `--`)
 
     def __post_init__(self) -> None:
@@ -74,6 +75,8 @@ class ServeConfig:
         self.dtype = canonical_dtype(self.dtype)
         self.chat_template_kwargs = chat_template_kwargs(self.chat_template_kwargs)
         self.vllm_args = tuple(self.vllm_args)
+        if self.compile and self.engine != "distill":
+            raise ConfigError("--compile compiles the distill engine's forwards: vLLM compiles its own (see its -O levels)")
         if self.vllm_args and self.engine != "vllm":
             raise ConfigError(f"arguments after -- go to vLLM's server: they need --engine vllm (got {' '.join(self.vllm_args)})")
         for name in ("queue_size", "max_batch", "default_max_tokens"):

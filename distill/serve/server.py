@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 from distill.errors import ConfigError
@@ -57,9 +58,13 @@ def build_app(cfg: ServeConfig, worker_thread: bool = True):
     engine_cfg = EngineConfig(
         acceptance=cfg.acceptance, typical_epsilon=cfg.typical_epsilon, typical_delta=cfg.typical_delta,
         tree=cfg.tree, max_batch=cfg.engine_batch, dtype=cfg.dtype, device=cfg.device, step_cost_ratio=cfg.step_cost_ratio,
-        adaptive=cfg.adaptive, **({"draft_nodes": cfg.draft_nodes} if cfg.draft_nodes else {}),
+        adaptive=cfg.adaptive, compile=cfg.compile, **({"draft_nodes": cfg.draft_nodes} if cfg.draft_nodes else {}),
     )
     engine = Engine.from_pretrained(cfg.model, cfg.heads, engine_cfg)
+    if cfg.compile:
+        t0 = time.perf_counter()
+        engine.warmup()
+        log.info("compiled the engine's single-token forward in %.0f s", time.perf_counter() - t0)
     max_len = engine.max_len  # distill.models.context_limit: the model's context less the tree's margin
     if cfg.max_model_len is not None:
         if cfg.max_model_len > max_len:
