@@ -97,3 +97,9 @@ def turn_row_id(conv_id: str, turn: int) -> str:
 def conversation_id(row_id: str) -> str:
     """The conversation a row belongs to: ``row_id`` without the ``#t<turn>`` of a continuing row."""
     return _TURN_ROW.sub("", row_id)
+
+
+def continued_turn(row_id: str) -> int:
+    """The assistant turn a row continues its conversation from: ``N`` of ``#t<N>``, 0 for a conversation's first row."""
+    m = _TURN_ROW.search(row_id)
+    return int(m.group(1)) if m else 0

@@ -40,7 +40,7 @@ def test_stats_match_an_independent_pass_over_real_shards(real_shards):
     st = compute_stats(real_shards)
     manifest = load_manifest(real_shards)
     totals = manifest["totals"]
-    assert (st.conversations, st.shards) == (16, 3)
+    assert (st.rows, st.conversations, st.continued_rows, st.shards) == (16, 16, 0, 3)
     assert (st.prompt_tokens, st.generated_tokens) == (totals["prompt_tokens"], totals["generated_tokens"])
     enc = TeacherEncoding.from_dict(manifest["meta"]["teacher"])
     top1, cover, turns, finishes = [], [], 0, {}

@@ -150,3 +150,41 @@ def test_dedupe_normalized_folds_case_and_whitespace(real_shards, tmp_path):
     rejects = [json.loads(line) for line in (tmp_path / "n" / "rejects.jsonl").read_text().splitlines()]
     assert {"id": victim["id"], "reason": "duplicate_normalized"}.items() <= next(r for r in rejects if r["id"] == victim["id"]).items()
     assert validate_dataset(tmp_path / "n").ok
+
+
+def test_dedupe_keeps_or_drops_a_continued_conversation_whole(real_shards, tmp_path):
+    """A conversation split into rows (``#t<turn>``: a template that re-renders history) is keyed by its last row:
+    one whose first row repeats another conversation but whose later turns do not is kept whole; one whose last
+    row repeats another conversation is dropped whole."""
+    from dataclasses import asdict
+
+    from distill.store.shards import ShardInfo
+
+    ds = shutil.copytree(real_shards, tmp_path / "ds")
+    path = ds / "shard-00000.parquet"
+    table = pq.read_table(path)
+    rows = table.to_pylist()
+    everything = list(iter_rows(real_shards))
+    keys = [user_text_key(r["messages"], "exact") for r in everything]
+    unique = [r for r, k in zip(everything, keys) if keys.count(k) == 1]
+    first, a, b = rows[0], unique[-2], unique[-1]
+    assert first["id"] not in (a["id"], b["id"])
+    # x:kept opens as the dataset's first conversation, then continues with a's (unique) user turns
+    # x:dropped opens with b's user turns, then its last row repeats the first conversation
+    extra = [dict(first, id="x:kept"), dict(a, id="x:kept#t1"), dict(b, id="x:dropped"), dict(first, id="x:dropped#t1")]
+    pq.write_table(pa.Table.from_pylist(rows + extra, schema=table.schema), path, compression="zstd")
+    manifest = json.loads((ds / "manifest.json").read_text())
+    entry = manifest["shards"][0]
+    manifest["shards"][0] = asdict(ShardInfo.of_file(path, rejects=entry["rejects"])) | {"ids_first": entry["ids_first"]}
+    (ds / "manifest.json").write_text(json.dumps(manifest))
+
+    summary = dedupe(ds, tmp_path / "d", mode="exact")
+    kept = ids(tmp_path / "d")
+    assert {"x:kept", "x:kept#t1"} <= set(kept) and not {"x:dropped", "x:dropped#t1"} & set(kept)
+    # a's conversation comes after x:kept, which now holds its user turns: a goes; b's turns are nobody's key but its own
+    assert a["id"] not in kept and b["id"] in kept
+    plain = dedupe(real_shards, tmp_path / "p", mode="exact")
+    assert summary.dropped["duplicate_exact"] == plain.dropped["duplicate_exact"] + 3  # x:dropped's two rows and a
+    rejects = {r["id"]: r for r in map(json.loads, (tmp_path / "d" / "rejects.jsonl").read_text().splitlines())}
+    assert rejects[a["id"]]["detail"] == "same user turns (exact) as x:kept"
+    assert rejects["x:dropped"]["detail"] == rejects["x:dropped#t1"]["detail"] == f"same user turns (exact) as {first['id']}"

@@ -21,6 +21,7 @@ import pytest
 from conftest import DISTILL, REPO, assert_teacher_matches_model
 from distill.conversation import conversation_id, turn_row_id
 from distill.data.convert import export
+from distill.data.stats import compute_stats
 from distill.data.validate import validate_dataset
 from distill.errors import ConfigError, StoreError
 from distill.generate import GenerateConfig, Generator
@@ -150,6 +151,8 @@ def test_qwen3_template_without_thinking_prompts_each_turn_as_the_template_rende
     assert meta["generation"]["chat_template"] == QWEN3 and meta["generation"]["chat_template_kwargs"] == THINK_OFF
     again, _ = _generate(b, tmp_path, "qwen3", chat_template=QWEN3, chat_template_kwargs=THINK_OFF)
     assert (again.new_conversations, again.generated, again.continued_rows) == (0, 2, 4)  # resumed by conversation
+    st = compute_stats(out)  # `distill data stats`: 6 rows are 2 conversations, each ending once
+    assert (st.rows, st.conversations, st.continued_rows, st.stop_reasons) == (6, 2, 4, {"completed": 2})
 
 
 def test_qwen3_template_with_thinking_joins_turns_whose_history_renders_as_generated(hf_backend, tmp_path, hf_model):

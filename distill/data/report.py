@@ -18,7 +18,8 @@ def stats_table(st: DatasetStats):
     t.add_column(style="bold")
     t.add_column()
     t.add_row("model", str(st.model))
-    t.add_row("shards / conversations", f"{st.shards} / {st.conversations:,}")
+    t.add_row("shards / rows / conversations", f"{st.shards} / {st.rows:,} / {st.conversations:,}"
+              + (f" ({st.continued_rows:,} rows continue one)" if st.continued_rows else ""))
     t.add_row("turns (user / assistant)", f"{st.user_turns:,} / {st.assistant_turns:,}")
     t.add_row("tokens (prompt / generated)", f"{st.prompt_tokens:,} / {st.generated_tokens:,}")
     t.add_row("generated tokens per turn", f"mean {st.turn_len.mean:.1f}, p50 {st.turn_len.quantile(.5):.0f}, max {st.turn_len.max:.0f}"

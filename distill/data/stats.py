@@ -156,14 +156,16 @@ class DatasetStats:
     path: str
     model: str | None
     shards: int = 0
-    conversations: int = 0
+    rows: int = 0
+    conversations: int = 0  # rows that open a conversation (a ``#t<turn>`` row continues one)
+    continued_rows: int = 0  # rows ``<conversation>#t<turn>``: a template that re-renders history starts a new row
     messages: int = 0
     user_turns: int = 0
     assistant_turns: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
     finish_reasons: dict[str, int] = field(default_factory=dict)  # per assistant turn
-    stop_reasons: dict[str, int] = field(default_factory=dict)  # per conversation
+    stop_reasons: dict[str, int] = field(default_factory=dict)  # per conversation: its last row's (not "continued")
     rejects_by_reason: dict[str, int] = field(default_factory=dict)
     prompt_len: Summary = field(default_factory=_length_summary)  # prompt tokens per conversation
     generated_len: Summary = field(default_factory=_length_summary)  # generated tokens per conversation
@@ -211,11 +213,14 @@ def compute_stats(root: Path | str) -> DatasetStats:
     st = DatasetStats(path=str(ds.root), model=model, shards=len(ds.files), teacher=TeacherStats(k=enc.k) if enc else None)
     finish: Counter = Counter()
     stops: Counter = Counter()
-    columns = ["messages", "turns", "stop_reason", "n_prompt_tokens", "n_generated_tokens"]
+    columns = ["id", "messages", "turns", "stop_reason", "n_prompt_tokens", "n_generated_tokens"]
     if enc:
         columns += ["input_ids", "loss_mask", "teacher_ids", "teacher_lp"]
     for batch in ds.iter_batches(columns):
-        st.conversations += batch.num_rows
+        continued = int(pc.sum(pc.match_substring_regex(batch.column("id"), r"#t\d+$")).as_py() or 0)
+        st.rows += batch.num_rows
+        st.conversations += batch.num_rows - continued
+        st.continued_rows += continued
         st.messages += int(pc.sum(pc.list_value_length(batch.column("messages"))).as_py() or 0)
         turns = pc.list_flatten(batch.column("turns"))
         roles = turns.field("role").to_numpy(zero_copy_only=False)
@@ -224,7 +229,7 @@ def compute_stats(root: Path | str) -> DatasetStats:
         st.assistant_turns += int(is_asst.sum())
         st.turn_len.add(turns.field("n_tokens").to_numpy(zero_copy_only=False)[is_asst])
         finish.update(str(r) for r in np.asarray(turns.field("finish_reason").to_pylist(), dtype=object)[is_asst])
-        stops.update(batch.column("stop_reason").to_pylist())
+        stops.update(r for r in batch.column("stop_reason").to_pylist() if r != "continued")  # its conversation goes on
         n_prompt = batch.column("n_prompt_tokens").to_numpy(zero_copy_only=False)
         n_gen = batch.column("n_generated_tokens").to_numpy(zero_copy_only=False)
         st.prompt_tokens += int(n_prompt.sum())

@@ -10,6 +10,11 @@ samples
     rows ``<seed id>#s0``, ``#s1``, ... regenerated from one seed conversation
     (``distill generate --samples N``). They are one conversation for both tools: dedupe
     never drops a sample of the conversation it keeps, and a split keeps them together.
+continued rows
+    ``<conversation id>#t<turn>``: the later part of a conversation whose chat template
+    re-renders its history (:func:`distill.conversation.turn_row_id`). Dedupe keys a
+    conversation by its last row (the highest turn: the one with every user turn) and keeps
+    or drops all of its rows together.
 split key
     what decides a row's side. ``id`` (default): the seed conversation's id: the row id without
     the ``#t<turn>`` of a row that continues a conversation (:func:`distill.conversation.conversation_id`)
@@ -32,7 +37,7 @@ import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from distill.conversation import conversation_id, seed_conversation_id
+from distill.conversation import continued_turn, conversation_id, seed_conversation_id
 from distill.data.dataset import Dataset
 from distill.data.write import DEFAULT_SHARD_ROWS, ShardWriter, check_new_output, derived_meta
 from distill.errors import ConfigError
@@ -126,24 +131,39 @@ def dedupe(inp: Path | str, out: Path | str, mode: str = "normalized", shard_row
     d = Dataset.open(inp)
     check_new_output(out, [d.root])
     summary = TransformSummary("dedupe", {"out": str(out)})
-    first_of: dict[bytes, str] = {}
+    # pass 1: each conversation's keys (exact, compared), from its last row
+    last: dict[str, tuple[int, bytes, bytes]] = {}
+    for row in d.iter_rows(columns=["id", "messages"]):
+        conv, turn = conversation_id(row["id"]), continued_turn(row["id"])
+        if turn >= last.get(conv, (-1,))[0]:
+            exact = user_text_key(row["messages"], "exact")
+            last[conv] = (turn, exact, exact if mode == "exact" else user_text_key(row["messages"], "normalized"))
+    # pass 2: in row order, a conversation is kept or dropped when its first row comes, and its other rows follow
+    first_of: dict[bytes, str] = {}  # key -> the conversation kept for it
     exact_seen: set[bytes] = set()
+    dropped: dict[str, tuple[str, str]] = {}  # conversation -> (reason, the conversation it repeats)
+    decided: set[str] = set()
     meta = derived_meta(d.meta, "dedupe", mode=mode, inputs=[_input_record(d)])
     with ShardWriter(Path(out), meta, d.id_dtype, shard_rows) as w:
         w.rejects.extend(d.rejects())
         for row in d.iter_rows():
             summary.rows_in += 1
-            exact = user_text_key(row["messages"], "exact")
-            k = exact if mode == "exact" else user_text_key(row["messages"], "normalized")
-            is_exact = exact in exact_seen
-            exact_seen.add(exact)
-            if k in first_of and seed_conversation_id(first_of[k]) != seed_conversation_id(row["id"]):
-                reason = "duplicate_exact" if mode == "exact" or is_exact else "duplicate_normalized"
+            conv = conversation_id(row["id"])
+            if conv not in decided:
+                decided.add(conv)
+                _, exact, k = last[conv]
+                is_exact = exact in exact_seen
+                exact_seen.add(exact)
+                if k in first_of and seed_conversation_id(first_of[k]) != seed_conversation_id(conv):
+                    dropped[conv] = ("duplicate_exact" if mode == "exact" or is_exact else "duplicate_normalized", first_of[k])
+                else:
+                    first_of.setdefault(k, conv)
+            if conv in dropped:
+                reason, kept = dropped[conv]
                 summary.dropped[reason] = summary.dropped.get(reason, 0) + 1
                 w.rejects.append({"id": row["id"], "source": row["source"], "stage": "dedupe", "reason": reason,
-                                  "detail": f"same user turns ({mode}) as {first_of[k]}"})
+                                  "detail": f"same user turns ({mode}) as {kept}"})
                 continue
-            first_of.setdefault(k, row["id"])
             w.add(row)
         w.close(derived_rows_in=summary.rows_in, dedupe_dropped=summary.dropped)
         summary.rows_out["out"] = w.count

@@ -117,10 +117,10 @@ def card_data(opts: CardOptions, meta: dict, splits: list[SplitCard]):
     features = datasets.Features.from_arrow_schema(shard_schema(enc.id_dtype if enc else "uint16"))
     split_dict = SplitDict()
     for s in splits:
-        split_dict.add(SplitInfo(name=s.name, num_bytes=s.bytes, num_examples=s.stats.conversations))
+        split_dict.add(SplitInfo(name=s.name, num_bytes=s.bytes, num_examples=s.stats.rows))
     info = DatasetInfo(features=features, splits=split_dict, download_size=sum(s.bytes for s in splits),
                        dataset_size=sum(s.bytes for s in splits))
-    rows = sum(s.stats.conversations for s in splits)
+    rows = sum(s.stats.rows for s in splits)
     return DatasetCardData(
         license=opts.license,
         language=opts.language,
