@@ -208,14 +208,14 @@ class VllmMetrics:
         self.params_n.observe(n)
         self.max_generation_tokens.observe(most_generated)
 
-    def finished(self, reason: str, arrived: float, scheduled: float | None, first: float | None, last: float | None,
-                 prompt_tokens: int, generated: int, now: float, *, max_tokens: int, prefill_tokens: int, preemptions: int) -> None:
-        """A sequence ended (monotonic times; ``scheduled`` / ``first`` / ``last`` None where it never got that far):
-        ``max_tokens`` its limit, ``prefill_tokens`` the tokens its prefills computed, ``preemptions`` its re-prefills."""
+    def finished(self, reason: str, s, now: float) -> None:
+        """Sequence ``s`` (:class:`distill.serve.scheduler.Sequence`) ended with ``reason`` at ``now`` (monotonic)."""
+        arrived, scheduled, first, last = s.job.arrived, s.scheduled_at, s.first_token_at, s.last_token_at
+        prompt_tokens, generated = len(s.prompt_ids), len(s.decoder.ids)
         self.success[reason if reason in self.success else "abort"].inc()
-        self.params_max_tokens.observe(max_tokens)
-        self.num_preemptions.observe(preemptions)
-        self.prefill_computed.observe(prefill_tokens)
+        self.params_max_tokens.observe(s.params.max_tokens)
+        self.num_preemptions.observe(s.preemptions)
+        self.prefill_computed.observe(s.prefill_tokens)  # re-prefills after preemptions included
         self.e2e.observe(now - arrived)
         self.request_prompt_tokens.observe(prompt_tokens)
         self.request_generation_tokens.observe(generated)

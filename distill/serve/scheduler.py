@@ -352,9 +352,7 @@ class Scheduler:
                 self._tokens(s, 0)
             m.sequences.labels(reason).inc()
             m.generation_tokens.inc(len(s.decoder.ids))
-            m.vllm.finished(reason, s.job.arrived, s.scheduled_at, s.first_token_at, s.last_token_at, len(s.prompt_ids),
-                            len(s.decoder.ids), time.monotonic(), max_tokens=s.params.max_tokens,
-                            prefill_tokens=s.prefill_tokens, preemptions=s.preemptions)
+            m.vllm.finished(reason, s, time.monotonic())
         s.finish(reason)
         if m is not None:
             siblings = s.siblings()
@@ -443,8 +441,7 @@ class Scheduler:
             if not s.finished:
                 if self.metrics is not None:
                     self.metrics.sequences.labels("error").inc()
-                    self.metrics.vllm.finished("error", s.job.arrived, s.scheduled_at, s.first_token_at, s.last_token_at,
-                                               len(s.prompt_ids), len(s.decoder.ids), time.monotonic())
+                    self.metrics.vllm.finished("error", s, time.monotonic())
                 s.finished, s.finish_reason = True, "error"
                 s.emit(Failed(message, status))
 
