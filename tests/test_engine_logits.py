@@ -141,7 +141,11 @@ def test_min_tokens_ignore_eos_logit_bias_and_top_k_one(engines, tokenizer, mt_p
 def test_bad_options_are_refused():
     from distill.errors import ConfigError
 
-    for bad in (dict(top_k=-2), dict(min_p=1.5), dict(repetition_penalty=0), dict(presence_penalty=3), dict(min_tokens=9),
-                dict(logprobs=-1)):
-        with pytest.raises(ConfigError):
+    nan, inf = float("nan"), float("inf")
+    for bad in (dict(top_k=-2), dict(top_k=2**31), dict(top_k="5"), dict(min_p=1.5), dict(min_p=nan), dict(repetition_penalty=0),
+                dict(repetition_penalty=nan), dict(repetition_penalty=inf), dict(presence_penalty=3), dict(presence_penalty=nan),
+                dict(frequency_penalty=-inf), dict(temperature=inf), dict(min_tokens=9), dict(logprobs=-1),
+                dict(stop_token_ids=(2**63,)), dict(stop_token_ids=(-1,)), dict(logit_bias={3: nan}), dict(logit_bias={3: inf}),
+                dict(logit_bias={2**40: 1.0})):
+        with pytest.raises(ConfigError, match=f"^{next(iter(bad))} "):
             SamplingParams(max_tokens=8, **bad)

@@ -85,11 +85,22 @@ def test_one_bad_request_among_six_concurrent_fails_alone(server, plain):
     assert [r.json()["choices"][0]["message"]["content"] for r in responses] == [plain(chat(q))[0] for q in QUESTIONS[:5]]
 
 
-@pytest.mark.parametrize(("change", "param"), [({"temperature": 1e-30}, "temperature"), ({"top_p": 1e-50}, "top_p"),
-                                                ({"seed": -(2**63) - 1}, "seed")])
+NAN, INF = float("nan"), float("inf")  # sent as JSON's NaN and Infinity, which Python's json reads
+
+
+@pytest.mark.parametrize(("change", "param"), [
+    ({"temperature": 1e-30}, "temperature"), ({"top_p": 1e-50}, "top_p"), ({"seed": -(2**63) - 1}, "seed"),
+    ({"top_k": 2**70}, "top_k"), ({"stop_token_ids": [2**63], "min_tokens": 1}, "stop_token_ids"),
+    ({"stop_token_ids": [10**9], "min_tokens": 1}, "stop_token_ids"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"repetition_penalty": NAN}, "repetition_penalty"), ({"repetition_penalty": INF}, "repetition_penalty"),
+    ({"min_p": NAN}, "min_p"), ({"frequency_penalty": NAN}, "frequency_penalty"), ({"presence_penalty": -INF}, "presence_penalty"),
+    ({"logit_bias": {"504": NAN}}, "logit_bias"), ({"logit_bias": {"504": INF}}, "logit_bias"), ({"logit_bias": 5}, "logit_bias"),
+])
 def test_sampling_values_the_engine_cannot_take_get_a_400_naming_the_field(server, change, param):
-    r = httpx.post(f"{server.url}/v1/chat/completions", json=body("Hi!", **change), timeout=300)
+    r = httpx.post(f"{server.url}/v1/chat/completions", content=json.dumps(body("Hi!", **change)),
+                   headers={"Content-Type": "application/json"}, timeout=300)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert param in r.json()["error"]["message"]
 
 
 def test_a_non_streaming_client_that_hangs_up_frees_the_engine(server):

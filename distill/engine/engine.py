@@ -38,6 +38,8 @@ host state
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -75,6 +77,8 @@ from distill.runtime import canonical_dtype, stage_dtype, torch_dtype
 
 ACCEPTANCE_MODES = ("greedy", "typical", "rejection")
 WEIGHT_LAYOUTS = ("auto", "as-loaded")
+#: The largest token id, count (top_k, max_tokens, logprobs) SamplingParams takes: int32's, far beyond any vocabulary.
+MAX_TOKEN_ID = 2**31 - 1
 #: The ``heads`` value (``--heads lookup``) that drafts from n-gram matches in the context (:mod:`distill.engine.lookup`).
 LOOKUP = "lookup"
 
@@ -101,32 +105,54 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for every prompt token after the first (GenerationResult.prompt_logprobs)
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ConfigError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise ConfigError(f"top_k must be -1 or 0 (all tokens) or a positive count, got {self.top_k}")
-        if not 0 <= self.min_p <= 1:
-            raise ConfigError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            raise ConfigError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if not -2 <= self.frequency_penalty <= 2 or not -2 <= self.presence_penalty <= 2:
-            raise ConfigError(f"frequency_penalty and presence_penalty must be in [-2, 2], got {self.frequency_penalty}, "
-                              f"{self.presence_penalty}")
-        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
-            raise ConfigError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        """Every field's type and range (each error names its field): nothing that reaches the engine can
+        overflow its tensors or turn its logits into NaN."""
+        _integer("max_tokens", self.max_tokens, 1, MAX_TOKEN_ID)
+        _number("temperature", self.temperature, 0.0, math.inf)
+        _number("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        _integer("top_k", self.top_k, -1, MAX_TOKEN_ID, f"-1 or 0 (all tokens) or a count up to {MAX_TOKEN_ID}")
+        _number("min_p", self.min_p, 0.0, 1.0)
+        _number("repetition_penalty", self.repetition_penalty, 0.0, math.inf, low_open=True)
+        _number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _number("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _integer("min_tokens", self.min_tokens, 0, self.max_tokens, f"in [0, max_tokens={self.max_tokens}]")
         for name in ("logprobs", "prompt_logprobs"):
-            if getattr(self, name) is not None and getattr(self, name) < 0:
-                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+            if getattr(self, name) is not None:
+                _integer(name, getattr(self, name), 0, MAX_TOKEN_ID)
+        try:
+            self.stop_token_ids = tuple(self.stop_token_ids)
+        except TypeError:
+            raise ConfigError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r:.80}") from None
+        for t in self.stop_token_ids:
+            _integer("stop_token_ids", t, 0, MAX_TOKEN_ID, f"token ids in [0, {MAX_TOKEN_ID}]")
         self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
         if self.logit_bias:
             try:
                 self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
-            except (TypeError, ValueError):
+            except (AttributeError, TypeError, ValueError):
                 raise ConfigError(f"logit_bias maps token ids to numbers, got {self.logit_bias!r:.80}") from None
+            for k, v in self.logit_bias.items():
+                _integer("logit_bias", k, 0, MAX_TOKEN_ID, f"keyed by token ids in [0, {MAX_TOKEN_ID}]")
+                if not math.isfinite(v):
+                    raise ConfigError(f"logit_bias values must be finite numbers, got {v!r} for token {k}")
+
+
+def _integer(name: str, value, low: int, high: int, what: str | None = None) -> None:
+    """Raises ConfigError naming ``name`` unless ``value`` is an integer (not a bool) in [low, high]."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not low <= value <= high:
+        raise ConfigError(f"{name} must be {what or f'an integer in [{low}, {high}]'}, got {value!r:.80}")
+
+
+def _number(name: str, value, low: float, high: float, low_open: bool = False) -> None:
+    """Raises ConfigError naming ``name`` unless ``value`` is a finite number (not a bool) in [low, high]
+    (``(low, high]`` with ``low_open``)."""
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
+            or not low <= value <= high or (low_open and value == low)):
+        if math.isinf(high):
+            bounds = f"a finite number {'>' if low_open else '>='} {low:g}"
+        else:
+            bounds = f"a number in {'(' if low_open else '['}{low:g}, {high:g}]"
+        raise ConfigError(f"{name} must be {bounds}, got {value!r:.80}")
 
 
 @dataclass

@@ -209,15 +209,19 @@ class _Service:
         seed = None if req.seed is None else req.seed + index
         stop_ids = tuple(req.stop_token_ids or ()) + (() if req.ignore_eos else self.settings.stop_token_ids)
         extra = {**{k: v for k, v in defaults.items() if FIELDS[k].support == ENGINE}, **req.engine_fields()}
+        if any(not (isinstance(t, int) and 0 <= t < self.vocab_size) for t in req.stop_token_ids or ()):
+            raise APIError(400, f"stop_token_ids must be token ids in 0..{self.vocab_size - 1}", param="stop_token_ids")
         bias = extra.get("logit_bias") or {}
-        if any(not (isinstance(k, str) and k.lstrip("-").isdigit() and 0 <= int(k) < self.vocab_size) for k in bias):
+        if not isinstance(bias, dict) or any(not (isinstance(k, str) and k.lstrip("-").isdigit() and 0 <= int(k) < self.vocab_size)
+                                             for k in bias):
             raise APIError(400, f"logit_bias keys must be token ids in 0..{self.vocab_size - 1}", param="logit_bias")
         try:
             return SamplingParams(max_tokens=limit, temperature=_given(req.temperature, defaults.get("temperature"), 1.0),
                                   top_p=_given(req.top_p, defaults.get("top_p"), 1.0), seed=seed, stop_token_ids=stop_ids,
                                   ignore_eos=req.ignore_eos, **extra)
-        except (TypeError, ValueError) as exc:  # the engine's own check of a value (named in its message)
-            raise APIError(400, str(exc), param=next((k for k in ("temperature", "top_p", *extra) if k in str(exc)), None)) from None
+        except (TypeError, ValueError) as exc:  # the engine's own check of a value (its message starts with the field's name)
+            name = str(exc).split(" ", 1)[0]
+            raise APIError(400, str(exc), param=name if name in ("temperature", "top_p", *extra) else None) from None
 
     def make_job(self, req, prompts: list[list[int]]) -> Job:
         queue = self.settings.queue_size
