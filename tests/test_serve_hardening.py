@@ -69,7 +69,9 @@ def test_binding_all_addresses_without_a_key_warns(server):
 
 def test_one_bad_request_among_six_concurrent_fails_alone(server, plain):
     """Five good requests and one whose seed no generator can take, sent together: the bad one gets a 400
-    naming `seed` before it reaches the engine; the five get their exact greedy answers."""
+    naming `seed` before it is queued (the engine ends five sequences, none with an error); the five get
+    their exact greedy answers. (tests/test_serve_scheduler.py: such a request that reaches a prefill.)"""
+    before = metrics(server)
     requests = [body(q) for q in QUESTIONS[:5]]
     requests.insert(2, body(QUESTIONS[5], temperature=0.7, seed=2**70))
 
@@ -83,6 +85,9 @@ def test_one_bad_request_among_six_concurrent_fails_alone(server, plain):
     assert bad.json()["error"]["param"] == "seed" and "seed" in bad.json()["error"]["message"]
     assert [r.status_code for r in responses] == [200] * 5
     assert [r.json()["choices"][0]["message"]["content"] for r in responses] == [plain(chat(q))[0] for q in QUESTIONS[:5]]
+    after = metrics(server)
+    ended = {k: after[k] - before.get(k, 0.0) for k in after if k.startswith("distill_sequences_total")}
+    assert sum(ended.values()) == 5 and ended.get('distill_sequences_total{finish_reason="error"}', 0.0) == 0, ended
 
 
 NAN, INF = float("nan"), float("inf")  # sent as JSON's NaN and Infinity, which Python's json reads

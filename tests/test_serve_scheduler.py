@@ -95,27 +95,45 @@ GOOD = ["What is the capital of France?", "Name three primary colors.", "Write a
 
 
 def test_a_sequence_whose_prefill_raises_fails_alone_and_its_batch_mates_finish(engine):
-    """Four requests admitted in one prefill, one with a seed the engine's generator cannot take (no API
+    """Six requests admitted in one prefill, one with a seed the engine's generator cannot take (no API
     validation in between): the engine raises for the whole prefill; the bad request fails alone and the
-    other three get exactly their greedy answers."""
+    other five get exactly their greedy answers."""
+    questions = GOOD + ["How many legs does a spider have?", "What is 12 times 12?"]
 
     async def scenario():
         loop = asyncio.get_running_loop()
-        sched = Scheduler(engine, queue_size=8, max_batch=4, speculative=False)
-        jobs = [job_of(engine, loop, q, 12) for q in GOOD]
+        sched = Scheduler(engine, queue_size=8, max_batch=6, speculative=False)
+        prefills = []  # the sequences of each prefill the worker's batch runs
+        real = engine.running_batch
+
+        def running_batch(*a, **kw):
+            batch = real(*a, **kw)
+            add = batch.add
+
+            def counted(prompts, params, keys):
+                prefills.append(len(prompts))
+                return add(prompts, params, keys)
+
+            batch.add = counted
+            return batch
+
+        engine.running_batch = running_batch
+        jobs = [job_of(engine, loop, q, 12) for q in questions]
         bad = job_of(engine, loop, "Tell me a joke.", 12)
         bad.sequences[0].params = SamplingParams(max_tokens=12, temperature=0.7, seed=2**70)
-        for job in (jobs[0], bad, *jobs[1:]):  # all waiting before the worker starts: one prefill
+        for job in (*jobs[:2], bad, *jobs[2:]):  # all waiting before the worker starts: one prefill
             sched.submit(job)
         sched.start()
         try:
-            return [await events_until_end(j) for j in jobs], await events_until_end(bad)
+            return [await events_until_end(j) for j in jobs], await events_until_end(bad), prefills
         finally:
+            del engine.running_batch
             sched.stop()
 
-    good, bad = asyncio.run(scenario())
+    good, bad, prefills = asyncio.run(scenario())
+    assert prefills == [6] + [1] * 6  # the six together, then each alone after that prefill raised
     assert isinstance(bad[-1], Failed) and bad[-1].status == 500 and "Overflow" in bad[-1].message
-    for q, events in zip(GOOD, good):
+    for q, events in zip(questions, good):
         assert isinstance(events[-1], Done) and events[-1].finish_reason in ("stop", "length")
         assert (text_of(events), events[-1].completion_tokens) == greedy_answer(engine, q, 12)
 
