@@ -131,18 +131,36 @@ def test_a_non_streaming_client_that_hangs_up_frees_the_engine(server):
     assert httpx.post(f"{server.url}/v1/chat/completions", json=body(QUESTIONS[0]), timeout=300).status_code == 200
 
 
-def test_bodies_over_the_limit_get_413_unread(server):
+def test_bodies_over_the_limit_get_413_unread_while_health_answers_within_1s(server):
+    """A 24 MB prompt, sent with its length (refused before a byte of it is read), then chunked at a pace
+    (counted while read, refused past the limit): both get 413, and /health, probed back to back
+    meanwhile, answers each probe within 1 s."""
     huge = json.dumps(body("x" * 24_000_000)).encode()
-    r = httpx.post(f"{server.url}/v1/chat/completions", content=huge, headers={"Content-Type": "application/json"}, timeout=300)
-    assert r.status_code == 413 and str(MAX_BODY) in r.json()["error"]["message"]
+    answers: list[httpx.Response] = []
 
-    def chunks():  # no Content-Length: chunked transfer, counted while read
+    def chunks():  # no Content-Length: chunked transfer
         for i in range(0, len(huge), 1 << 20):
+            time.sleep(0.1)
             yield huge[i: i + (1 << 20)]
 
-    r = httpx.post(f"{server.url}/v1/chat/completions", content=chunks(), headers={"Content-Type": "application/json"}, timeout=300)
-    assert r.status_code == 413
-    assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
+    def send() -> None:
+        for content in (huge, chunks()):
+            answers.append(httpx.post(f"{server.url}/v1/chat/completions", content=content,
+                                      headers={"Content-Type": "application/json"}, timeout=300))
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    latencies = []
+    with httpx.Client(timeout=30) as probe:
+        while thread.is_alive():
+            start = time.monotonic()
+            assert probe.get(f"{server.url}/health").status_code == 200
+            latencies.append(time.monotonic() - start)
+            time.sleep(0.02)
+    thread.join()
+    assert [r.status_code for r in answers] == [413, 413]
+    assert str(MAX_BODY) in answers[0].json()["error"]["message"]
+    assert len(latencies) >= 5 and max(latencies) < 1.0, latencies
 
 
 def test_health_answers_while_a_long_prompt_is_tokenized_and_the_prompt_gets_a_400(server):
