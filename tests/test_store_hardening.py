@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -25,19 +26,44 @@ def _hold(folder):
     return proc
 
 
-def test_a_second_run_into_a_locked_folder_refuses_naming_the_holder(tmp_path, cli_env):
+def _folder(folder) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+
+
+def test_a_second_run_into_a_folder_a_run_writes_refuses_naming_it_and_the_first_ends_valid(tmp_path, cli_env):
+    """Two `distill generate` runs into one folder: the second, started while the first holds the lock
+    (paused there with SIGSTOP, so that it surely still does), exits 2 with one line naming the first's
+    pid and writes nothing; the first then finishes and `distill data validate` passes its dataset."""
     out = tmp_path / "out"
-    holder = _hold(out)
+    args = [DISTILL, "generate", "--backend", "hf", "--limit", "2", "--max-new-tokens", "8", "--out", str(out), "-q"]
+    log = tmp_path / "first.log"
+    with open(log, "w") as err:
+        first = subprocess.Popen(args, env=cli_env, stdout=subprocess.DEVNULL, stderr=err)
     try:
-        r = subprocess.run([DISTILL, "generate", "--backend", "hf", "--limit", "2", "--max-new-tokens", "4", "--out", str(out), "-q"],
-                           capture_output=True, text=True, env=cli_env, timeout=600)
-        assert r.returncode == 2
+        deadline = time.monotonic() + 300
+        while _lock_pid(out) != first.pid:
+            assert first.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.05)
+        first.send_signal(signal.SIGSTOP)
+        before = _folder(out)
+        r = subprocess.run(args, capture_output=True, text=True, env=cli_env, timeout=600)
+        assert r.returncode == 2, r.stderr
         lines = r.stderr.strip().splitlines()
-        assert len(lines) == 1 and f"pid {holder.pid}" in lines[0] and "being written by another run" in lines[0]
-        assert not (out / "manifest.json").exists()  # nothing written by the refused run
+        assert len(lines) == 1 and f"pid {first.pid}" in lines[0] and "being written by another run" in lines[0], r.stderr
+        assert _folder(out) == before
     finally:
-        holder.kill()
-        holder.wait()
+        first.send_signal(signal.SIGCONT)
+    assert first.wait(timeout=600) == 0, log.read_text()[-2000:]
+    assert load_manifest(out)["totals"]["complete"] is True
+    r = subprocess.run([DISTILL, "data", "validate", str(out)], capture_output=True, text=True, env=cli_env, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith(": OK"), r.stdout + r.stderr
+
+
+def _lock_pid(folder) -> int | None:
+    try:
+        return json.loads((folder / LOCK_FILE).read_text() or "{}").get("pid")
+    except (OSError, ValueError):
+        return None
 
 
 def test_the_lock_of_a_killed_run_is_taken_over_with_a_warning(tmp_path, caplog):
