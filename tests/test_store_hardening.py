@@ -133,6 +133,18 @@ def test_an_edited_row_count_is_refused_and_a_stray_shard_copy_is_set_aside(shar
     assert load_manifest(shards_copy)["totals"]["rows"] == 16
 
 
+def test_two_listed_shards_that_share_ids_are_refused_and_the_dataset_is_left_incomplete(shards_copy, vllm_backend):
+    """A manifest that lists a copy of a shard, its size and SHA-256 right: the rerun's summary counts
+    each id's rows and refuses (nothing to generate, so only the summary can find it)."""
+    shutil.copy(shards_copy / "shard-00000.parquet", shards_copy / "shard-00007.parquet")
+    manifest = load_manifest(shards_copy)
+    manifest["shards"].append(dict(manifest["shards"][0], file="shard-00007.parquet"))
+    (shards_copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(StoreError, match=r"holds 6 rows with an id that another row has too: run `distill data validate"):
+        _rerun(shards_copy, vllm_backend)
+    assert load_manifest(shards_copy)["totals"]["complete"] is False
+
+
 def test_a_folder_without_rows_may_be_reused_with_another_config(tmp_path):
     key = {"model_id": "m", "topk": 2}
     with ShardStore(tmp_path, {"config_key": key}, key, "uint16") as store:
