@@ -105,12 +105,14 @@ def test_bad_input_gets_one_line_errors(tmp_path, cli_env):
         (["--seed", "sharegpt", "--mode", "sideways"], "--mode"),
         (["--seed", "sharegpt", "--topk", "0"], "--topk"),
         (["--seed", "sharegpt", "--config", str(tmp_path / "missing.yaml")], "not found"),
+        (["--seed", "sharegpt", "--dtype", "float99"], "--dtype"),
     ]
     for extra, needle in cases:
         proc = _cli(["generate", "--backend", "hf", "--out", str(tmp_path / "o"), *extra], cli_env, check=False)
         assert proc.returncode == 2, proc.stderr
         lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
         assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], proc.stderr
+        assert not (tmp_path / "o").exists(), extra  # refused before the output folder is made
 
     env = dict(cli_env, HF_ENDPOINT="http://127.0.0.1:9", HF_HUB_CACHE=str(tmp_path / "hub"))
     proc = _cli(["generate", "--model", "someone/some-model", "--backend", "hf", "--out", str(tmp_path / "o")], env, check=False)
