@@ -182,8 +182,8 @@ def test_validate_cross_checks_rejects_against_the_manifest(converted_with_rejec
     assert not report.ok and any(p.check == "rejects" and "missing" in p.detail for p in report.problems)
 
 
-def test_a_pushed_dataset_holds_no_local_path(converted_with_rejects, tmp_path):
-    seed, out = converted_with_rejects
+def _preview_without_local_paths(out, tmp_path):
+    """`distill push --dry-run` of ``out``: the preview folder, checked to hold no byte of a local path."""
     preview = tmp_path / "preview"
     r = subprocess.run([DISTILL, "push", str(out), "--repo", "me/x", "--dry-run", str(preview)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
@@ -192,8 +192,32 @@ def test_a_pushed_dataset_holds_no_local_path(converted_with_rejects, tmp_path):
     assert len(files) >= 3
     for p in files:
         assert local.encode() not in p.read_bytes(), f"{p.relative_to(preview)} holds a local path"
+    return preview
+
+
+def test_a_pushed_dataset_holds_no_local_path(converted_with_rejects, tmp_path):
+    seed, out = converted_with_rejects
+    preview = _preview_without_local_paths(out, tmp_path)
     seed_meta = json.loads((preview / "data" / "train" / "manifest.json").read_text())["meta"]["seed"]
     assert seed_meta["spec"] == "seed.jsonl" and len(seed_meta["sha256"]) == 64
+
+
+def test_an_hf_seed_of_a_local_folder_is_stored_and_pushed_as_its_name_and_hash(tmp_path):
+    from distill.hub.push import public
+
+    folder = tmp_path / "local_ds"
+    folder.mkdir()
+    row = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    (folder / "train.jsonl").write_text(json.dumps(row) + "\n")
+    out = tmp_path / "shards"
+    r = subprocess.run([DISTILL, "data", "convert", f"hf:{folder}", "--to", "shards", "--out", str(out)], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    seed_meta = load_manifest(out)["meta"]["seed"]
+    assert seed_meta["spec"] == "hf:local_ds:train" and len(seed_meta["sha256"]) == 64
+    _preview_without_local_paths(out, tmp_path)
+    # a dataset whose metadata holds such a spec whole (made before it was cut to a name) is cut when pushed
+    assert public({"seed": {"spec": f"hf:{folder}:train"}}) == {"seed": {"spec": "hf:local_ds:train"}}
 
 
 def test_pathological_json_becomes_a_rejection_or_a_one_line_error(tmp_path):

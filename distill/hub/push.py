@@ -60,13 +60,24 @@ class PushSummary:
 
 
 def _local_path(value: object) -> bool:
+    """Whether ``value`` is a local path, or an ``hf:`` spec of one."""
+    if isinstance(value, str) and value.startswith("hf:"):
+        value = value[len("hf:"):]
     return isinstance(value, str) and (os.path.isabs(value) or value.startswith(("~", "./", "../", ".\\")))
 
 
+def _last_component(value: str) -> str:
+    """A local path's last component; ``hf:`` + a local folder (and its split) -> ``hf:`` + the folder's name (and split)."""
+    if value.startswith("hf:"):
+        return "hf:" + Path(value[len("hf:"):]).name
+    return Path(value).name
+
+
 def public(obj):
-    """A copy of a metadata tree whose path-like values (under :data:`PATH_KEYS`) keep only their last component."""
+    """A copy of a metadata tree whose path-like values (under :data:`PATH_KEYS`), ``hf:`` specs of a local
+    folder among them, keep only their last component."""
     if isinstance(obj, dict):
-        return {k: (Path(v).name if k in PATH_KEYS and _local_path(v) else public(v)) for k, v in obj.items()}
+        return {k: (_last_component(v) if k in PATH_KEYS and _local_path(v) else public(v)) for k, v in obj.items()}
     if isinstance(obj, list):
         return [public(v) for v in obj]
     return obj

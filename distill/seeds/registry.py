@@ -20,6 +20,7 @@ seed id
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -126,23 +127,23 @@ class SeedSource:
     def public_record(self) -> dict:
         """What metadata records about the seed: no local path (datasets are shared).
 
-        A registered name or ``hf:`` spec is kept; a local file or folder becomes its name,
-        and a file also its SHA-256 (which pins the content wherever the file moves).
+        A registered name or a Hub ``hf:`` spec is kept; a local file or folder becomes its name,
+        and a file also its SHA-256 (which pins the content wherever the file moves); an ``hf:``
+        spec of a local folder becomes ``hf:NAME:SPLIT`` and the SHA-256 of the folder's files.
         """
         record = {"spec": self.spec, "format": self.format}
-        if self.spec in REGISTERED or self.spec.startswith("hf:"):
+        if isinstance(self._reader, HubReader):
+            if self._reader.is_local and self.spec not in REGISTERED:
+                folder = Path(self._reader.dataset_id)
+                record.update(spec=f"hf:{folder.name}:{self._reader.split}", sha256=_folder_sha256(folder))
+            return record
+        if self.spec in REGISTERED:
             local = Path(self.location)
         else:
             local = Path(self.spec).expanduser()
             record["spec"] = local.resolve().name
-        if not self.location.startswith("hf:") and local.is_file():
-            import hashlib
-
-            h = hashlib.sha256()
-            with open(local, "rb") as f:
-                while block := f.read(1 << 22):
-                    h.update(block)
-            record["sha256"] = h.hexdigest()
+        if local.is_file():
+            record["sha256"] = _file_sha256(local)
         return record
 
     def __iter__(self) -> Iterator[Conversation | Rejection]:
@@ -151,6 +152,23 @@ class SeedSource:
         with _registered_hint():
             for raw in self._reader.rows():
                 yield _to_item(raw, self.name, fmt.parse, seen)
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _folder_sha256(folder: Path) -> str:
+    """SHA-256 over the folder's files, hidden ones left out: each one's path in the folder and SHA-256, in path order."""
+    files = [p for p in folder.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts)]
+    h = hashlib.sha256()
+    for path in sorted(files, key=lambda p: p.relative_to(folder).as_posix()):
+        h.update(f"{path.relative_to(folder).as_posix()}\0{_file_sha256(path)}\n".encode())
+    return h.hexdigest()
 
 
 def _seed_id(raw: RawRow) -> tuple[str, Problem | None]:
