@@ -118,6 +118,22 @@ def test_a_flipped_byte_is_refused_by_a_rerun_and_repair_lets_the_rerun_redo_the
     assert validate_dataset(shards_copy).ok
 
 
+def test_a_flipped_byte_in_a_parquet_footer_is_refused_by_a_rerun_naming_the_shard(shards_copy, vllm_backend):
+    from distill.data.repair import repair
+    from distill.data.validate import validate_dataset
+
+    shard = shards_copy / "shard-00001.parquet"
+    data = shard.read_bytes()
+    footer = int.from_bytes(data[-8:-4], "little")  # the footer's length, before the closing "PAR1"
+    _flip_byte(shard, len(data) - 8 - footer // 2)  # inside the footer's file metadata
+    with pytest.raises(StoreError, match="shard-00001.parquet: SHA-256 differs") as err:
+        _rerun(shards_copy, vllm_backend)
+    assert "distill data repair" in str(err.value)
+    report = validate_dataset(shards_copy)
+    assert not report.ok and any("shard-00001.parquet" in str(p) for p in report.problems), report.problems
+    assert list(repair(shards_copy).set_aside) == ["shard-00001.parquet"]
+
+
 def test_an_edited_row_count_is_refused_and_a_stray_shard_copy_is_set_aside(shards_copy, vllm_backend):
     manifest = load_manifest(shards_copy)
     edited = json.loads(json.dumps(manifest))
