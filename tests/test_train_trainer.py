@@ -12,7 +12,7 @@ from distill.errors import ConfigError
 from distill.heads.model import MedusaHeads, read_distill_meta
 from distill.train import TrainConfig, read_metrics, train
 from distill.train.calibrate import head_accuracy
-from distill.train.trainer import build_heads, lambda0_at, lr_factor
+from distill.train.trainer import _truncate_metrics, build_heads, lambda0_at, lr_factor
 
 TINY = dict(heads=2, share_lm_head=True, max_len=32, batch_size=2, lr=3e-3, seed=0, progress=False)
 
@@ -61,6 +61,8 @@ def test_resume_from_a_checkpoint_reproduces_the_uninterrupted_run(real_shards, 
     first = train(TrainConfig(out=str(tmp_path / "resumed"), stop_after=3, **opts))
     assert first.stopped_early and first.steps == 3
     assert not (tmp_path / "resumed" / "model.safetensors").exists()
+    with open(tmp_path / "resumed" / "metrics.jsonl", "a") as f:  # killed while logging step 4, after checkpoint 3
+        f.write('{"step": 4, "loss": 2.')
     second = train(TrainConfig(out=str(tmp_path / "resumed"), resume=True, **opts))
     assert straight.steps == second.steps == 6
     a, b = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "resumed")
@@ -71,6 +73,20 @@ def test_resume_from_a_checkpoint_reproduces_the_uninterrupted_run(real_shards, 
     wa = MedusaHeads.load(tmp_path / "straight").state_dict()
     wb = MedusaHeads.load(tmp_path / "resumed").state_dict()
     assert all(torch.allclose(wa[k], wb[k], atol=1e-6) for k in wa)
+
+
+def test_a_metrics_log_whose_last_line_is_torn_is_read_and_truncated_on_resume(tmp_path, caplog):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 3.0 - s / 10}) + "\n" for s in (1, 2, 3)) + '{"step": 4, "lo')
+    with caplog.at_level("WARNING", logger="distill.train"):
+        assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+    assert [r.getMessage() for r in caplog.records] == [f"{path}: dropped its torn last line (the run was killed while writing it): "
+                                                       '{"step": 4, "lo']
+    _truncate_metrics(path, 2)  # what a resume from checkpoint 2 does
+    assert path.read_text() == "".join(json.dumps({"step": s, "loss": 3.0 - s / 10}) + "\n" for s in (1, 2))
+    path.write_text('{"step": 1, "lo\n{"step": 2, "loss": 1.0}\n')  # a damaged line before the end is not a torn append
+    with pytest.raises(json.JSONDecodeError):
+        read_metrics(tmp_path)
 
 
 def test_only_the_newest_checkpoints_are_kept_and_the_run_resumes_from_them(real_shards, tmp_path):

@@ -37,6 +37,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import random
 import resource
 import time
@@ -325,8 +326,10 @@ class _Log:
 
     def record(self, record: dict, write: bool, postfix: dict) -> None:
         if self.main and write:
-            with open(self.path, "a") as f:
+            with open(self.path, "a") as f:  # one line per logged step, on disk before the next step starts
                 f.write(json.dumps(record) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
             if self.writer is not None:
                 for key, v in record.items():
                     if isinstance(v, (int, float)) and key != "step":
@@ -530,16 +533,33 @@ def _defaults() -> dict:
     return {f.name: f.default for f in fields(TrainConfig) if f.default is not MISSING}
 
 
+def _metric_records(path: Path) -> list[dict]:
+    """The records of a metrics.jsonl; a torn last line (a run killed while appending it) is dropped with a warning."""
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i < len(lines) - 1:
+                raise
+            logging.getLogger("distill.train").warning("%s: dropped its torn last line (the run was killed while writing it): %.60s",
+                                                       path, line)
+    return records
+
+
 def _truncate_metrics(path: Path, step: int) -> None:
+    """Keep the records of steps up to ``step`` (the checkpoint a resume continues from)."""
     if not path.exists():
         return
-    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    keep = [json.dumps(r) for r in _metric_records(path) if r["step"] <= step]
     atomic_write_bytes(path, "".join(line + "\n" for line in keep).encode())
 
 
 def read_metrics(out: Path) -> list[dict]:
+    """The records of ``out``'s metrics.jsonl, one per logged step ([] when there is none)."""
     path = Path(out) / METRICS_FILE
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return _metric_records(path) if path.exists() else []
 
 
 def _tensorboard(out: Path):
