@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from distill.errors import ConfigError, ModelError
-from distill.heads.model import DISTILL_HEADS_FILE, HEADS_MARKERS
+from distill.heads.model import DISTILL_HEADS_FILE, HEADS_MARKERS, check_heads_folder
 from distill.heads.vocab import DraftVocab
 from distill.store.atomic import StagedFiles
 
@@ -329,7 +329,7 @@ class EagleDrafter(nn.Module):
     def load(cls, folder: Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> "EagleDrafter":
         from safetensors.torch import load_file
 
-        folder = Path(folder)
+        folder = check_heads_folder(folder)
         if not (folder / "config.json").is_file() or not (folder / "model.safetensors").is_file():
             raise ModelError(f"{folder} is not a drafter folder (needs config.json and model.safetensors)")
         config = DrafterConfig.from_vllm_config(json.loads((folder / "config.json").read_text()))
@@ -352,6 +352,7 @@ class EagleDrafter(nn.Module):
 
 
 def is_eagle3_folder(folder: Path) -> bool:
-    """Whether a heads folder holds an EAGLE-3 drafter (by its config.json's architectures)."""
-    p = Path(folder) / "config.json"
+    """Whether a heads folder holds an EAGLE-3 drafter (by its config.json's architectures); a ModelError when
+    a save into it did not complete (:func:`~distill.heads.model.check_heads_folder`)."""
+    p = check_heads_folder(folder) / "config.json"
     return p.is_file() and EAGLE3_ARCHITECTURE in (json.loads(p.read_text()).get("architectures") or [])

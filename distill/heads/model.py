@@ -17,6 +17,11 @@ Files (vLLM's Medusa format; loads with ``speculative_config={"method": "medusa"
 "model": DIR, "num_speculative_tokens": K}``): ``config.json`` and ``model.safetensors``
 with ``blocks.{h}.layers.{l}.weight|bias`` and ``lm_heads.{h}.weight``. Our own
 fields go to ``distill-heads.json`` beside them, never into ``config.json``.
+
+A save moves the files in as one set (:class:`~distill.store.atomic.StagedFiles`); every
+reader here refuses a folder whose save did not complete (:func:`check_heads_folder`).
+A folder with no ``distill-heads.json`` and no interrupted save holds heads written by
+another tool (or saved without metadata): it loads, and its metadata is ``{}``.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import torch
 from torch import nn
 
 from distill.errors import ModelError
-from distill.store.atomic import StagedFiles
+from distill.store.atomic import StagedFiles, commit_incomplete
 
 DISTILL_HEADS_FILE = "distill-heads.json"
 #: How vLLM's Medusa reads a config.json without ``medusa_fc_bias`` (no bias); we read other tools' folders alike.
@@ -157,7 +162,7 @@ class MedusaHeads(nn.Module):
     def load(cls, folder: Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> "MedusaHeads":
         from safetensors.torch import load_file
 
-        folder = Path(folder)
+        folder = check_heads_folder(folder)
         if not (folder / "config.json").is_file() or not (folder / "model.safetensors").is_file():
             raise ModelError(f"{folder} is not a heads folder (needs config.json and model.safetensors)")
         raw = json.loads((folder / "config.json").read_text())
@@ -174,6 +179,16 @@ class MedusaHeads(nn.Module):
         return heads.to(device=device, dtype=dtype)
 
 
+def check_heads_folder(folder: Path) -> Path:
+    """``folder`` as a Path; a ModelError when a save of heads or a drafter into it did not complete."""
+    folder = Path(folder)
+    if commit_incomplete(folder):
+        raise ModelError(f"{folder}: the save of its heads did not complete (the process was stopped while moving the files in); "
+                         "run the same train-heads again with --resume to write them, or use another heads folder")
+    return folder
+
+
 def read_distill_meta(folder: Path) -> dict:
-    p = Path(folder) / DISTILL_HEADS_FILE
+    """distill's own fields of a heads or drafter folder (``distill-heads.json``; ``{}`` for heads without it)."""
+    p = check_heads_folder(folder) / DISTILL_HEADS_FILE
     return json.loads(p.read_text()) if p.is_file() else {}
