@@ -37,8 +37,11 @@ from distill.errors import ModelError
 from distill.store.atomic import StagedFiles, commit_incomplete
 
 DISTILL_HEADS_FILE = "distill-heads.json"
-#: How vLLM's Medusa reads a config.json without ``medusa_fc_bias`` (no bias); we read other tools' folders alike.
+#: ``medusa_fc_bias`` where a config.json lacks it: vLLM's Medusa reads no bias (``getattr(config, "medusa_fc_bias",
+#: False)``). :class:`HeadsConfig`'s default too, so a HeadsConfig and the config.json it is read from mean the same.
 VLLM_FC_BIAS = False
+#: Heads that ``train-heads`` builds have a bias in every residual layer (Medusa's ResBlock); config.json records it.
+TRAINED_FC_BIAS = True
 #: The names a reader needs to take a folder as holding heads: removed first and written last on a save.
 HEADS_MARKERS = ("config.json", DISTILL_HEADS_FILE)
 
@@ -50,7 +53,7 @@ class HeadsConfig:
     num_heads: int = 4
     num_layers: int = 1  # residual blocks per head
     share_lm_head: bool = False  # vLLM original_lm_head
-    bias: bool = True  # medusa_fc_bias: new heads have one (Medusa's ResBlock); always written, see VLLM_FC_BIAS
+    bias: bool = VLLM_FC_BIAS  # medusa_fc_bias, always written to config.json (trained heads: TRAINED_FC_BIAS)
 
     def __post_init__(self) -> None:
         if self.num_heads < 1 or self.num_layers < 1:

@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from distill.errors import ConfigError
-from distill.heads.model import HEADS_MARKERS, HeadsConfig, MedusaHeads
+from distill.heads.model import HEADS_MARKERS, TRAINED_FC_BIAS, HeadsConfig, MedusaHeads
 from distill.store.atomic import StagedFiles, atomic_write_bytes
 from distill.train import checkpoint as ckpt
 from distill.runtime import Placement, dataset_dtype, stage_dtype
@@ -206,10 +206,11 @@ def load_backbone(model_path: Path, device: torch.device, bf16: bool):
 
 
 def build_heads(backbone, cfg: TrainConfig) -> MedusaHeads:
+    """Fresh heads for ``backbone`` (biased residual layers, every LM head a copy of the backbone's)."""
     conf = backbone.config
     lm = backbone.get_output_embeddings().weight
     hcfg = HeadsConfig(hidden_size=conf.hidden_size, vocab_size=lm.shape[0], num_heads=cfg.heads,
-                       num_layers=cfg.layers, share_lm_head=cfg.share_lm_head)
+                       num_layers=cfg.layers, share_lm_head=cfg.share_lm_head, bias=TRAINED_FC_BIAS)
     return MedusaHeads(hcfg, lm_head_weight=lm.detach().float())
 
 
