@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from distill.errors import ConfigError
 from distill.heads.model import MedusaHeads, read_distill_meta
 from distill.train import TrainConfig, read_metrics, train
 from distill.train.calibrate import head_accuracy
-from distill.train.trainer import _truncate_metrics, build_heads, lambda0_at, lr_factor
+from distill.train.trainer import _make_optimizer, _truncate_metrics, build_heads, lambda0_at, load_backbone, lr_factor
 
 TINY = dict(heads=2, share_lm_head=True, max_len=32, batch_size=2, lr=3e-3, seed=0, progress=False)
 
@@ -126,6 +127,48 @@ def test_medusa2_trains_lora_with_the_teacher_kl_and_writes_adapter_and_merged_m
     assert (out / "merged" / "model.safetensors").is_file() and (out / "merged" / "tokenizer.json").is_file()
     meta = read_distill_meta(out)
     assert meta["merged_model"] == "merged" and s.steps == 3
+
+
+def test_optimizer_auto_is_adamw_even_where_bitsandbytes_imports(monkeypatch):
+    import importlib.machinery
+    import types
+
+    made = []
+
+    class AdamW8bit(torch.optim.AdamW):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    bnb = types.ModuleType("bitsandbytes")
+    bnb.__spec__ = importlib.machinery.ModuleSpec("bitsandbytes", None)
+    bnb.optim = types.SimpleNamespace(AdamW8bit=AdamW8bit)
+    monkeypatch.setitem(sys.modules, "bitsandbytes", bnb)
+
+    def groups():
+        return [{"params": [torch.nn.Parameter(torch.zeros(3))], "lr": 1e-3}]
+
+    gpu = torch.device("cuda")  # where adamw8bit could run: only its type is read
+    opt, name = _make_optimizer(groups(), TrainConfig(data="x", optimizer="auto"), gpu)
+    assert type(opt) is torch.optim.AdamW and name == "adamw" and made == []
+    opt, name = _make_optimizer(groups(), TrainConfig(data="x", optimizer="adamw8bit"), gpu)  # the module is seen when asked for
+    assert made == [opt] and name == "adamw8bit"
+
+
+def test_a_run_without_tensorboard_warns_once_and_trains_on(real_shards, tmp_path, monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # its import fails
+    out = tmp_path / "run"
+    with caplog.at_level("WARNING", logger="distill.train"):
+        s = train(TrainConfig(data=str(real_shards), out=str(out), steps=3, log_every=1, **TINY))
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == ["tensorboard is not installed: metrics go to metrics.jsonl only (pip install tensorboard)"]
+    assert s.steps == 3 and [r["step"] for r in read_metrics(out)] == [1, 2, 3] and not (out / "tensorboard").exists()
+    assert MedusaHeads.load(out).config.num_heads == 2
+
+
+def test_load_backbone_puts_the_model_on_the_device_asked_for(model_dir):
+    model = load_backbone(model_dir, torch.device("meta"), bf16=True)  # meta: a device other than the CPU it loads on
+    assert {(p.device.type, p.dtype) for p in model.parameters()} == {("meta", torch.bfloat16)}
 
 
 def test_lambda0_schedules_and_cosine_warmup():
