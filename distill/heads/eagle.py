@@ -47,9 +47,8 @@ import torch
 from torch import nn
 
 from distill.errors import ConfigError, ModelError
-from distill.heads.model import DISTILL_HEADS_FILE, HEADS_MARKERS, check_heads_folder
+from distill.heads.model import DISTILL_HEADS_FILE, check_heads_folder, save_heads_folder
 from distill.heads.vocab import DraftVocab
-from distill.store.atomic import StagedFiles
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"  # vLLM's registry maps it to llama_eagle3.Eagle3LlamaForCausalLM
 #: The target config fields the drafter's one layer copies (the target's own architecture and width).
@@ -308,9 +307,8 @@ class EagleDrafter(nn.Module):
         return {k: v.detach().contiguous().cpu() for k, v in sd.items()}
 
     def save(self, folder: Path, extra: dict | None = None) -> None:
-        """Write the drafter folder as one set (:class:`~distill.store.atomic.StagedFiles`)."""
-        with StagedFiles(folder, HEADS_MARKERS) as stage:
-            self.write_files(stage.path, extra)
+        """Write the drafter folder as one set (:func:`~distill.heads.model.save_heads_folder`)."""
+        save_heads_folder(self, folder, extra)
 
     def write_files(self, folder: Path, extra: dict | None = None) -> None:
         """config.json + model.safetensors (+ distill-heads.json) into a staging ``folder`` (callers: :meth:`save`)."""

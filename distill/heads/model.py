@@ -148,9 +148,8 @@ class MedusaHeads(nn.Module):
         return {k: v.detach().contiguous().cpu() for k, v in sd.items()}
 
     def save(self, folder: Path, extra: dict | None = None) -> None:
-        """Write the heads folder as one set (:class:`~distill.store.atomic.StagedFiles`)."""
-        with StagedFiles(folder, HEADS_MARKERS) as stage:
-            self.write_files(stage.path, extra)
+        """Write the heads folder as one set (:func:`save_heads_folder`)."""
+        save_heads_folder(self, folder, extra)
 
     def write_files(self, folder: Path, extra: dict | None = None) -> None:
         """model.safetensors + config.json (+ distill-heads.json) into a staging ``folder`` (callers: :meth:`save`)."""
@@ -180,6 +179,13 @@ class MedusaHeads(nn.Module):
             raise ModelError(f"{folder}: weights do not match config (missing {missing[:4]}, unexpected {unexpected[:4]})")
         heads.load_state_dict(sd)
         return heads.to(device=device, dtype=dtype)
+
+
+def save_heads_folder(module, folder: Path, extra: dict | None = None) -> None:
+    """``module.write_files(stage, extra)`` (Medusa heads, an EAGLE-3 drafter) moved into ``folder`` as one set
+    (:class:`~distill.store.atomic.StagedFiles` with :data:`HEADS_MARKERS`)."""
+    with StagedFiles(folder, HEADS_MARKERS) as stage:
+        module.write_files(stage.path, extra)
 
 
 def check_heads_folder(folder: Path) -> Path:
