@@ -1,4 +1,5 @@
-"""Writers leave the old state, the whole new one, or (a heads save killed while moving its files in) a folder every reader refuses."""
+"""Writers leave the old state, the whole new one, or (a heads save killed while moving its files in) a folder every reader
+refuses; what they move into view is on disk first."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from conftest import DISTILL, REPO
 from distill.errors import ModelError
 from distill.heads.eagle import is_eagle3_folder
 from distill.heads.model import DISTILL_HEADS_FILE, HeadsConfig, MedusaHeads, read_distill_meta
-from distill.store.atomic import COMMIT_INCOMPLETE
+from distill.store.atomic import COMMIT_INCOMPLETE, StagedFolder
 
 
 class Died(BaseException):
@@ -110,6 +111,23 @@ def test_heads_saved_without_distill_metadata_load_with_none(tmp_path):
     heads.save(tmp_path / "foreign")  # vLLM's files only, as another tool writes them
     assert sorted(p.name for p in (tmp_path / "foreign").iterdir()) == ["config.json", "model.safetensors"]
     assert _same(MedusaHeads.load(tmp_path / "foreign"), heads) and read_distill_meta(tmp_path / "foreign") == {}
+
+
+def test_a_staged_folder_is_on_disk_before_its_rename_and_its_new_name_after(tmp_path, monkeypatch):
+    synced, real_fsync = [], os.fsync
+
+    def recording_fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))  # what the descriptor names at the time
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    with StagedFolder(tmp_path / "out") as stage:
+        (stage.path / "sub").mkdir()
+        (stage.path / "a.txt").write_text("a")
+        (stage.path / "sub" / "b.txt").write_text("b")
+        staged = stage.path
+    assert sorted(synced[:-1]) == sorted(str(p) for p in (staged, staged / "a.txt", staged / "sub", staged / "sub" / "b.txt"))
+    assert synced[-1] == str(tmp_path) and (tmp_path / "out" / "sub" / "b.txt").read_text() == "b"
 
 
 def test_a_train_heads_run_killed_while_saving_leaves_no_mix_and_resumes_to_the_same_heads(real_shards, tmp_path, cli_env):

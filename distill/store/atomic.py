@@ -126,15 +126,17 @@ class StagedFolder(_Staging):
         self.path = Path(tempfile.mkdtemp(prefix=f".{self.target.name}.", suffix=suffix, dir=self.target.parent))
 
     def commit(self) -> Path:
-        """Give the files the usual permissions and rename the staging folder to ``target``."""
+        """Give the files the usual permissions, flush them to disk and rename the staging folder to ``target``."""
         for p in [self.path, *self.path.rglob("*")]:
             public_mode(p)
+        _fsync_tree(self.path)
         if self.target.exists():
             if self.overwrite:
                 shutil.rmtree(self.target)
             else:
                 self.target.rmdir()  # fails on a non-empty folder: nothing is overwritten
         os.replace(self.path, self.target)
+        fsync_dir(self.target.parent)  # the new name is durable too
         return self.target
 
 
@@ -196,11 +198,15 @@ def commit_incomplete(folder: Path) -> bool:
 
 
 def _fsync_tree(root: Path) -> None:
-    """Flush every file under ``root`` to disk (before it is renamed into view)."""
-    for p in root.rglob("*"):
-        if p.is_file() and not p.is_symlink():
+    """Flush every file and folder under ``root`` (``root`` too) to disk, before it is renamed into view."""
+    for p in [root, *root.rglob("*")]:
+        if p.is_symlink():
+            continue
+        if p.is_file():
             with open(p, "rb") as f:
                 os.fsync(f.fileno())
+        elif p.is_dir():
+            fsync_dir(p)
 
 
 def fsync_dir(path: Path) -> None:
