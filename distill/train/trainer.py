@@ -24,7 +24,8 @@ Medusa-2
     LM head against the stored teacher top-k (tail bucket included). The heads'
     learning rate is ``heads_lr_ratio`` (4) × the backbone's.
 λ0 schedule
-    ``sine``: λ0 · sin(π/2 · min(1, step / lambda0_warmup)); ``two-stage``: for the
+    ``sine``: λ0 · sin(π/2 · min(1, (step + 1) / lambda0_warmup)) at 0-based optimizer step
+    ``step``; ``two-stage``: for the
     first ``lambda0_warmup`` steps the backbone is frozen and only ``L_medusa1``
     trains the heads, then the joint loss with λ0; ``constant``: λ0 throughout.
 step
