@@ -130,6 +130,8 @@ def main() -> None:
 def plot(results: dict, out: Path) -> None:
     import matplotlib
 
+    from distill.store.atomic import atomic_write_figure
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -152,7 +154,7 @@ def plot(results: dict, out: Path) -> None:
     fig.suptitle(f"distill data validate / stats — {results['machine']}, {results['date']}")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
+    atomic_write_figure(out, fig, dpi=110)
     plt.close(fig)
 
 

@@ -66,6 +66,7 @@ def main() -> None:
 
     from distill.engine import Engine, EngineConfig, SamplingParams
     from distill.heads import HeadsConfig, MedusaHeads
+    from distill.heads.model import TRAINED_FC_BIAS
     from distill.seeds import load_seed
 
     cfg = EngineConfig(tree=args.tree, max_batch=max(args.batch, 1))
@@ -78,7 +79,7 @@ def main() -> None:
         if engine.heads is None:
             torch.manual_seed(0)
             lm = engine.model.get_output_embeddings().weight
-            heads = MedusaHeads(HeadsConfig(lm.shape[1], lm.shape[0], num_heads=4), lm_head_weight=lm.detach())
+            heads = MedusaHeads(HeadsConfig(lm.shape[1], lm.shape[0], num_heads=4, bias=TRAINED_FC_BIAS), lm_head_weight=lm.detach())
             engine = Engine(engine.model, engine.tokenizer, heads, cfg)
         questions = []
         for conv in load_seed("mt-bench"):

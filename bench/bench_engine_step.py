@@ -172,10 +172,11 @@ def label_old_engine(engine: Engine) -> None:
 
 def random_heads(model, num_heads: int = 4):
     from distill.heads import HeadsConfig, MedusaHeads
+    from distill.heads.model import TRAINED_FC_BIAS
 
     lm = model.get_output_embeddings().weight.detach()
     torch.manual_seed(0)
-    heads = MedusaHeads(HeadsConfig(lm.shape[1], lm.shape[0], num_heads=num_heads, share_lm_head=True), lm_head_weight=lm)
+    heads = MedusaHeads(HeadsConfig(lm.shape[1], lm.shape[0], num_heads=num_heads, share_lm_head=True, bias=TRAINED_FC_BIAS), lm_head_weight=lm)
     return heads.to(dtype=lm.dtype).eval()
 
 

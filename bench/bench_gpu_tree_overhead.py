@@ -61,6 +61,7 @@ def main() -> None:
     from distill.benchmark.sweep import sweep_tree_sizes
     from distill.engine.tree import default_accuracy
     from distill.heads import HeadsConfig, MedusaHeads
+    from distill.heads.model import TRAINED_FC_BIAS
     from distill.heads.tree import load_tree
 
     if args.accuracy:
@@ -77,7 +78,7 @@ def main() -> None:
     torch.set_default_dtype(dtype)
     with device:
         model = LlamaForCausalLM(llama_7b_config(args.layers)).eval()
-        heads = MedusaHeads(HeadsConfig(4096, 32000, num_heads=len(acc))).eval()
+        heads = MedusaHeads(HeadsConfig(4096, 32000, num_heads=len(acc), bias=TRAINED_FC_BIAS)).eval()
     torch.set_default_dtype(torch.float32)
     for p in heads.parameters():
         p.data.normal_(0, 0.02)

@@ -155,6 +155,8 @@ def bench_memory(args) -> list[dict]:
 def plot_memory(rows: list[dict], path: Path) -> None:
     import matplotlib
 
+    from distill.store.atomic import atomic_write_figure
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -170,7 +172,7 @@ def plot_memory(rows: list[dict], path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    atomic_write_figure(Path(path), fig, dpi=120)
     plt.close(fig)
 
 

@@ -565,7 +565,7 @@ def serve(
     adaptive: Annotated[Optional[bool], typer.Option(
         "--adaptive/--static", help="adaptive (default): the tree size per batch size follows the acceptance and step "
         "times measured while serving, plain decoding when that is faster; static: the calibrated prediction alone.")] = None,
-    compile: Annotated[Optional[bool], typer.Option("--compile/--no-compile", help="torch.compile the engine's single-token forwards (plain decoding at batch 1), compiled before the server listens (tens of seconds; BENCHMARKS.md, issue 19).")] = None,
+    compile: Annotated[Optional[bool], typer.Option("--compile/--no-compile", help="torch.compile the engine's single-token forwards (plain decoding at batch 1), compiled before the server listens (tens of seconds).")] = None,
     num_speculative_tokens: Annotated[Optional[int], typer.Option(help="--engine vllm: heads used (default: all).")] = None,
     dtype: Annotated[Optional[str], typer.Option(help="auto (default: the heads' teacher dtype, else the model's; bf16 on CPUs only where native) | float32 | bfloat16 | float16.")] = None,
     device: Annotated[Optional[str], typer.Option(help="auto (default: CUDA when available, else CPU) | cpu | cuda | cuda:N (distill engine).")] = None,

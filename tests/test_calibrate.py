@@ -43,3 +43,27 @@ def test_calibrate_writes_a_prefix_closed_tree_that_beats_the_cartesian_tree(tra
     assert min(cal["positions"]) > 100
     for png in ("tree.png", "acceptance.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_plot_that_fails_while_writing_leaves_the_old_png_whole(tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
+    from distill.train.calibrate import plot_curve, plot_tree
+
+    curve, acc = [1.0, 1.5, 1.7], [[0.6, 0.2], [0.4, 0.1]]
+    plot_curve(curve, tmp_path / "acceptance.png")
+    plot_tree(sparse_tree(acc, 3), acc, tmp_path / "tree.png")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    assert sorted(before) == ["acceptance.png", "tree.png"]
+
+    def torn_savefig(self, fname, *args, **kwargs):  # half a PNG, then the writer dies
+        with open(fname, "wb") as f:
+            f.write(b"\x89PNG\r\n")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(Figure, "savefig", torn_savefig)
+    with pytest.raises(OSError, match="disk full"):
+        plot_curve(curve + [1.8], tmp_path / "acceptance.png")
+    with pytest.raises(OSError, match="disk full"):
+        plot_tree(sparse_tree(acc, 2), acc, tmp_path / "tree.png")
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # no torn PNG, no temp file left

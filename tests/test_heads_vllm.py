@@ -44,3 +44,31 @@ def test_per_head_lm_head_folder_loads_in_vllm(model_dir, hf_model, tmp_path):
     result = _generate_with_heads(model_dir, tmp_path / "heads", 3)
     assert result["method"] == "medusa" and result["n_tokens"] == 16
     assert result["metrics"]["vllm:spec_decode_num_draft_tokens"] == 3 * result["metrics"]["vllm:spec_decode_num_drafts"] > 0
+
+
+@pytest.mark.vllm
+def test_a_config_without_medusa_fc_bias_reads_as_vllm_reads_it(tmp_path):
+    """Another tool's config.json may leave out medusa_fc_bias: we build the layers vLLM builds from it."""
+    import torch
+    from safetensors.torch import save_file
+    from vllm.model_executor.models.medusa import ResidualBlock as VllmResidualBlock
+    from vllm.transformers_utils.configs.medusa import MedusaConfig
+
+    from distill.heads.model import HeadsConfig, MedusaHeads
+
+    conf = {"model_type": "medusa", "architectures": ["MedusaModel"], "hidden_size": 8, "vocab_size": 16, "num_heads": 2,
+            "num_hidden_layers": 1}
+    weights = {f"blocks.{h}.layers.0.weight": torch.zeros(8, 8) for h in range(2)}
+    weights.update({f"lm_heads.{h}.weight": torch.zeros(16, 8) for h in range(2)})
+    for bias in (None, True, False):
+        folder = tmp_path / f"bias-{bias}"
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(conf if bias is None else {**conf, "medusa_fc_bias": bias}))
+        save_file({**weights, **({f"blocks.{h}.layers.0.bias": torch.zeros(8) for h in range(2)} if bias else {})},
+                  str(folder / "model.safetensors"))
+        vllm_block = VllmResidualBlock(MedusaConfig.from_pretrained(str(folder)), hidden_size=8, num_layers=1)
+        ours = MedusaHeads.load(folder)
+        assert ours.config.bias == (vllm_block.layers[0].bias is not None) == bool(bias)
+        assert (ours.blocks[0].layers[0].bias is not None) == bool(bias)
+    assert HeadsConfig(hidden_size=8, vocab_size=16).bias is False  # a HeadsConfig means what its config.json says
+    assert HeadsConfig(hidden_size=8, vocab_size=16).vllm_config()["medusa_fc_bias"] is False  # and always says it

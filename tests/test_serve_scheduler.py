@@ -1,8 +1,10 @@
-"""The server's scheduler in-process on the real engine: continuous batching and a failed step."""
+"""The server's scheduler in-process on the real engine: continuous batching, a failed step, a dead worker."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import pytest
 
@@ -197,3 +199,63 @@ def test_drain_refuses_new_jobs_and_fails_what_outlives_the_grace_period(engine)
     events, sched = asyncio.run(scenario())
     assert isinstance(events[-1], Failed) and events[-1].status == 503 and "shutting down" in events[-1].message
     assert not sched.alive and sched.error is None
+
+
+class EngineDied(BaseException):
+    """Not an Exception: what the worker cannot isolate to one request (it stands for the engine thread's death)."""
+
+
+def test_serve_exits_1_with_the_error_logged_when_its_engine_worker_dies(engine, model_dir, monkeypatch, caplog, capsys):
+    """`distill serve` on this engine, with a decoding step that kills the worker: the request in flight gets a 500
+    naming the error, the error is logged with its traceback, and serve ends with exit code 1."""
+    import httpx
+
+    from conftest import free_port
+    from distill.models import stop_token_ids
+    from distill.serve import server
+    from distill.serve.app import AppSettings, create_app
+    from distill.serve.config import ServeConfig
+
+    real = engine.running_batch
+
+    def running_batch(*a, **kw):
+        batch = real(*a, **kw)
+
+        def dying_step():
+            raise EngineDied("injected engine death")
+
+        batch.step = dying_step
+        return batch
+
+    settings = AppSettings(model_name="smol", max_model_len=engine.max_len, max_batch=2,
+                           stop_token_ids=tuple(sorted(stop_token_ids(engine.tokenizer, model_dir))))
+    monkeypatch.setattr(server, "build_app", lambda cfg, worker_thread=True: (create_app(engine, settings, worker_thread), settings))
+    port = free_port()
+    replies = []
+
+    def client() -> None:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                httpx.get(f"{url}/health", timeout=5)
+                break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        replies.append(httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+            "model": "smol", "messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 4}))
+
+    engine.running_batch = running_batch
+    thread = threading.Thread(target=client, daemon=True)
+    try:
+        thread.start()
+        with pytest.raises(SystemExit) as exited, caplog.at_level("ERROR", logger="distill.serve"):
+            server.serve(ServeConfig(port=port), log_level="warning")
+    finally:
+        del engine.running_batch
+        thread.join(60)
+    assert exited.value.code == 1
+    assert "distill serve: the engine worker died: EngineDied: injected engine death" in capsys.readouterr().err
+    died = [r for r in caplog.records if r.getMessage() == "engine worker died"]
+    assert len(died) == 1 and died[0].exc_info[0] is EngineDied
+    assert replies[0].status_code == 500 and "engine failed: EngineDied: injected engine death" in replies[0].text

@@ -30,7 +30,7 @@ def test_shards_and_manifest_are_committed_together_and_stream_back(tmp_path):
     assert [p.name for p in tmp_path.glob(".*")] == [".distill.lock"]  # no temporary file left
 
 
-def test_a_shard_renamed_in_before_the_crash_is_adopted_and_a_torn_one_set_aside(tmp_path):
+def test_a_shard_renamed_in_before_the_crash_is_adopted_and_a_torn_one_set_aside(tmp_path, caplog):
     store = _store(tmp_path)
     store.write_shard([_row(0)])
     # A crash after the shard rename but before the manifest: simulate by dropping it from the manifest.
@@ -44,9 +44,13 @@ def test_a_shard_renamed_in_before_the_crash_is_adopted_and_a_torn_one_set_aside
     (tmp_path / "shard-00002.parquet").write_bytes(good[: len(good) // 2])
     (tmp_path / ".shard-00003.parquet.x.tmp").write_bytes(b"partial")
 
-    reopened = _store(tmp_path)
+    with caplog.at_level("WARNING", logger="distill"):
+        reopened = _store(tmp_path)
     assert reopened.done_ids() == {"s:0", "s:1"}
     assert (tmp_path / "shard-00002.parquet.corrupt").exists() and not list(tmp_path.glob(".*.tmp"))
+    set_aside = [r.getMessage() for r in caplog.records if ".corrupt" in r.getMessage()]
+    assert len(set_aside) == 1 and set_aside[0].startswith(f"{tmp_path}: set shard-00002.parquet aside as shard-00002.parquet.corrupt: ")
+    assert "Parquet magic bytes not found" in set_aside[0]  # the reason: pyarrow's own words for the torn file
     assert [s["file"] for s in load_manifest(tmp_path)["shards"]] == ["shard-00000.parquet", "shard-00001.parquet"]
     reopened.write_shard([_row(4)])
     assert load_manifest(tmp_path)["shards"][-1]["file"] == "shard-00003.parquet"  # never reuses a set-aside name

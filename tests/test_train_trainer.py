@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from distill.errors import ConfigError
 from distill.heads.model import MedusaHeads, read_distill_meta
 from distill.train import TrainConfig, read_metrics, train
 from distill.train.calibrate import head_accuracy
-from distill.train.trainer import build_heads, lambda0_at, lr_factor
+from distill.train.trainer import _make_optimizer, _truncate_metrics, build_heads, lambda0_at, load_backbone, lr_factor
 
 TINY = dict(heads=2, share_lm_head=True, max_len=32, batch_size=2, lr=3e-3, seed=0, progress=False)
 
@@ -61,6 +62,8 @@ def test_resume_from_a_checkpoint_reproduces_the_uninterrupted_run(real_shards, 
     first = train(TrainConfig(out=str(tmp_path / "resumed"), stop_after=3, **opts))
     assert first.stopped_early and first.steps == 3
     assert not (tmp_path / "resumed" / "model.safetensors").exists()
+    with open(tmp_path / "resumed" / "metrics.jsonl", "a") as f:  # killed while logging step 4, after checkpoint 3
+        f.write('{"step": 4, "loss": 2.')
     second = train(TrainConfig(out=str(tmp_path / "resumed"), resume=True, **opts))
     assert straight.steps == second.steps == 6
     a, b = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "resumed")
@@ -71,6 +74,20 @@ def test_resume_from_a_checkpoint_reproduces_the_uninterrupted_run(real_shards, 
     wa = MedusaHeads.load(tmp_path / "straight").state_dict()
     wb = MedusaHeads.load(tmp_path / "resumed").state_dict()
     assert all(torch.allclose(wa[k], wb[k], atol=1e-6) for k in wa)
+
+
+def test_a_metrics_log_whose_last_line_is_torn_is_read_and_truncated_on_resume(tmp_path, caplog):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 3.0 - s / 10}) + "\n" for s in (1, 2, 3)) + '{"step": 4, "lo')
+    with caplog.at_level("WARNING", logger="distill.train"):
+        assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+    assert [r.getMessage() for r in caplog.records] == [f"{path}: dropped its torn last line (the run was killed while writing it): "
+                                                       '{"step": 4, "lo']
+    _truncate_metrics(path, 2)  # what a resume from checkpoint 2 does
+    assert path.read_text() == "".join(json.dumps({"step": s, "loss": 3.0 - s / 10}) + "\n" for s in (1, 2))
+    path.write_text('{"step": 1, "lo\n{"step": 2, "loss": 1.0}\n')  # a damaged line before the end is not a torn append
+    with pytest.raises(json.JSONDecodeError):
+        read_metrics(tmp_path)
 
 
 def test_only_the_newest_checkpoints_are_kept_and_the_run_resumes_from_them(real_shards, tmp_path):
@@ -110,6 +127,48 @@ def test_medusa2_trains_lora_with_the_teacher_kl_and_writes_adapter_and_merged_m
     assert (out / "merged" / "model.safetensors").is_file() and (out / "merged" / "tokenizer.json").is_file()
     meta = read_distill_meta(out)
     assert meta["merged_model"] == "merged" and s.steps == 3
+
+
+def test_optimizer_auto_is_adamw_even_where_bitsandbytes_imports(monkeypatch):
+    import importlib.machinery
+    import types
+
+    made = []
+
+    class AdamW8bit(torch.optim.AdamW):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    bnb = types.ModuleType("bitsandbytes")
+    bnb.__spec__ = importlib.machinery.ModuleSpec("bitsandbytes", None)
+    bnb.optim = types.SimpleNamespace(AdamW8bit=AdamW8bit)
+    monkeypatch.setitem(sys.modules, "bitsandbytes", bnb)
+
+    def groups():
+        return [{"params": [torch.nn.Parameter(torch.zeros(3))], "lr": 1e-3}]
+
+    gpu = torch.device("cuda")  # where adamw8bit could run: only its type is read
+    opt, name = _make_optimizer(groups(), TrainConfig(data="x", optimizer="auto"), gpu)
+    assert type(opt) is torch.optim.AdamW and name == "adamw" and made == []
+    opt, name = _make_optimizer(groups(), TrainConfig(data="x", optimizer="adamw8bit"), gpu)  # the module is seen when asked for
+    assert made == [opt] and name == "adamw8bit"
+
+
+def test_a_run_without_tensorboard_warns_once_and_trains_on(real_shards, tmp_path, monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # its import fails
+    out = tmp_path / "run"
+    with caplog.at_level("WARNING", logger="distill.train"):
+        s = train(TrainConfig(data=str(real_shards), out=str(out), steps=3, log_every=1, **TINY))
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == ["tensorboard is not installed: metrics go to metrics.jsonl only (pip install tensorboard)"]
+    assert s.steps == 3 and [r["step"] for r in read_metrics(out)] == [1, 2, 3] and not (out / "tensorboard").exists()
+    assert MedusaHeads.load(out).config.num_heads == 2
+
+
+def test_load_backbone_puts_the_model_on_the_device_asked_for(model_dir):
+    model = load_backbone(model_dir, torch.device("meta"), bf16=True)  # meta: a device other than the CPU it loads on
+    assert {(p.device.type, p.dtype) for p in model.parameters()} == {("meta", torch.bfloat16)}
 
 
 def test_lambda0_schedules_and_cosine_warmup():

@@ -47,9 +47,8 @@ import torch
 from torch import nn
 
 from distill.errors import ConfigError, ModelError
-from distill.heads.model import DISTILL_HEADS_FILE, HEADS_MARKERS
+from distill.heads.model import DISTILL_HEADS_FILE, check_heads_folder, save_heads_folder
 from distill.heads.vocab import DraftVocab
-from distill.store.atomic import StagedFiles
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"  # vLLM's registry maps it to llama_eagle3.Eagle3LlamaForCausalLM
 #: The target config fields the drafter's one layer copies (the target's own architecture and width).
@@ -308,9 +307,8 @@ class EagleDrafter(nn.Module):
         return {k: v.detach().contiguous().cpu() for k, v in sd.items()}
 
     def save(self, folder: Path, extra: dict | None = None) -> None:
-        """Write the drafter folder as one set (:class:`~distill.store.atomic.StagedFiles`)."""
-        with StagedFiles(folder, HEADS_MARKERS) as stage:
-            self.write_files(stage.path, extra)
+        """Write the drafter folder as one set (:func:`~distill.heads.model.save_heads_folder`)."""
+        save_heads_folder(self, folder, extra)
 
     def write_files(self, folder: Path, extra: dict | None = None) -> None:
         """config.json + model.safetensors (+ distill-heads.json) into a staging ``folder`` (callers: :meth:`save`)."""
@@ -329,7 +327,7 @@ class EagleDrafter(nn.Module):
     def load(cls, folder: Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> "EagleDrafter":
         from safetensors.torch import load_file
 
-        folder = Path(folder)
+        folder = check_heads_folder(folder)
         if not (folder / "config.json").is_file() or not (folder / "model.safetensors").is_file():
             raise ModelError(f"{folder} is not a drafter folder (needs config.json and model.safetensors)")
         config = DrafterConfig.from_vllm_config(json.loads((folder / "config.json").read_text()))
@@ -352,6 +350,7 @@ class EagleDrafter(nn.Module):
 
 
 def is_eagle3_folder(folder: Path) -> bool:
-    """Whether a heads folder holds an EAGLE-3 drafter (by its config.json's architectures)."""
-    p = Path(folder) / "config.json"
+    """Whether a heads folder holds an EAGLE-3 drafter (by its config.json's architectures); a ModelError when
+    a save into it did not complete (:func:`~distill.heads.model.check_heads_folder`)."""
+    p = check_heads_folder(folder) / "config.json"
     return p.is_file() and EAGLE3_ARCHITECTURE in (json.loads(p.read_text()).get("architectures") or [])

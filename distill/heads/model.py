@@ -17,6 +17,11 @@ Files (vLLM's Medusa format; loads with ``speculative_config={"method": "medusa"
 "model": DIR, "num_speculative_tokens": K}``): ``config.json`` and ``model.safetensors``
 with ``blocks.{h}.layers.{l}.weight|bias`` and ``lm_heads.{h}.weight``. Our own
 fields go to ``distill-heads.json`` beside them, never into ``config.json``.
+
+A save moves the files in as one set (:class:`~distill.store.atomic.StagedFiles`); every
+reader here refuses a folder whose save did not complete (:func:`check_heads_folder`).
+A folder with no ``distill-heads.json`` and no interrupted save holds heads written by
+another tool (or saved without metadata): it loads, and its metadata is ``{}``.
 """
 
 from __future__ import annotations
@@ -29,11 +34,14 @@ import torch
 from torch import nn
 
 from distill.errors import ModelError
-from distill.store.atomic import StagedFiles
+from distill.store.atomic import StagedFiles, commit_incomplete
 
 DISTILL_HEADS_FILE = "distill-heads.json"
-#: How vLLM's Medusa reads a config.json without ``medusa_fc_bias`` (no bias); we read other tools' folders alike.
+#: ``medusa_fc_bias`` where a config.json lacks it: vLLM's Medusa reads no bias (``getattr(config, "medusa_fc_bias",
+#: False)``). :class:`HeadsConfig`'s default too, so a HeadsConfig and the config.json it is read from mean the same.
 VLLM_FC_BIAS = False
+#: Heads that ``train-heads`` builds have a bias in every residual layer (Medusa's ResBlock); config.json records it.
+TRAINED_FC_BIAS = True
 #: The names a reader needs to take a folder as holding heads: removed first and written last on a save.
 HEADS_MARKERS = ("config.json", DISTILL_HEADS_FILE)
 
@@ -45,7 +53,7 @@ class HeadsConfig:
     num_heads: int = 4
     num_layers: int = 1  # residual blocks per head
     share_lm_head: bool = False  # vLLM original_lm_head
-    bias: bool = True  # medusa_fc_bias: new heads have one (Medusa's ResBlock); always written, see VLLM_FC_BIAS
+    bias: bool = VLLM_FC_BIAS  # medusa_fc_bias, always written to config.json (trained heads: TRAINED_FC_BIAS)
 
     def __post_init__(self) -> None:
         if self.num_heads < 1 or self.num_layers < 1:
@@ -140,9 +148,8 @@ class MedusaHeads(nn.Module):
         return {k: v.detach().contiguous().cpu() for k, v in sd.items()}
 
     def save(self, folder: Path, extra: dict | None = None) -> None:
-        """Write the heads folder as one set (:class:`~distill.store.atomic.StagedFiles`)."""
-        with StagedFiles(folder, HEADS_MARKERS) as stage:
-            self.write_files(stage.path, extra)
+        """Write the heads folder as one set (:func:`save_heads_folder`)."""
+        save_heads_folder(self, folder, extra)
 
     def write_files(self, folder: Path, extra: dict | None = None) -> None:
         """model.safetensors + config.json (+ distill-heads.json) into a staging ``folder`` (callers: :meth:`save`)."""
@@ -157,7 +164,7 @@ class MedusaHeads(nn.Module):
     def load(cls, folder: Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> "MedusaHeads":
         from safetensors.torch import load_file
 
-        folder = Path(folder)
+        folder = check_heads_folder(folder)
         if not (folder / "config.json").is_file() or not (folder / "model.safetensors").is_file():
             raise ModelError(f"{folder} is not a heads folder (needs config.json and model.safetensors)")
         raw = json.loads((folder / "config.json").read_text())
@@ -174,6 +181,23 @@ class MedusaHeads(nn.Module):
         return heads.to(device=device, dtype=dtype)
 
 
+def save_heads_folder(module, folder: Path, extra: dict | None = None) -> None:
+    """``module.write_files(stage, extra)`` (Medusa heads, an EAGLE-3 drafter) moved into ``folder`` as one set
+    (:class:`~distill.store.atomic.StagedFiles` with :data:`HEADS_MARKERS`)."""
+    with StagedFiles(folder, HEADS_MARKERS) as stage:
+        module.write_files(stage.path, extra)
+
+
+def check_heads_folder(folder: Path) -> Path:
+    """``folder`` as a Path; a ModelError when a save of heads or a drafter into it did not complete."""
+    folder = Path(folder)
+    if commit_incomplete(folder):
+        raise ModelError(f"{folder}: the save of its heads did not complete (the process was stopped while moving the files in); "
+                         "run the same train-heads again with --resume to write them, or use another heads folder")
+    return folder
+
+
 def read_distill_meta(folder: Path) -> dict:
-    p = Path(folder) / DISTILL_HEADS_FILE
+    """distill's own fields of a heads or drafter folder (``distill-heads.json``; ``{}`` for heads without it)."""
+    p = check_heads_folder(folder) / DISTILL_HEADS_FILE
     return json.loads(p.read_text()) if p.is_file() else {}

@@ -23,7 +23,7 @@ class ServerMetrics:
         wall-clock seconds of one engine decoding step (one forward pass of the batch).
     """
 
-    def __init__(self, model_name: str = "distill", speculative: bool = False, max_model_len: int = 8192) -> None:
+    def __init__(self, model_name: str, speculative: bool, max_model_len: int) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.vllm = VllmMetrics(r, model_name, speculative, max_model_len)

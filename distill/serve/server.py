@@ -179,7 +179,7 @@ def vllm_command(cfg: ServeConfig, python: str | None = None) -> list[str]:
     from distill.engine.engine import LOOKUP
     from distill.engine.lookup import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM
     from distill.heads.eagle import is_eagle3_folder
-    from distill.heads.model import HeadsConfig, read_distill_meta
+    from distill.heads.model import HeadsConfig, check_heads_folder, read_distill_meta
     from distill.models import resolve_model
     from distill.runtime import stage_dtype
 
@@ -189,7 +189,7 @@ def vllm_command(cfg: ServeConfig, python: str | None = None) -> list[str]:
         spec = {"method": "ngram", "num_speculative_tokens": cfg.num_speculative_tokens or VLLM_LOOKUP_TOKENS,
                 "prompt_lookup_max": DEFAULT_MAX_NGRAM, "prompt_lookup_min": DEFAULT_MIN_NGRAM}
         return _vllm_server_command(cfg, python, resolved, spec, where.dtype)
-    heads = Path(cfg.heads).expanduser().resolve()
+    heads = check_heads_folder(Path(cfg.heads).expanduser().resolve())
     if not (heads / "config.json").is_file():
         raise ConfigError(f"--heads {cfg.heads} is not a heads folder (needs config.json and model.safetensors)")
     if is_eagle3_folder(heads):  # vLLM's llama_eagle3 drafter: a chain of num_speculative_tokens drafts

@@ -8,10 +8,12 @@ Every writer in distill goes through these:
   when complete (:class:`StagedFolder`);
 * a set of files inside a folder that holds other things too (a heads folder beside its
   training checkpoints): built in a hidden staging folder inside it and moved in as one set
-  (:class:`StagedFiles`), its marker files removed first and moved in last.
+  (:class:`StagedFiles`), its marker files removed first and moved in last, with a
+  :data:`COMMIT_INCOMPLETE` file in the folder while the set is moved in.
 
-A crash leaves at most a hidden temp entry, never a half-written target, and never a file
-set that mixes two writes.
+A crash leaves at most a hidden temp entry, never a half-written target; a crash while a
+file set is moved in leaves :data:`COMMIT_INCOMPLETE` behind, and a reader that checks
+:func:`commit_incomplete` refuses that folder rather than read a mix of two writes.
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+
+#: Present in a folder while :meth:`StagedFiles.commit` moves a set of files into it; left behind by a crash there.
+COMMIT_INCOMPLETE = ".commit-incomplete"
 
 
 def public_mode(path: Path, mode: int = 0o644) -> None:
@@ -120,15 +126,17 @@ class StagedFolder(_Staging):
         self.path = Path(tempfile.mkdtemp(prefix=f".{self.target.name}.", suffix=suffix, dir=self.target.parent))
 
     def commit(self) -> Path:
-        """Give the files the usual permissions and rename the staging folder to ``target``."""
+        """Give the files the usual permissions, flush them to disk and rename the staging folder to ``target``."""
         for p in [self.path, *self.path.rglob("*")]:
             public_mode(p)
+        _fsync_tree(self.path)
         if self.target.exists():
             if self.overwrite:
                 shutil.rmtree(self.target)
             else:
                 self.target.rmdir()  # fails on a non-empty folder: nothing is overwritten
         os.replace(self.path, self.target)
+        fsync_dir(self.target.parent)  # the new name is durable too
         return self.target
 
 
@@ -136,13 +144,17 @@ class StagedFolder(_Staging):
 class StagedFiles(_Staging):
     """Files written into a hidden staging folder inside ``folder`` and moved into it as one set.
 
-    ``markers`` are the names a reader requires to take the set as present (a heads folder:
-    ``config.json``; distill's ``distill-heads.json``). :meth:`commit` removes the markers
-    from ``folder`` first, then moves every other staged entry over its namesake, then the
-    markers, in order. A crash in between leaves the folder without a marker: readers find
-    no set there (the rerun writes it), never the new weights beside the old config. Other
-    entries of ``folder`` (checkpoints, metrics) are left alone. As a context manager it
-    commits on a normal exit and removes the staging folder on an exception.
+    :meth:`commit` first writes :data:`COMMIT_INCOMPLETE` into ``folder`` (fsynced), then
+    removes the ``markers`` (the names a reader needs to take the set as present, a heads
+    folder's ``config.json`` and ``distill-heads.json``), moves every other staged entry
+    over its namesake, then the markers in order, and removes :data:`COMMIT_INCOMPLETE`
+    last. The guarantee: a crash before the commit leaves the old set; a crash during it
+    leaves :data:`COMMIT_INCOMPLETE`, which stays until a later commit into ``folder``
+    completes, and :func:`commit_incomplete` readers refuse the folder; after it, the new
+    set. A reader that does not check (vLLM) finds the old set, no marker (no set), or the
+    new files, never new files under old markers. Other entries of ``folder``
+    (checkpoints, metrics) are left alone. As a context manager it commits on a normal
+    exit and removes the staging folder on an exception.
     """
 
     def __init__(self, folder: Path, markers: tuple[str, ...]):
@@ -158,6 +170,12 @@ class StagedFiles(_Staging):
         for p in [self.path, *self.path.rglob("*")]:
             public_mode(p)
         _fsync_tree(self.path)
+        incomplete = self.folder / COMMIT_INCOMPLETE
+        with open(incomplete, "wb") as f:  # from here until the last marker is in, readers refuse the folder
+            f.write(b"a set of files was being moved into this folder and did not finish: its files may mix two writes\n")
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_dir(self.folder)
         for name in self.markers:
             (self.folder / name).unlink(missing_ok=True)
         fsync_dir(self.folder)
@@ -167,17 +185,28 @@ class StagedFiles(_Staging):
                 shutil.rmtree(target)
             os.replace(self.path / name, target)
         fsync_dir(self.folder)
+        incomplete.unlink()
+        fsync_dir(self.folder)
         self.path.rmdir()
         return self.folder
 
 
+def commit_incomplete(folder: Path) -> bool:
+    """Whether a :class:`StagedFiles` commit into ``folder`` was interrupted (its files may mix two writes)."""
+    return (Path(folder) / COMMIT_INCOMPLETE).exists()
+
+
 
 def _fsync_tree(root: Path) -> None:
-    """Flush every file under ``root`` to disk (before it is renamed into view)."""
-    for p in root.rglob("*"):
-        if p.is_file() and not p.is_symlink():
+    """Flush every file and folder under ``root`` (``root`` too) to disk, before it is renamed into view."""
+    for p in [root, *root.rglob("*")]:
+        if p.is_symlink():
+            continue
+        if p.is_file():
             with open(p, "rb") as f:
                 os.fsync(f.fileno())
+        elif p.is_dir():
+            fsync_dir(p)
 
 
 def fsync_dir(path: Path) -> None:

@@ -32,7 +32,7 @@ from distill.heads.eagle import EagleDrafter, is_eagle3_folder
 from distill.heads.model import MedusaHeads, read_distill_meta
 from distill.runtime import canonical_dtype, stage_dtype
 from distill.heads.tree import cartesian_tree, expected_acceptance_length, save_tree, sparse_tree
-from distill.store.atomic import atomic_write_json
+from distill.store.atomic import atomic_write_figure, atomic_write_json
 from distill.train.data import iter_batches
 from distill.train.losses import hard_ce, shifted_targets
 
@@ -257,7 +257,7 @@ def plot_tree(tree, acc, path: Path) -> None:
     fig.colorbar(sc, ax=ax, label="path probability")
     ax.set_title(f"sparse tree, {len(tree)} nodes (label: rank)")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    atomic_write_figure(Path(path), fig, dpi=120)
     plt.close(fig)
 
 
@@ -277,5 +277,5 @@ def plot_curve(curve: list[float], path: Path, cart: dict | None = None) -> None
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    atomic_write_figure(Path(path), fig, dpi=120)
     plt.close(fig)

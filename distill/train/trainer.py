@@ -24,7 +24,8 @@ Medusa-2
     LM head against the stored teacher top-k (tail bucket included). The heads'
     learning rate is ``heads_lr_ratio`` (4) × the backbone's.
 λ0 schedule
-    ``sine``: λ0 · sin(π/2 · min(1, step / lambda0_warmup)); ``two-stage``: for the
+    ``sine``: λ0 · sin(π/2 · min(1, (step + 1) / lambda0_warmup)) at 0-based optimizer step
+    ``step``; ``two-stage``: for the
     first ``lambda0_warmup`` steps the backbone is frozen and only ``L_medusa1``
     trains the heads, then the joint loss with λ0; ``constant``: λ0 throughout.
 step
@@ -37,6 +38,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import random
 import resource
 import time
@@ -48,7 +50,7 @@ import torch
 from torch import nn
 
 from distill.errors import ConfigError
-from distill.heads.model import HEADS_MARKERS, HeadsConfig, MedusaHeads
+from distill.heads.model import HEADS_MARKERS, TRAINED_FC_BIAS, HeadsConfig, MedusaHeads
 from distill.store.atomic import StagedFiles, atomic_write_bytes
 from distill.train import checkpoint as ckpt
 from distill.runtime import Placement, dataset_dtype, stage_dtype
@@ -205,10 +207,11 @@ def load_backbone(model_path: Path, device: torch.device, bf16: bool):
 
 
 def build_heads(backbone, cfg: TrainConfig) -> MedusaHeads:
+    """Fresh heads for ``backbone`` (biased residual layers, every LM head a copy of the backbone's)."""
     conf = backbone.config
     lm = backbone.get_output_embeddings().weight
     hcfg = HeadsConfig(hidden_size=conf.hidden_size, vocab_size=lm.shape[0], num_heads=cfg.heads,
-                       num_layers=cfg.layers, share_lm_head=cfg.share_lm_head)
+                       num_layers=cfg.layers, share_lm_head=cfg.share_lm_head, bias=TRAINED_FC_BIAS)
     return MedusaHeads(hcfg, lm_head_weight=lm.detach().float())
 
 
@@ -325,8 +328,10 @@ class _Log:
 
     def record(self, record: dict, write: bool, postfix: dict) -> None:
         if self.main and write:
-            with open(self.path, "a") as f:
+            with open(self.path, "a") as f:  # one line per logged step, on disk before the next step starts
                 f.write(json.dumps(record) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
             if self.writer is not None:
                 for key, v in record.items():
                     if isinstance(v, (int, float)) and key != "step":
@@ -530,16 +535,33 @@ def _defaults() -> dict:
     return {f.name: f.default for f in fields(TrainConfig) if f.default is not MISSING}
 
 
+def _metric_records(path: Path) -> list[dict]:
+    """The records of a metrics.jsonl; a torn last line (a run killed while appending it) is dropped with a warning."""
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i < len(lines) - 1:
+                raise
+            logging.getLogger("distill.train").warning("%s: dropped its torn last line (the run was killed while writing it): %.60s",
+                                                       path, line)
+    return records
+
+
 def _truncate_metrics(path: Path, step: int) -> None:
+    """Keep the records of steps up to ``step`` (the checkpoint a resume continues from)."""
     if not path.exists():
         return
-    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    keep = [json.dumps(r) for r in _metric_records(path) if r["step"] <= step]
     atomic_write_bytes(path, "".join(line + "\n" for line in keep).encode())
 
 
 def read_metrics(out: Path) -> list[dict]:
+    """The records of ``out``'s metrics.jsonl, one per logged step ([] when there is none)."""
     path = Path(out) / METRICS_FILE
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return _metric_records(path) if path.exists() else []
 
 
 def _tensorboard(out: Path):
