@@ -20,6 +20,8 @@ wall-clock at batch 1
     and each drafter with its full tree, over the same prompts, alternating the order per prompt;
     every greedy output must equal plain decoding's. ``--vllm`` adds bare vLLM plain decoding
     (in-process engine core, eager, as bench/bench_engine_step.py times it) in the same rotation;
+    ``--typical T`` adds a sampled pass (temperature T, typical acceptance) of every engine but vLLM,
+    rows ``NAME@typical`` measured against plain decoding sampled the same way;
     ``--vllm-speculative JSON`` gives that vLLM a speculative config (its ``ngram`` prompt lookup,
     the counterpart of ``--lookup``).
 """
@@ -82,6 +84,9 @@ def main() -> None:
     ap.add_argument("--eagle-depth", type=int, default=5)
     ap.add_argument("--eagle-topk", type=int, default=8)
     ap.add_argument("--medusa-nodes", type=int, default=24, help="Medusa's full tree: its calibrated tree cut to this many nodes")
+    ap.add_argument("--typical", type=float, default=0.0, metavar="T",
+                    help="also sample at temperature T (typical acceptance, a fixed seed per prompt): tokens/step and "
+                         "tok/s of every engine but vLLM, in the same rotation after the greedy pass (0: greedy only)")
     ap.add_argument("--vllm", action="store_true")
     ap.add_argument("--vllm-speculative", type=json.loads, default=None, metavar="JSON",
                     help='vLLM\'s speculative_config for its row, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
@@ -167,13 +172,28 @@ def main() -> None:
             sum(a == b for a, b in zip(outs["vllm"], outs["plain"])) if llm else None)
         print(f"prompt {i + 1}/{len(prompts)}: " + ", ".join(
             f"{n} {runs[n][-1]['tokens'] / runs[n][-1]['seconds']:.1f} tok/s" for n in names), flush=True)
+    if args.typical > 0:  # sampled outputs differ per engine; what counts is tokens/step and tok/s
+        for i, p in enumerate(prompts):
+            sp_t = SamplingParams(max_tokens=args.max_tokens, temperature=args.typical, seed=1000 + i)
+            for name in (list(engines) if i % 2 == 0 else list(engines)[::-1]):
+                t0 = time.perf_counter()
+                (res,), st = engines[name].generate([p], sp_t)
+                runs.setdefault(f"{name}@typical", []).append(
+                    {"tokens": len(res.token_ids), "seconds": time.perf_counter() - t0, "steps": st.steps, "accepted": res.accepted,
+                     "step_seconds_median": statistics.median(st.step_seconds) if st.step_seconds else None,
+                     "nodes_per_step": st.tree_nodes_per_step})
+            print(f"typical, prompt {i + 1}/{len(prompts)} done", flush=True)
+        names += [f"{n}@typical" for n in engines]
     summary = {}
     plain_tps = sum(r["tokens"] for r in runs["plain"]) / sum(r["seconds"] for r in runs["plain"])
     vllm_tps = sum(r["tokens"] for r in runs["vllm"]) / sum(r["seconds"] for r in runs["vllm"]) if llm else None
     for name in names:
         rs = runs[name]
         tps = sum(r["tokens"] for r in rs) / sum(r["seconds"] for r in rs)
-        row = {"tok_s": tps, "vs_plain": tps / plain_tps, "vs_vllm": tps / vllm_tps if vllm_tps else None}
+        base = plain_tps
+        if name.endswith("@typical"):  # against plain decoding sampled the same way
+            base = sum(r["tokens"] for r in runs["plain@typical"]) / sum(r["seconds"] for r in runs["plain@typical"])
+        row = {"tok_s": tps, "vs_plain": tps / base, "vs_vllm": tps / vllm_tps if vllm_tps and base is plain_tps else None}
         if name != "vllm":
             acc = [a for r in rs for a in r["accepted"]]
             row.update(tokens_per_step=sum(acc) / len(acc), steps=len(acc),
