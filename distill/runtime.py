@@ -242,12 +242,14 @@ def placement(model_path: Path | str | None, device: str | None = "auto", dtype:
 
 
 def stage_dtype(model_path: Path | str | None, device: str | None, dtype: str | None, teacher: str | None,
-                what: str, warn=None) -> Placement:
+                what: str, warn=None, option: str = "--dtype",
+                effect: str = "the drafter is verified against another model than its teacher") -> Placement:
     """The placement of a stage that runs on a teacher's data or heads (train, calibrate, bench, serve).
 
     ``auto`` takes the teacher dtype when this device runs it natively (bfloat16 on a CPU
     without native bf16 is widened to float32, with a warning); an explicit ``--dtype``
-    different from the teacher's is kept, with a warning naming what the mismatch costs.
+    different from the teacher's is kept, with a warning naming what the mismatch costs (``option``: the
+    flag the user set, ``effect``: what the mismatch means for this stage).
     ``teacher`` None (data or heads from before the dtype was recorded): the plain rule.
     """
     warn = warn or (lambda msg: print(f"warning: {msg}", file=sys.stderr, flush=True))
@@ -264,8 +266,8 @@ def stage_dtype(model_path: Path | str | None, device: str | None, dtype: str | 
         return Placement(chosen.device, chosen.dtype, "float32: no native bf16 for the bfloat16 teacher")
     chosen = placement(model_path, device, requested)
     if teacher is not None and chosen.dtype != teacher:
-        warn(f"--dtype {chosen.dtype} differs from the {teacher} that made {what}: the drafter is verified against "
-             f"another model than its teacher ({MISMATCH_COST}; `distill data validate --rescore N` measures yours)")
+        warn(f"{option} {chosen.dtype} differs from the {teacher} that made {what}: {effect} "
+             f"({MISMATCH_COST}; `distill data validate --rescore N` measures yours)")
     return chosen
 
 

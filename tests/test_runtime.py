@@ -87,6 +87,11 @@ def test_a_stage_takes_the_teacher_dtype_and_warns_on_an_override(bf16_model, mo
     got = runtime.stage_dtype(bf16_model, "cpu", "float32", "bfloat16", what="the heads", warn=said.append)
     assert got.dtype == "float32"
     assert len(said) == 1 and "differs from the bfloat16 that made the heads" in said[0] and "67%" in said[0]
+    assert said[0].startswith("--dtype float32 ") and "verified against another model" in said[0]
+    # train-heads names its own flag and what the mismatch means for training
+    runtime.stage_dtype(bf16_model, "cpu", "float32", "bfloat16", what="the data", warn=said.append,
+                        option="--precision fp32:", effect="the features come from another dtype")
+    assert said[1].startswith("--precision fp32: float32 differs from the bfloat16 that made the data: the features come")
 
 
 def test_a_bf16_teacher_runs_float32_with_a_warning_where_bf16_is_not_native(bf16_model, monkeypatch):

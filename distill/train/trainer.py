@@ -368,7 +368,10 @@ class Trainer:
         ds_meta = self._check_data(data)
         resolved = resolve_model(cfg.model)
         # The one dtype rule: the data's teacher dtype, bf16 on CPUs only where native (distill.runtime).
-        where = stage_dtype(resolved.path, "auto", PRECISION_DTYPES[cfg.precision], dataset_dtype(ds_meta), what=f"the data in {data}")
+        where = stage_dtype(resolved.path, "auto", PRECISION_DTYPES[cfg.precision], dataset_dtype(ds_meta), what=f"the data in {data}",
+                            option=f"--precision {cfg.precision}:",
+                            effect="the frozen target computes the features the heads learn from in another dtype than "
+                                   "the teacher's (serving runs the teacher's dtype)")
         out.mkdir(parents=True, exist_ok=True)
         resume_from = ckpt.latest_checkpoint(out)
         if resume_from is not None and not cfg.resume:
