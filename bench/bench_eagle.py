@@ -63,6 +63,17 @@ def held_out_acceptance(model, eagle_dir: Path, medusa_dir: Path, data: Path, to
     return out
 
 
+def run_record(res, st, seconds: float) -> dict:
+    """One engine's run of one prompt: what the summary adds up."""
+    return {"tokens": len(res.token_ids), "seconds": seconds, "steps": st.steps, "accepted": res.accepted,
+            "step_seconds_median": statistics.median(st.step_seconds) if st.step_seconds else None,
+            "nodes_per_step": st.tree_nodes_per_step}
+
+
+def tok_s(runs: list[dict]) -> float:
+    return sum(r["tokens"] for r in runs) / sum(r["seconds"] for r in runs)
+
+
 def depth_acceptance(accepted: list[int], depth: int) -> list[float]:
     """Fraction of steps that accepted at least d drafted tokens (a step emits accepted + 1)."""
     return [sum(a - 1 >= d for a in accepted) / max(len(accepted), 1) for d in range(1, depth + 1)]
@@ -161,9 +172,7 @@ def main() -> None:
             (res,), st = engines[name].generate([p], sp)
             secs = time.perf_counter() - t0
             outs[name] = res.token_ids
-            runs[name].append({"tokens": len(res.token_ids), "seconds": secs, "steps": st.steps, "accepted": res.accepted,
-                               "step_seconds_median": statistics.median(st.step_seconds) if st.step_seconds else None,
-                               "nodes_per_step": st.tree_nodes_per_step})
+            runs[name].append(run_record(res, st, secs))
         reference.append(outs["plain"])
         for name in names:
             if name != "vllm":
@@ -178,22 +187,18 @@ def main() -> None:
             for name in (list(engines) if i % 2 == 0 else list(engines)[::-1]):
                 t0 = time.perf_counter()
                 (res,), st = engines[name].generate([p], sp_t)
-                runs.setdefault(f"{name}@typical", []).append(
-                    {"tokens": len(res.token_ids), "seconds": time.perf_counter() - t0, "steps": st.steps, "accepted": res.accepted,
-                     "step_seconds_median": statistics.median(st.step_seconds) if st.step_seconds else None,
-                     "nodes_per_step": st.tree_nodes_per_step})
+                runs.setdefault(f"{name}@typical", []).append(run_record(res, st, time.perf_counter() - t0))
             print(f"typical, prompt {i + 1}/{len(prompts)} done", flush=True)
         names += [f"{n}@typical" for n in engines]
     summary = {}
-    plain_tps = sum(r["tokens"] for r in runs["plain"]) / sum(r["seconds"] for r in runs["plain"])
-    vllm_tps = sum(r["tokens"] for r in runs["vllm"]) / sum(r["seconds"] for r in runs["vllm"]) if llm else None
+    plain_tps = tok_s(runs["plain"])
+    vllm_tps = tok_s(runs["vllm"]) if llm else None
     for name in names:
         rs = runs[name]
-        tps = sum(r["tokens"] for r in rs) / sum(r["seconds"] for r in rs)
-        base = plain_tps
-        if name.endswith("@typical"):  # against plain decoding sampled the same way
-            base = sum(r["tokens"] for r in runs["plain@typical"]) / sum(r["seconds"] for r in runs["plain@typical"])
-        row = {"tok_s": tps, "vs_plain": tps / base, "vs_vllm": tps / vllm_tps if vllm_tps and base is plain_tps else None}
+        tps = tok_s(rs)
+        sampled = name.endswith("@typical")  # against plain decoding sampled the same way; vLLM ran greedy only
+        row = {"tok_s": tps, "vs_plain": tps / tok_s(runs["plain@typical" if sampled else "plain"]),
+               "vs_vllm": tps / vllm_tps if vllm_tps and not sampled else None}
         if name != "vllm":
             acc = [a for r in rs for a in r["accepted"]]
             row.update(tokens_per_step=sum(acc) / len(acc), steps=len(acc),
