@@ -345,6 +345,8 @@ def main() -> None:
         f"ours_kv_cache_mib_batch_{args.batch}": kv_mib}
     if hasattr(engine, "kv_shape"):
         memory["kv_bytes_per_token"] = engine.kv_shape.slot_bytes
+    result["linear_prep"] = getattr(engine, "linear_prep", None)  # which kernel multiplies single rows (engine.weights)
+    print("linear preparation", result["linear_prep"])
     llm = None
     if not args.no_vllm:
         llm = vllm_llm(str(engine.model.config._name_or_path))

@@ -211,12 +211,32 @@ def test_adaptive_policy_turns_off_heads_that_guess_wrong_and_stays_lossless(hf_
     assert engine.policy.acceptance_ratio < 0.5 and engine.tree_size_for(1) == 0
 
 
-def test_compiled_single_token_forwards_decode_as_eager(model_dir, tokenizer, prompts, plain_reference):
-    """EngineConfig.compile: plain batch-1 steps run the compiled model and give plain decoding's tokens; a
-    Medusa run on the same engine (its trees and its batch of two stay eager) gives them too."""
+def first_layers(model_dir, layers: int):
+    """The bundled model cut to its first ``layers`` decoder layers: its own weights, embeddings and LM head."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()  # its own: compile hooks its decoder
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.model.layers = model.model.layers[:layers]
+    model.config.num_hidden_layers = layers
+    return model
+
+
+def test_compiled_single_token_forwards_decode_as_eager(model_dir, tokenizer, prompts):
+    """EngineConfig.compile: plain batch-1 steps run the compiled model and give plain decoding's tokens; a
+    Medusa run on the same engine (its trees and its batch of two stay eager) gives them too.
+
+    On the bundled model's first 4 layers: compiling all 30 took 100 s of the suite, and what is checked (the
+    compiled single-token path, the eager fallbacks around it) does not depend on the depth."""
+    from distill.engine.weights import DualLinear
+
+    reference_model = first_layers(model_dir, 4)
+    reference = Engine(reference_model, tokenizer, None, EngineConfig())
+    for m in reference_model.modules():
+        if type(m) is DualLinear:
+            m.single_packed = False  # the compiled graph multiplies single rows with MKL too: only the compiler differs
+    plain_reference = [reference.generate([p], [SamplingParams(max_tokens=NEW_TOKENS)])[0][0] for p in prompts[:2]]
+    assert all(len(r.token_ids) > 4 for r in plain_reference)
+    model = first_layers(model_dir, 4)  # its own: compile hooks its decoder
     engine = Engine(model, tokenizer, make_heads(model, random_w1=True), EngineConfig(tree="sparse-16", speculate_max_batch=2, compile=True))
     engine.warmup()
     warm = engine.compiled_forwards
@@ -224,8 +244,8 @@ def test_compiled_single_token_forwards_decode_as_eager(model_dir, tokenizer, pr
     for p, ref in zip(prompts[:2], plain_reference):
         res, stats = engine.generate([p], [SamplingParams(max_tokens=NEW_TOKENS)], speculative=False)
         assert res[0].token_ids == ref.token_ids and stats.tree_nodes == 0
-    assert engine.compiled_forwards - warm == sum(len(r.token_ids) - 1 for r in plain_reference[:2])  # every step compiled
+    assert engine.compiled_forwards - warm == sum(len(r.token_ids) - 1 for r in plain_reference)  # every step compiled
     before = engine.compiled_forwards
     results, stats = engine.generate(prompts[:2], [SamplingParams(max_tokens=NEW_TOKENS)] * 2)
-    assert [r.token_ids for r in results] == [r.token_ids for r in plain_reference[:2]] and stats.tree_nodes == 16
+    assert [r.token_ids for r in results] == [r.token_ids for r in plain_reference] and stats.tree_nodes == 16
     assert engine.compiled_forwards == before  # two rows, trees of 17 tokens: never a single-token forward

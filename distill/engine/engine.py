@@ -299,7 +299,7 @@ class Engine:
         self.config = config or EngineConfig()
         self.model = model.eval()
         # the model's linear layers, prepared in place (values unchanged) where the rule says they multiply faster
-        self.linear_bytes = prepare_linears(model) if self.config.weight_layout == "auto" else {}
+        self.linear_prep = prepare_linears(model) if self.config.weight_layout == "auto" else {}
         use_gqa_sdpa(model)  # sdpa without copying shared key/value heads under the engine's masks (same outputs)
         self.tokenizer = tokenizer
         self.model_name = model_name or getattr(model.config, "_name_or_path", "") or "model"
@@ -353,7 +353,7 @@ class Engine:
             raise ModelError(f"heads vocab_size {hc.vocab_size} != model's {vocab}")
         if self.config.weight_layout == "auto":
             for k, v in prepare_linears(heads).items():
-                self.linear_bytes[k] = self.linear_bytes.get(k, 0) + v
+                self.linear_prep[k] = self.linear_prep.get(k, 0) + v
         if isinstance(heads, EagleDrafter):
             layers = model.config.get_text_config().num_hidden_layers
             if max(hc.aux_layer_ids) >= layers:

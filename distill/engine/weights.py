@@ -20,13 +20,24 @@ packed copy
     do not (1.7-2.5x faster at M = 8-17; BENCHMARKS.md, issue 19). It doubles the memory of
     the linear weights; it is built once and never updated, so a weight changed after packing
     is a clear error, not a stale product.
-why not one of the two
-    at ``M = 1`` MKL on an output-major weight beats the packed copy (the LM head: 4.9 vs
-    7.6 ms); at ``M >= 2`` the packed copy wins everywhere. Measured on an AMD EPYC (family 25,
-    model 17); the rule applies to float32 weights on CPU only.
+single rows: measured, not assumed
+    at ``M >= 2`` the packed copy wins everywhere it was measured. At ``M = 1`` the winner
+    depends on the machine and the thread count: on one thread MKL on an output-major weight
+    beats the packed copy (the LM head: 4.4 vs 7.6 ms, AMD EPYC family 25 model 17), but MKL's
+    single-row product runs on one thread however many torch has, while oneDNN's uses them all
+    (two threads, same CPU: the LM head 4.5 ms MKL vs 3.5 ms packed, a decoder layer's seven
+    products 0.80 vs 0.59 ms). So :func:`prepare_linears` times both kernels once per weight
+    shape, over all the model's weights of that shape (so they stream from memory as in a
+    forward), at the thread count it runs with, and each :class:`DualLinear` multiplies single
+    rows with the faster one (``single_packed``). The probe costs one pass of the linears per
+    kernel and round (about 0.1 s for the bundled model). The rule applies to float32 weights
+    on CPU only.
 """
 
 from __future__ import annotations
+
+import time
+from collections import defaultdict
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +45,8 @@ from torch import nn
 
 #: Rows the packed copies are packed for (oneDNN picks its blocking for this M; 8 served M = 1..65 well).
 PACK_ROWS = 8
+#: Timed rounds per kernel in the single-row probe (the fastest round counts, so a noisy round does not decide).
+PROBE_ROUNDS = 3
 
 
 def wants_output_major(weight: torch.Tensor) -> bool:
@@ -58,9 +71,14 @@ class DualLinear(nn.Linear):
 
     packed: torch.Tensor  # (out, in) oneDNN-packed, opaque
     packed_version: int  # the weight's version counter when packed
+    single_packed: bool = False  # single rows multiply with the packed copy too (the probe found it faster)
+
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() or x.numel() == x.shape[-1]:  # training, or a single row: MKL on the weight itself
+        single = x.numel() == x.shape[-1]
+        if torch.is_grad_enabled() or (single and (not self.single_packed or torch.compiler.is_compiling())):
+            # training; a single row where MKL on the weight is faster; or a compiled single-row forward (the
+            # compiler cannot trace the opaque packed copy, and hiding it in a custom op measured 0.80x eager)
             return F.linear(x, self.weight, self.bias)
         if self.weight._version != self.packed_version:
             raise RuntimeError("this linear weight changed after the engine packed it: build a new Engine after training")
@@ -71,9 +89,12 @@ class DualLinear(nn.Linear):
 def prepare_linears(model: nn.Module) -> dict[str, int]:
     """Re-lay out (rule above) and pack every float32 CPU ``nn.Linear`` of ``model``, in place, each shared weight once.
 
-    Returns the bytes re-laid out and the bytes of the packed copies.
+    Then :func:`choose_single_row_kernels` for the modules prepared here. Returns the bytes
+    re-laid out, the bytes of the packed copies, and how many prepared modules multiply single
+    rows with the packed copy (``single_packed``) and with the weight (``single_weight``).
     """
     relaid, packed = 0, 0
+    prepared: list[DualLinear] = []
     copies: dict[int, tuple[torch.Tensor, int]] = {}
     for module in model.modules():
         if type(module) is DualLinear:  # prepared before
@@ -92,7 +113,52 @@ def prepare_linears(model: nn.Module) -> dict[str, int]:
             packed += w.numel() * w.element_size()
         module.__class__ = DualLinear
         module.packed, module.packed_version = copies[id(w)]
-    return {"relaid_bytes": relaid, "packed_bytes": packed}
+        prepared.append(module)
+    choose_single_row_kernels(prepared)
+    single = sum(m.single_packed for m in prepared)
+    return {"relaid_bytes": relaid, "packed_bytes": packed, "single_packed": single, "single_weight": len(prepared) - single}
 
 
-__all__ = ["PACK_ROWS", "DualLinear", "is_output_major", "prepare_linears", "wants_output_major"]
+def _seconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+@torch.no_grad()
+def probe(unique: list[DualLinear]) -> tuple[float, float]:
+    """Seconds to multiply one row by every weight of ``unique`` (one shape): with MKL on the weights, and on the packed copies.
+
+    One untimed warm-up round, then ``PROBE_ROUNDS`` rounds; the fastest round of each kernel.
+    """
+    x = torch.randn(1, unique[0].in_features, dtype=unique[0].weight.dtype)
+
+    def on_weight():
+        for m in unique:
+            F.linear(x, m.weight)
+
+    def on_packed():
+        for m in unique:
+            torch.ops.mkldnn._linear_pointwise(x, m.packed, None, "none", [], "")
+
+    on_weight(), on_packed()
+    return min(_seconds(on_weight) for _ in range(PROBE_ROUNDS)), min(_seconds(on_packed) for _ in range(PROBE_ROUNDS))
+
+
+def choose_single_row_kernels(modules: list[DualLinear]) -> None:
+    """Set ``single_packed`` on each module: whether its single-row product is faster on the packed copy (module docstring).
+
+    Modules are grouped by weight shape, and each group is :func:`probe`-d once over its
+    distinct weights (a shared weight counts once), so a forward's weights stream from memory
+    in the probe as they do in a forward.
+    """
+    groups: dict[tuple[int, ...], list[DualLinear]] = defaultdict(list)
+    for m in modules:
+        groups[tuple(m.weight.shape)].append(m)
+    for members in groups.values():
+        weight_s, packed_s = probe(list({id(m.weight): m for m in members}.values()))
+        for m in members:
+            m.single_packed = packed_s < weight_s
+
+
+__all__ = ["PACK_ROWS", "DualLinear", "choose_single_row_kernels", "is_output_major", "prepare_linears", "wants_output_major"]
