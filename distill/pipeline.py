@@ -19,7 +19,9 @@ stage
 fingerprint
     SHA-256 of a stage's resolved options, the model and the fingerprint of the
     stage before it: a stage is *up to date* when ``out/pipeline.json`` records it
-    complete with the same fingerprint, and is then skipped. A changed option
+    complete with the same fingerprint, and is then skipped. Paths inside the run's
+    folder count relative to it, so the folder spelled another way (relative or
+    absolute, through a link) or moved keeps its fingerprints. A changed option
     changes its stage's fingerprint and every later one's; their old outputs are
     moved aside to ``out/stale/`` (never deleted) and the stages run again.
 resume
@@ -156,10 +158,17 @@ class Pipeline:
         return {**self.cfg.bench, **model, "heads": str(self.path("train")), "tree": str(self.path("calibrate") / "tree.json"),
                 "out": str(self.path("bench"))}
 
+    def _portable(self, options: dict[str, Any]) -> dict[str, Any]:
+        """``options`` with paths under the run's folder written as ``<out>/...`` (see fingerprint)."""
+        out = str(self.out)
+        return {k: "<out>" + v[len(out):] if isinstance(v, str) and (v == out or v.startswith(out + "/")) else v
+                for k, v in options.items()}
+
     def fingerprints(self) -> dict[str, str]:
         prints, before = {}, ""
         for stage in STAGES:
-            doc = json.dumps({"stage": stage, "options": self.options(stage), "before": before}, sort_keys=True, default=str)
+            doc = json.dumps({"stage": stage, "options": self._portable(self.options(stage)), "before": before},
+                             sort_keys=True, default=str)
             before = prints[stage] = hashlib.sha256(doc.encode()).hexdigest()
         return prints
 

@@ -79,6 +79,14 @@ def test_pipeline_runs_every_stage_then_skips_them_and_reruns_only_what_a_change
 
     again = _run(_write(tmp_path, "a", out), cli_env)
     assert _status(again.stdout) == {s: "skipped" for s in STAGES}
+    # The same folder spelled another way, then moved: still up to date (paths inside it count relative to it).
+    (tmp_path / "elsewhere").mkdir()
+    spelled = _run(_write(tmp_path, "a", tmp_path / "elsewhere" / ".." / "a"), cli_env)
+    assert _status(spelled.stdout) == {s: "skipped" for s in STAGES}
+    moved = tmp_path / "moved"
+    out.rename(moved)
+    assert _status(_run(_write(tmp_path, "a", moved), cli_env).stdout) == {s: "skipped" for s in STAGES}
+    moved.rename(out)
 
     # A calibrate option changes: calibrate runs again, its old output is kept aside, nothing before it reruns.
     changed = _run(_write(tmp_path, "a2", out, calibrate={"nodes": 3}), cli_env, "--stages", "generate,validate,split,train,calibrate")
