@@ -176,6 +176,15 @@ def test_adaptive_policy_turns_the_tree_off_when_acceptance_is_below_calibration
     assert choices.count(4) == 4 and choices.count(0) == 28  # a probe of the calibrated choice every 8th step
 
 
+def test_a_tree_step_measured_cheaper_than_a_plain_step_counts_as_its_cost():
+    policy = AdaptivePolicy({1: 1.5}, 0.0, prior=1.0, halflife=4)
+    for _ in range(40):
+        policy.observe(1, 0, 0.100, [])
+        policy.observe(1, 1, 0.097, [0])  # noise: the 1-node step measured 3% cheaper, and it accepts nothing
+    assert policy.cost(1, 1) == pytest.approx(0.100) and policy.acceptance_ratio < 0.01
+    assert policy.best(1) == 0  # no tokens gained at no less cost: plain
+
+
 def test_adaptive_policy_follows_measured_step_times_and_recovers():
     policy = AdaptivePolicy({4: 2.0}, 0.0, prior=1.0, halflife=16)  # the cost model calls extra tokens free
     for _ in range(5):  # acceptance as calibrated (2 of 3 at n=4 -> 1.0 accepted per step, tau 2.0)

@@ -146,7 +146,16 @@ class AdaptivePolicy:
         return step_cost(batch, nodes, self.cost_ratio, self.proposal_cost)
 
     def cost(self, batch: int, nodes: int) -> float:
-        """Measured seconds of a step, or its prediction in the same unit (see the class docstring)."""
+        """Measured seconds of a step, or its prediction in the same unit (see the class docstring).
+
+        A tree step does a plain step's work and more, so it never counts as cheaper than the
+        plain step at the same batch: where the two cost about the same (a small tree on a
+        memory-bound CPU), noise in the measurements would otherwise pick a tree that gains nothing.
+        """
+        own = self._own_cost(batch, nodes)
+        return max(own, self._own_cost(batch, 0)) if nodes > 0 else own
+
+    def _own_cost(self, batch: int, nodes: int) -> float:
         if (batch, nodes) in self._cost:
             return self._cost[(batch, nodes)]
         anchors = [n for n in self.sizes if (batch, n) in self._cost]
