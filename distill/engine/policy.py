@@ -100,6 +100,10 @@ class AdaptivePolicy:
         size through the cost model's ratio; the cost model alone while none is.
     choice
         the size with the most tokens per second, ``τ(n) / cost(B, n)``, plain decoding included.
+    margin
+        a choice made on measured step times picks a tree only if it promises ``min_gain``
+        (default 3%) more tokens per second than plain decoding: a busy machine's step times
+        vary by more than that, and a small tree can cost about what a plain step does.
     probe
         when plain decoding wins at B but the calibrated prediction says a tree would, every
         ``probe_every``-th step at B runs that tree anyway, so that ρ and the tree's cost are
@@ -117,6 +121,7 @@ class AdaptivePolicy:
         halflife: float = 512.0,
         alpha: float = 0.2,
         probe_every: int = 32,
+        min_gain: float = 0.03,
     ):
         self.taus = dict(taus)
         self.cost_ratio = cost_ratio
@@ -124,6 +129,7 @@ class AdaptivePolicy:
         self.sizes = sorted({0, *self.taus})
         self.alpha = alpha
         self.probe_every = probe_every
+        self.min_gain = min_gain
         self._decay = 0.5 ** (1.0 / halflife)
         self._accepted = prior  # Σ accepted candidates (decayed), pseudo-tokens included
         self._predicted = prior  # Σ (τ(n) − 1) of the same steps
@@ -168,7 +174,9 @@ class AdaptivePolicy:
         """The size with the most tokens per second (0 = plain); ``measured=False``: the calibrated, static choice."""
         if not measured:
             return choose_tree_size(batch, self.taus, self.cost_ratio, None, self.proposal_cost)
-        best, best_rate = 0, 1.0 / self.cost(batch, 0)
+        # on measured step times a tree must promise min_gain over plain decoding: a smaller gain is within their noise
+        measured_here = any(b == batch for b, _ in self._cost)
+        best, best_rate = 0, (1.0 + (self.min_gain if measured_here else 0.0)) / self.cost(batch, 0)
         for n in self.sizes:
             if n > 0 and (rate := self.tau(n) / self.cost(batch, n)) > best_rate * (1 + 1e-9):
                 best, best_rate = n, rate
