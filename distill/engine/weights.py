@@ -23,7 +23,7 @@ packed copy
 single rows: measured, not assumed
     at ``M >= 2`` the packed copy wins everywhere it was measured. At ``M = 1`` the winner
     depends on the machine and the thread count: on one thread MKL on an output-major weight
-    beats the packed copy (the LM head: 4.4 vs 7.6 ms, AMD EPYC family 25 model 17), but MKL's
+    beats the packed copy (the LM head: 4.4 vs 7.6 ms, AMD EPYC family 25 model 17), but there MKL's
     single-row product runs on one thread however many torch has, while oneDNN's uses them all
     (two threads, same CPU: the LM head 4.5 ms MKL vs 3.5 ms packed, a decoder layer's seven
     products 0.80 vs 0.59 ms). So :func:`prepare_linears` times both kernels once per weight
