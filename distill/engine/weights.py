@@ -73,7 +73,6 @@ class DualLinear(nn.Linear):
     packed_version: int  # the weight's version counter when packed
     single_packed: bool = False  # single rows multiply with the packed copy too (the probe found it faster)
 
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         single = x.numel() == x.shape[-1]
         if torch.is_grad_enabled() or (single and (not self.single_packed or torch.compiler.is_compiling())):
