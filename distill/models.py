@@ -101,7 +101,8 @@ def convert_bundled(force: bool = False) -> Path:
 
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    quantized = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    # the config passed in: each reading of the GGUF parses its whole vocabulary again (seconds)
+    quantized = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, config=config, dtype=torch.float32)
     state = quantized.state_dict()
     del quantized
     if hasattr(config, "quantization_config"):

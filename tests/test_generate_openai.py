@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import DISTILL, REPO, VLLMServer, assert_same_rows, assert_teacher_matches_model, free_port
+from tcpproxy import Relay
 from distill.errors import BackendError
 from distill.generate import GenerateConfig, Generator
 from distill.store import load_manifest
@@ -57,11 +58,15 @@ def test_server_shards_equal_the_in_process_engine_at_temperature_0(vllm_server,
 
 
 @pytest.fixture()
-def second_server(tmp_path, model_dir):
-    """A server of its own for a test that kills it (no dev mode: it does not report its config)."""
-    server = VLLMServer(model_dir, tmp_path / "second-server.log").wait_ready()
-    yield server
-    server.kill()
+def second_server(vllm_server):
+    """A second server address for a test that kills it: a relay process in front of the session's server.
+
+    To the client, SIGKILLing the relay is a server dying (replies in flight reset, new
+    connections refused); a second vLLM would cost ~35 s of start-up per test.
+    """
+    relay = Relay(vllm_server.url, free_port())
+    yield relay
+    relay.kill()
 
 
 def test_a_server_killed_mid_run_leaves_its_conversations_to_the_other(vllm_server, second_server, reference, tmp_path):
