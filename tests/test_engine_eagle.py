@@ -17,6 +17,7 @@ from conftest import MT_QUESTIONS, MT_TOKENS
 from distill.engine import Engine, EngineConfig, SamplingParams
 from distill.engine.acceptance import greedy_accept, rejection_accept, typical_accept, warp
 from distill.engine.cache import step_allowed
+from distill.engine import eagle as eagle_module
 from distill.engine.eagle import Eagle
 from distill.engine.tree import build_buffers, row_buffers
 from distill.errors import ConfigError
@@ -175,6 +176,37 @@ def test_tiny_greedy_eagle_equals_plain_greedy_batched_and_joining(tiny):
         done.update(run.step())
     for k, p in enumerate(prompts):
         assert done[k].token_ids == plain[k][: 8 + 2 * (k - k % 3)]
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_plain_steps_defer_the_drafters_catch_up_and_the_drafts_stay_the_same(tiny, monkeypatch):
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (3, 7, 5)]
+    params = [SamplingParams(max_tokens=n) for n in (6, 14, 30)]  # rows leave one by one: 3, 2, then 1 row decoding
+
+    def run(defer_steps):
+        monkeypatch.setattr(eagle_module, "DEFER_STEPS", defer_steps)
+        engine = tiny_engine(tiny)
+        engine.config.speculate_max_batch = 1  # plain steps while 2 or 3 rows decode, trees once one is left
+        eagle, drafts, passes = engine.proposer, [], []
+
+        def spy(state, *args, **kwargs):
+            out = Eagle.propose(eagle, state, *args, **kwargs)  # catches up on the deferred steps first
+            drafts.append((out.tokens.clone(), state.logp.clone()))
+            return out
+
+        eagle.propose = spy
+        hook = eagle.drafter.register_forward_hook(lambda *a: passes.append(1))
+        results, _ = engine.generate(prompts, params)
+        hook.remove()
+        return [r.token_ids for r in results], drafts, len(passes)
+
+    tokens, drafts, passes = run(eagle_module.DEFER_STEPS)
+    tokens_each, drafts_each, passes_each = run(1)  # a catch-up after every step, as before deferring
+    assert tokens == tokens_each and len(drafts) == len(drafts_each) > 0
+    for (tree, logp), (tree_each, logp_each) in zip(drafts, drafts_each):
+        assert torch.equal(tree, tree_each) and torch.allclose(logp, logp_each, atol=1e-5)
+    assert passes_each - passes >= 10  # the plain steps' catch-ups: one pass when a row leaves or a tree comes, not one each
 
 
 def test_multi_round_speculative_sampling_with_iid_drafts_emits_the_target_distribution():

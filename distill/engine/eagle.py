@@ -34,6 +34,14 @@ sampled tree (rejection sampling of sampled rows)
     group, then the best ``N // K - 1``. Whether a group exists then never depends on its
     own draws, which multi-round speculative sampling with q needs to stay lossless
     (:func:`~distill.engine.acceptance.rejection_accept` with ``draft``).
+deferred catch-up
+    a plain step (the policy chose no tree) commits one token per row; its catch-up is kept
+    (the next token and the feature) instead of run, and the kept steps are caught up in one
+    drafter pass before the next draft, before rows leave or join, or after
+    :data:`DEFER_STEPS` steps. Rows then commit the same tokens at consecutive positions, so
+    one pass over them is the same computation as one pass per step, and a server whose
+    batches run plain steps (the policy finds no tree pays at that batch) does not read the
+    drafter's weights every step.
 proposal cost ``h(N)``
     weights the drafter reads per step, D passes (the catch-up and D - 1 expansions) of its
     layer, fc and draft LM head, over the weights of one target forward.
@@ -58,6 +66,8 @@ DEFAULT_NODES, DEFAULT_DEPTH, DEFAULT_TOPK = 24, 5, 8
 #: the target's token given a correct prefix, top-1 0.6 at every depth (EAGLE reports 0.6-0.8 on 7B chat models),
 #: halving per rank. Used only by the policy's expected tokens per step.
 DEFAULT_TOP1, DEFAULT_RANK_DECAY = 0.6, 0.5
+#: Plain steps whose catch-up waits for one pass at most (module docstring: deferred catch-up).
+DEFER_STEPS = 32
 
 
 def default_eagle_accuracy(depth: int, ranks: int) -> list[list[float]]:
@@ -68,17 +78,24 @@ def default_eagle_accuracy(depth: int, ranks: int) -> list[list[float]]:
 class EagleState:
     """Per batch: the drafter's cache, and per row the depth-1 draft (log-probabilities) and its parent feature."""
 
-    def __init__(self, cache: kv.SlotCache):
+    def __init__(self, cache: kv.SlotCache, eagle: "Eagle"):
         self.cache = cache
+        self.eagle = eagle
         self.feature: torch.Tensor | None = None  # (B, H): the drafter output at the last committed position
         self.logp: torch.Tensor | None = None  # (B, Vd) float32: its draft log-probabilities (the depth-1 draft)
+        self.deferred: list[tuple[torch.Tensor, torch.Tensor]] = []  # plain steps not caught up: (B, 1) next, (B, 1, A·H)
+        self.deferred_start: torch.Tensor | None = None  # (B,): the first deferred step's position per row
+        self.deferred_window = 0  # host: the longest row's committed length at the first deferred step
 
     def keep(self, rows: list[int], used: int) -> None:
+        self.eagle.catch_up_deferred(self)
         self.cache.keep_rows(rows, used)
         index = torch.tensor(rows, dtype=torch.long, device=self.logp.device)
         self.feature, self.logp = self.feature[index], self.logp[index]
 
     def join(self, other: "EagleState", used: int) -> None:
+        self.eagle.catch_up_deferred(self)
+        self.eagle.catch_up_deferred(other)
         self.cache.append(other.cache, used)
         self.feature, self.logp = torch.cat([self.feature, other.feature]), torch.cat([self.logp, other.logp])
 
@@ -134,7 +151,7 @@ class Eagle:
     def start(self, features: torch.Tensor, ids: torch.Tensor, lengths: list[int], root: torch.Tensor, slots: int) -> EagleState:
         """Catch up on the prompts: features (B, P, A·H), ids (B, P) right-padded, roots (B,)."""
         B, P = ids.shape
-        state = EagleState(kv.SlotCache(self.kv_shape, B, slots + self.scratch))
+        state = EagleState(kv.SlotCache(self.kv_shape, B, slots + self.scratch), self)
         count = torch.tensor(lengths, dtype=torch.long, device=ids.device)  # (B,)
         nxt = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)  # (B, P): the token after each position
         nxt.scatter_(1, (count - 1)[:, None], root[:, None])  # the root follows each prompt's last token
@@ -143,7 +160,19 @@ class Eagle:
 
     def commit(self, state: EagleState, proposal: Proposal, features: torch.Tensor, acc: Acceptance, ends: list[int],
                lengths: list[int]) -> None:
-        """Catch up on the root and the accepted nodes with the verification's features (B, T, A·H)."""
+        """Catch up on the root and the accepted nodes with the verification's features (B, T, A·H).
+
+        A plain step's catch-up is deferred (module docstring).
+        """
+        if proposal.buffers.nodes == 0:  # one token per row, at position ends[b]; the next token is the new root
+            if not state.deferred:
+                state.deferred_start = torch.tensor(ends, dtype=torch.long, device=features.device)
+                state.deferred_window = max(ends)
+            state.deferred.append((acc.next_token[:, None], features[:, :1]))
+            if len(state.deferred) >= DEFER_STEPS:
+                self.catch_up_deferred(state)
+            return
+        self.catch_up_deferred(state)
         Q = max(lengths) + 1
         path = acc.path[:, :Q]  # (B, Q): root, a_1..a_L, then don't-care
         committed = proposal.tokens.gather(1, path)  # (B, Q)
@@ -152,6 +181,17 @@ class Eagle:
         feats = features.gather(1, path[:, :, None].expand(-1, -1, features.shape[-1]))  # (B, Q, A·H)
         start = torch.tensor(ends, dtype=torch.long, device=path.device)
         self._catch_up(state, nxt, feats, start, acc.length + 1, max(ends) + Q)
+
+    def catch_up_deferred(self, state: EagleState) -> None:
+        """One drafter pass over the plain steps whose catch-up was deferred (none: nothing to do)."""
+        if not state.deferred:
+            return
+        nxt = torch.cat([n for n, _ in state.deferred], dim=1)  # (B, P)
+        feats = torch.cat([f for _, f in state.deferred], dim=1)  # (B, P, A·H)
+        P = nxt.shape[1]
+        state.deferred = []
+        count = torch.full((nxt.shape[0],), P, dtype=torch.long, device=nxt.device)
+        self._catch_up(state, nxt, feats, state.deferred_start, count, state.deferred_window + P)
 
     def _catch_up(self, state: EagleState, nxt: torch.Tensor, features: torch.Tensor, start: torch.Tensor,
                   count: torch.Tensor, window: int) -> None:
@@ -174,6 +214,7 @@ class Eagle:
         ``sampling`` given: the sampled tree (module docstring), with each node's draft distribution.
         """
         d = self.drafter
+        self.catch_up_deferred(state)
         N, D, K = self.shape(nodes)
         B, dev = root.shape[0], root.device
         S = (D - 1) * K  # scratch slots used
