@@ -1,6 +1,7 @@
-"""Serving throughput at concurrency 1, 4, 16: plain vs Medusa through the real `distill serve` HTTP server.
+"""Serving throughput at concurrency 1, 4, 16: plain vs a drafter through the real `distill serve` HTTP server.
 
-Two `distill serve` processes run side by side (plain: no heads; Medusa: --heads DIR);
+Two `distill serve` processes run side by side (plain: no heads; drafter: --heads DIR, Medusa heads,
+an EAGLE-3 drafter or ``lookup``; results of runs before 2026-11-25 call it "medusa");
 for each concurrency C the two are measured one after the other (alternating which goes
 first), C client threads of the official `openai` client each send `--rounds` greedy chat
 requests (MT-Bench first turns, `--max-tokens` each). Throughput = completion tokens
@@ -94,14 +95,15 @@ def main() -> None:
     args = ap.parse_args()
     sys.path.insert(0, str(REPO))
     from distill.benchmark import load_prompts
+    from distill.runtime import machine
 
     prompts = [p.messages[-1]["content"] for p in load_prompts("mt-bench")]
     levels = [int(c) for c in args.concurrency.split(",")]
     common = ["--max-batch", str(max(levels)), "--queue-size", str(4 * max(levels) * args.rounds)]
     if args.model:
         common += ["--model", args.model]
-    engines = {"plain": common, "medusa": common + ["--heads", args.heads] + (["--tree", args.tree] if args.tree else [])}
-    # Both servers stay up and the waves alternate (plain, Medusa, Medusa, plain, ...), so a
+    engines = {"plain": common, "drafter": common + ["--heads", args.heads] + (["--tree", args.tree] if args.tree else [])}
+    # Both servers stay up and the waves alternate (plain, drafter, drafter, plain, ...), so a
     # shared machine's load drifts hit both alike; an idle server costs memory, not CPU.
     servers = {name: start(extra, Path(f"/tmp/bench_serve_{name}.log")) for name, extra in engines.items()}
     results: dict[str, list[dict]] = {name: [] for name in engines}
@@ -124,12 +126,13 @@ def main() -> None:
             proc.send_signal(signal.SIGTERM)
         for proc, _ in servers.values():
             proc.wait(timeout=120)
-    table = ["| concurrency | plain tok/s | Medusa tok/s | Medusa / plain | Medusa tokens/step |", "| ---: | ---: | ---: | ---: | ---: |"]
-    for p, m in zip(results["plain"], results["medusa"]):
+    table = ["| concurrency | plain tok/s | drafter tok/s | drafter / plain | drafter tokens/step |", "| ---: | ---: | ---: | ---: | ---: |"]
+    for p, m in zip(results["plain"], results["drafter"]):
         table.append(f"| {p['concurrency']} | {p['tokens_per_s']:.1f} | {m['tokens_per_s']:.1f} | {m['tokens_per_s'] / p['tokens_per_s']:.2f}x | "
                      f"{m['tokens_per_step'] or 0:.2f} |")
     print("\n".join(table))
     doc = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "args": vars(args), "cpus": os.cpu_count(),
+           "machine": machine(),
            "results": results, "table": table}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(args.out).with_suffix(".tmp")
