@@ -285,6 +285,7 @@ class VLLMServer:
         env = dict(os.environ)
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # a server needs its engine-core process
         env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+        env["TORCH_COMPILE_DISABLE"] = "1"  # eager, as `distill serve --engine vllm -- --enforce-eager` runs it
         if dev_mode:
             env["VLLM_SERVER_DEV_MODE"] = "1"  # /server_info reports the dtype and the logprobs mode
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--host", "127.0.0.1",

@@ -164,3 +164,21 @@ def test_multi_turn_replays_every_user_turn_by_default_and_marks_a_turns_cut(tmp
     assert rows["all"]["stop_reason"] == "completed"
     assert [m["content"] for m in rows["cut"]["messages"] if m["role"] == "user"] == ["Name a colour.", "Another?"]
     assert rows["cut"]["stop_reason"] == "truncated_turns"
+
+
+def test_vllm_on_a_cpu_runs_eager_without_torch_compile(vllm_backend):
+    """vLLM compiles sampler helpers with torch.compile even for an eager model (an inductor build of 2-12 s on a
+    CPU): the backend keeps dynamo off around its vLLM calls, for every batch shape, and gives logprobs as before."""
+    from torch._dynamo.utils import counters
+
+    from distill.generate.backends import Request
+
+    assert vllm_backend.on_cpu
+    before = sum(counters["frames"].values())
+    prompt = vllm_backend.tokenizer.encode("Name three colours.")
+    for batch in (1, 3):
+        done = vllm_backend.generate([Request(prompt, 6, seed=i, topk=20, temperature=0.7) for i in range(batch)])
+        assert len(done) == batch
+        for c in done:
+            assert c.topk_ids.shape == (len(c.token_ids), 20) and (c.topk_logprobs[:, :-1] >= c.topk_logprobs[:, 1:]).all()
+    assert sum(counters["frames"].values()) == before, dict(counters["frames"])  # dynamo traced nothing

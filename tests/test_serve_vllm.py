@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 
 import pytest
@@ -118,7 +119,12 @@ def test_serve_cli_passes_arguments_after_the_double_dash_to_vllm(heads_dir):
     cmd = doc["command"]
     assert cmd[-4:] == ["--gpu-memory-utilization", "0.85", "--tensor-parallel-size", "1"]
     assert cmd[cmd.index("--dtype") + 1] == "float32" and "--max-num-seqs" not in cmd
-    assert "VLLM_API_KEY" not in doc["env"]
+    assert "VLLM_API_KEY" not in doc["env"] and "TORCH_COMPILE_DISABLE" not in doc["env"]  # vLLM compiles its model
+    r = subprocess.run([DISTILL, "serve", "--engine", "vllm", "--heads", str(heads_dir), "--print-command", "--",
+                        "--enforce-eager"], capture_output=True, text=True, timeout=120,
+                       env={k: v for k, v in os.environ.items() if k != "TORCH_COMPILE_DISABLE"})
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["env"]["TORCH_COMPILE_DISABLE"] == "1"  # eager: no inductor build for a sampler helper
     r = subprocess.run([DISTILL, "serve", "--heads", str(heads_dir), "--print-command", "--", "--enforce-eager"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "need --engine vllm" in r.stderr

@@ -17,6 +17,7 @@ batching (vLLM: ``SamplingParams.seed``; transformers: one ``torch.Generator`` p
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,6 +135,13 @@ def best_distinct(ids: np.ndarray, logprobs: np.ndarray, k: int) -> tuple[np.nda
     return uniq[order], lps[order]
 
 
+def _dynamo_off():
+    """torch.compile'd functions run eager inside this context (dynamo's global switch, set and restored)."""
+    import torch._dynamo
+
+    return torch._dynamo.config.patch(disable=True)
+
+
 class VLLMBackend:
     """vLLM's offline ``LLM`` engine, fed token ids, returning raw top-k logprobs."""
 
@@ -178,8 +186,15 @@ class VLLMBackend:
             # hold the longest sequence).
             kwargs["enable_chunked_prefill"] = False
             kwargs["max_num_batched_tokens"] = max(max_len, MIN_BATCHED_TOKENS)
+        # vLLM compiles a few small sampler helpers with torch.compile even when the model runs eager (the rank of
+        # each sampled token among the logprobs, for one). On a CPU that is an inductor C++ build on the first step
+        # that asks for logprobs: 12.6 s with an empty inductor cache, 2.2 s with a warm one, against 0.33 s run
+        # eager, with the same tokens and logprobs (SmolLM2-135M, 2-vCPU AMD EPYC). Where the model runs eager on a
+        # CPU, so do they: dynamo is off while this backend calls vLLM.
+        self._vllm_calls = _dynamo_off if (self.on_cpu and eager) else contextlib.nullcontext
         try:
-            self.llm = LLM(**kwargs)
+            with self._vllm_calls():
+                self.llm = LLM(**kwargs)
         except Exception as exc:  # noqa: BLE001
             raise BackendError(f"vLLM could not start on {model_path}: {type(exc).__name__}: {exc}") from exc
         self.tokenizer = self.llm.get_tokenizer()
@@ -210,7 +225,8 @@ class VLLMBackend:
             for r in requests
         ]
         prompts = [TokensPrompt(prompt_token_ids=r.prompt_ids) for r in requests]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        with self._vllm_calls():
+            outputs = self.llm.generate(prompts, params, use_tqdm=False)
         return [self._completion(out.outputs[0], r.topk) for out, r in zip(outputs, requests)]
 
     @staticmethod

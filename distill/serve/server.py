@@ -235,7 +235,10 @@ def vllm_env(cfg: ServeConfig) -> dict[str, str]:
 
     The API key goes in VLLM_API_KEY, not on the (world-readable) command line; on a CPU
     machine the thread settings of :func:`distill.runtime.vllm_cpu_env` (variables the
-    user set are kept).
+    user set are kept), and with ``--enforce-eager`` no torch.compile at all
+    (``TORCH_COMPILE_DISABLE=1``): vLLM would still compile a sampler helper on the first
+    request that asks for logprobs, an inductor C++ build of 2-12 s on a CPU (see
+    :class:`distill.generate.backends.VLLMBackend`).
     """
     from distill.runtime import resolve_device, vllm_cpu_env
 
@@ -243,6 +246,8 @@ def vllm_env(cfg: ServeConfig) -> dict[str, str]:
     if resolve_device("auto") == "cpu":
         for key, value in vllm_cpu_env(offline=False).items():
             env.setdefault(key, value)
+        if "--enforce-eager" in cfg.vllm_args:
+            env.setdefault("TORCH_COMPILE_DISABLE", "1")
     if cfg.api_key is not None:
         env["VLLM_API_KEY"] = cfg.api_key
     return env
