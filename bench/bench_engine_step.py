@@ -29,7 +29,16 @@ memory
     while vLLM loads and runs; the engine's KV bytes per token.
 
 ``--no-vllm`` skips vLLM (step costs and profile only). ``--compile`` runs the engine compiled
-(see ``EngineConfig.compile``).
+(see ``EngineConfig.compile``). ``--device`` / ``--dtype`` as the CLI's (auto: distill.runtime's rule);
+``--cuda-graphs on|off`` (auto: on for CUDA, ``EngineConfig.cuda_graphs``). ``--eagle-nodes N ...`` adds
+EAGLE steps with a random drafter (fusing the default aux layers, full vocabulary): each step drafts a
+dynamic tree of N nodes and verifies it, so its time is the drafter's proposal plus the verification.
+``--random-weights`` builds the model from its config.json with random weights (step costs do not depend
+on the weights: for a machine the weights cannot travel to, e.g. the GPU machine of BENCHMARKS.md).
+
+On CUDA the engine syncs once per step (the host transfer), so the step times are the GPU's.
+
+    python bench/bench_engine_step.py --no-vllm --device cuda --dtype bfloat16 --cuda-graphs off --label h200-eager
 """
 
 from __future__ import annotations
@@ -177,7 +186,48 @@ def random_heads(model, num_heads: int = 4):
     lm = model.get_output_embeddings().weight.detach()
     torch.manual_seed(0)
     heads = MedusaHeads(HeadsConfig(lm.shape[1], lm.shape[0], num_heads=num_heads, share_lm_head=True, bias=TRAINED_FC_BIAS), lm_head_weight=lm)
-    return heads.to(dtype=lm.dtype).eval()
+    return heads.to(device=lm.device, dtype=lm.dtype).eval()
+
+
+def random_drafter(model):
+    """An EAGLE-3 drafter of the model's width (default aux layers, full vocabulary), initialised as training starts."""
+    from distill.heads.eagle import DrafterConfig, EagleDrafter, default_aux_layers
+    from distill.heads.vocab import DraftVocab
+
+    cfg = model.config.to_dict()
+    torch.manual_seed(0)
+    vocab = DraftVocab.full(cfg["vocab_size"])
+    drafter = EagleDrafter(DrafterConfig.for_target(cfg, default_aux_layers(cfg["num_hidden_layers"]), vocab.size), vocab)
+    drafter.init_from_target(model.get_output_embeddings().weight.detach().float().cpu(), model.get_decoder().norm.weight.detach().float().cpu())
+    p = next(model.parameters())
+    return drafter.to(device=p.device, dtype=p.dtype).eval()
+
+
+def eagle_engines(base: Engine, nodes: list[int], depth: int) -> dict[int, Engine]:
+    """One EAGLE engine per node budget, whole tree every step (random drafter: the step is proposal + verification)."""
+    drafter = random_drafter(base.model)
+    return {n: Engine(base.model, base.tokenizer, drafter, EngineConfig(draft_nodes=n, draft_depth=depth, speculate_max_batch=1,
+                                                                         max_batch=1, cuda_graphs=base.graphs is not None),
+                      model_name=base.model_name) for n in nodes}
+
+
+def random_weights_model(folder: str | None) -> str:
+    """A copy of the model folder (config, tokenizer) with random weights in place of its own; -> its path."""
+    import shutil
+    import tempfile
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from distill.models import resolve_model
+
+    src = resolve_model(folder).path
+    dst = Path(tempfile.mkdtemp(prefix="random-weights-"))
+    for f in Path(src).iterdir():
+        if f.is_file() and not f.name.endswith((".safetensors", ".bin")) and f.name != "model.safetensors.index.json":
+            shutil.copy(f, dst / f.name)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(src)).save_pretrained(dst)
+    return str(dst)
 
 
 def tree_engines(base: Engine, nodes: list[int], heads) -> dict[int, Engine]:
@@ -185,19 +235,21 @@ def tree_engines(base: Engine, nodes: list[int], heads) -> dict[int, Engine]:
     Their steps are multi-token forwards, which run eager under --compile too: only ``base`` compiles."""
     out = {0: base}
     for n in nodes:
-        cfg = EngineConfig(tree=f"sparse-{n}", speculate_max_batch=1, max_batch=1)
+        cfg = EngineConfig(tree=f"sparse-{n}", speculate_max_batch=1, max_batch=1, cuda_graphs=base.graphs is not None)
         out[n] = Engine(base.model, base.tokenizer, heads, cfg, model_name=base.model_name)
         fixed_proposal(out[n])
     return out
 
 
-def step_costs(engines: dict[int, Engine], prompt: list[int], steps: int, rounds: int) -> dict[int, float]:
+def step_costs(engines: dict[int, Engine], prompt: list[int], steps: int, rounds: int, tree_nodes: bool = True) -> dict[int, float]:
+    """Median step seconds per tree size (round 0 warms up; each run's first step is left out).
+    ``tree_nodes``: check each step verified exactly n nodes (a dynamic tree may hold fewer)."""
     times: dict[int, list[float]] = defaultdict(list)
-    sp = SamplingParams(max_tokens=steps + 1)
+    sp = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
     for r in range(rounds + 1):
         for n, eng in engines.items():
             _, st = eng.generate([prompt], sp, speculative=n > 0)
-            assert st.tree_nodes == n, (n, st.tree_nodes)
+            assert st.tree_nodes == n or (not tree_nodes and 0 < st.tree_nodes <= n), (n, st.tree_nodes)
             if r:  # round 0 warms up
                 times[n] += st.step_seconds[1:]
     return {n: statistics.median(ts) for n, ts in times.items()}
@@ -209,8 +261,10 @@ def proposal_ms(engines: dict[int, Engine], heads, rounds: int = 20) -> dict[int
 
     out = {}
     H = heads.config.hidden_size
-    hidden = torch.randn(1, H, dtype=next(heads.parameters()).dtype)
-    root = torch.zeros(1, dtype=torch.long)
+    p = next(heads.parameters())
+    hidden = torch.randn(1, H, dtype=p.dtype, device=p.device)
+    root = torch.zeros(1, dtype=torch.long, device=p.device)
+    sync = torch.cuda.synchronize if p.device.type == "cuda" else (lambda: None)
     with torch.inference_mode():
         for n, eng in engines.items():
             if not n:
@@ -221,6 +275,7 @@ def proposal_ms(engines: dict[int, Engine], heads, rounds: int = 20) -> dict[int
             for _ in range(rounds):
                 t0 = time.perf_counter()
                 med.tree_tokens(hidden, root, buf)
+                sync()
                 ts.append(time.perf_counter() - t0)
             out[n] = 1000 * statistics.median(ts)
     return out
@@ -241,16 +296,20 @@ def profile_steps(engine: Engine, prompt: list[int], nodes: int, steps: int) -> 
     """CPU ms per step by phase (distill.* ranges) and, inside the forward, by kind of op."""
     from torch.profiler import ProfilerActivity, profile
 
-    sp = SamplingParams(max_tokens=steps + 1)
+    sp = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
     if not hasattr(engine, "proposer"):
         label_old_engine(engine)
     engine.generate([prompt], sp, speculative=nodes > 0)  # warm
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    cuda = engine.device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         _, st = engine.generate([prompt], sp, speculative=nodes > 0)
     n = st.steps
     phases: dict[str, float] = defaultdict(float)
     inside: dict[str, float] = defaultdict(float)
+    gpu_us = 0.0  # CUDA: the GPU's kernel time (prefill included, one short prompt), per step below
     for ev in prof.events():
+        if cuda and getattr(ev, "device_type", None) == torch.autograd.DeviceType.CUDA:
+            gpu_us += getattr(ev, "self_device_time_total", 0.0)
         labels, p = [], ev.cpu_parent
         while p is not None:
             if p.name.startswith("distill."):
@@ -266,6 +325,7 @@ def profile_steps(engine: Engine, prompt: list[int], nodes: int, steps: int) -> 
     inside["python and dispatch"] = max(phases.get("forward", 0.0) - sum(inside.values()), 0.0)
     mean_ms = 1000 * sum(st.step_seconds) / n
     return {"nodes": nodes, "steps": n, "step_ms_median": 1000 * statistics.median(st.step_seconds), "step_ms_mean": mean_ms,
+            **({"gpu_kernel_ms_per_step": gpu_us / 1000 / n} if cuda else {}),
             "phases_ms": dict(phases), "forward_ms": dict(inside), "unlabelled_ms": max(mean_ms - sum(phases.values()), 0.0)}
 
 
@@ -317,6 +377,12 @@ def main() -> None:
     ap.add_argument("--profile-steps", type=int, default=8)
     ap.add_argument("--no-vllm", action="store_true")
     ap.add_argument("--compile", action="store_true", help="EngineConfig(compile=True)")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="auto")
+    ap.add_argument("--eagle-nodes", type=int, nargs="*", default=[], help="EAGLE step costs with a random drafter")
+    ap.add_argument("--eagle-depth", type=int, default=5)
+    ap.add_argument("--random-weights", action="store_true", help="the model's config with random weights")
     ap.add_argument("--label", default="", help="a name for this run in the JSON (e.g. before / after)")
     ap.add_argument("--out", default="bench/results/engine_step.json", help="JSON file of runs by --label (the entry is replaced)")
     ap.add_argument("--report", metavar="JSON", help="print markdown tables of a results file and exit")
@@ -330,7 +396,16 @@ def main() -> None:
     print(json.dumps(result["cpu"]))
     rss0 = peak_rss_mib()
     extra = {"compile": True} if args.compile else {}
-    engine = Engine.from_pretrained(args.model, None, EngineConfig(max_batch=max(args.batch, 1), **extra))
+    if args.cuda_graphs != "auto":
+        extra["cuda_graphs"] = args.cuda_graphs == "on"
+    model = random_weights_model(args.model) if args.random_weights else args.model
+    engine = Engine.from_pretrained(model, None, EngineConfig(max_batch=max(args.batch, 1), device=args.device, dtype=args.dtype, **extra))
+    result["engine"] = {"device": str(engine.device), "dtype": str(engine.dtype).replace("torch.", ""),
+                        "cuda_graphs": engine.graphs is not None, "random_weights": args.random_weights}
+    if engine.device.type == "cuda":
+        result["gpu"] = torch.cuda.get_device_name(engine.device)
+        torch.cuda.reset_peak_memory_stats(engine.device)
+    print(json.dumps(result["engine"]), result.get("gpu", ""))
     prompts = mt_bench_prompts(engine.tokenizer, max(args.prompts, args.batch))
     one, many = prompts[: args.prompts], prompts[: args.batch]
     engine.warmup()  # --compile: compiled here, before anything is timed
@@ -345,6 +420,8 @@ def main() -> None:
         f"ours_kv_cache_mib_batch_{args.batch}": kv_mib}
     if hasattr(engine, "kv_shape"):
         memory["kv_bytes_per_token"] = engine.kv_shape.slot_bytes
+    if engine.device.type == "cuda":
+        memory["ours_cuda_peak_allocated_mib"] = torch.cuda.max_memory_allocated(engine.device) / 2**20
     result["linear_prep"] = getattr(engine, "linear_prep", None)  # which kernel multiplies single rows (engine.weights)
     print("linear preparation", result["linear_prep"])
     llm = None
@@ -361,23 +438,29 @@ def main() -> None:
 
     runs = []
     settings = [("batch 1", one, 1)] + ([(f"batch {args.batch}", many, args.batch)] if args.batch else [])
-    if llm is not None:
-        for name, ps, b in settings:
-            rows = []
-            for r in range(args.rounds):
-                order = ("vllm", "ours") if r % 2 == 0 else ("ours", "vllm")
-                got = {}
-                for who in order:
-                    got[who] = (vllm(llm, ps, args.max_tokens, b, stop) if who == "vllm" else ours(engine, ps, args.max_tokens, b))
-                (tv, sv, ov), (to, so, oo) = got["vllm"], got["ours"]
-                rows.append({"vllm_tok_s": tv / sv, "ours_tok_s": to / so, "ratio": (to / so) / (tv / sv),
-                             "vllm_tokens": tv, "ours_tokens": to, "same_prefix": same_prefix(oo, ov)})
-                print(name, f"round {r}", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in rows[-1].items()})
-            runs.append({"setting": name, "batch": b, "prompts": len(ps), "rounds": rows,
-                         "vllm_tok_s": statistics.median(x["vllm_tok_s"] for x in rows),
-                         "ours_tok_s": statistics.median(x["ours_tok_s"] for x in rows),
-                         "ratio_median": statistics.median(x["ratio"] for x in rows)})
+    for name, ps, b in settings:
+        rows = []
+        for r in range(args.rounds):
+            if llm is None:  # ours alone (--no-vllm)
+                to, so, _ = ours(engine, ps, args.max_tokens, b)
+                rows.append({"ours_tok_s": to / so, "ours_tokens": to})
+                continue
+            order = ("vllm", "ours") if r % 2 == 0 else ("ours", "vllm")
+            got = {}
+            for who in order:
+                got[who] = (vllm(llm, ps, args.max_tokens, b, stop) if who == "vllm" else ours(engine, ps, args.max_tokens, b))
+            (tv, sv, ov), (to, so, oo) = got["vllm"], got["ours"]
+            rows.append({"vllm_tok_s": tv / sv, "ours_tok_s": to / so, "ratio": (to / so) / (tv / sv),
+                         "vllm_tokens": tv, "ours_tokens": to, "same_prefix": same_prefix(oo, ov)})
+            print(name, f"round {r}", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in rows[-1].items()})
+        runs.append({"setting": name, "batch": b, "prompts": len(ps), "rounds": rows,
+                     "ours_tok_s": statistics.median(x["ours_tok_s"] for x in rows)})
+        if llm is not None:
+            runs[-1]["vllm_tok_s"] = statistics.median(x["vllm_tok_s"] for x in rows)
+            runs[-1]["ratio_median"] = statistics.median(x["ratio"] for x in rows)
             print(name, "median ratio ours/vLLM", round(runs[-1]["ratio_median"], 3))
+        else:
+            print(name, "ours tok/s (median of rounds)", round(runs[-1]["ours_tok_s"], 1))
     result["plain"] = runs
 
     heads = random_heads(engine.model)
@@ -387,6 +470,14 @@ def main() -> None:
                            "ratio": {n: s / secs[0] for n, s in secs.items()},
                            "proposal_ms": proposal_ms(engines, heads) if hasattr(engine, "proposer") else None}
     print("step ms", {n: round(1000 * s, 2) for n, s in secs.items()}, "ratio", {n: round(s / secs[0], 3) for n, s in secs.items()})
+    if args.eagle_nodes:
+        esecs = step_costs({0: engine, **eagle_engines(engine, args.eagle_nodes, args.eagle_depth)}, one[0], args.steps,
+                           args.rounds, tree_nodes=False)
+        result["eagle_step_cost"] = {"depth": args.eagle_depth, "step_ms": {n: 1000 * s for n, s in esecs.items()},
+                                     "ratio": {n: s / esecs[0] for n, s in esecs.items()}}
+        print("EAGLE step ms (proposal + verification)", {n: round(1000 * s, 2) for n, s in esecs.items()})
+    if engine.graphs is not None:
+        result["cuda_graphs"] = {"recorded": engine.graphs.recorded, "replays": engine.graphs.replays}
     if args.profile:
         result["profile"] = [profile_steps(engines[n], one[0], n, args.profile_steps) for n in [0] + [n for n in (16, 64) if n in engines]]
         for p in result["profile"]:

@@ -38,6 +38,9 @@ ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="Pipel
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override one option: KEY=VALUE, the value read as YAML (e.g. --set max_len=256); repeatable; CLI options override it.")]
 ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="Bundled default (omit), a local HF folder, or a Hub id.")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto (CUDA when available, else CPU) | cpu | cuda | cuda:1 ...")]
+CudaGraphsOpt = Annotated[Optional[bool], typer.Option(
+    "--cuda-graphs/--no-cuda-graphs", help="distill engine on a GPU: replay its decoding steps (and an EAGLE drafter's passes) "
+    "as CUDA graphs, one per batch size and tree size (default: on with CUDA, unless --compile).")]
 OutOpt = Annotated[Optional[str], typer.Option("--out", "-o", help="Output folder for shards, manifest.json and rejects.jsonl: a path, or an object-store URL (s3://BUCKET/PREFIX, gs://...).")]
 
 
@@ -566,6 +569,7 @@ def serve(
         "--adaptive/--static", help="adaptive (default): the tree size per batch size follows the acceptance and step "
         "times measured while serving, plain decoding when that is faster; static: the calibrated prediction alone.")] = None,
     compile: Annotated[Optional[bool], typer.Option("--compile/--no-compile", help="torch.compile the engine's single-token forwards (plain decoding at batch 1), compiled before the server listens (tens of seconds).")] = None,
+    cuda_graphs: CudaGraphsOpt = None,
     num_speculative_tokens: Annotated[Optional[int], typer.Option(help="--engine vllm: heads used (default: all).")] = None,
     dtype: Annotated[Optional[str], typer.Option(help="auto (default: the heads' teacher dtype, else the model's; bf16 on CPUs only where native) | float32 | bfloat16 | float16.")] = None,
     device: Annotated[Optional[str], typer.Option(help="auto (default: CUDA when available, else CPU) | cpu | cuda | cuda:N (distill engine).")] = None,
@@ -620,6 +624,7 @@ def bench(
     draft_nodes: DraftNodesOpt = None,
     full_tree: Annotated[Optional[bool], typer.Option("--full-tree/--policy-tree", help="Verify the whole tree every step (speculation policy off): measures the tree itself.")] = None,
     compile: Annotated[Optional[bool], typer.Option("--compile/--no-compile", help="torch.compile the engine's single-token forwards, for plain and speculative runs alike (compiled before timing).")] = None,
+    cuda_graphs: CudaGraphsOpt = None,
     sweep_tree: Annotated[Optional[bool], typer.Option("--sweep-tree/--no-sweep-tree", help="Also time step latency against tree size here and pick the node budget with the best predicted speedup (writes tree.json).")] = None,
     sweep_nodes: Annotated[Optional[str], typer.Option(help="Tree sizes of the sweep, comma-separated.")] = None,
     sweep_context: Annotated[Optional[int], typer.Option(help="Context length the sweep's steps are timed at.")] = None,

@@ -63,3 +63,13 @@ def test_compile_is_an_option_of_the_distill_engine_only():
                                                      "vLLM compiles its own (see its -O levels)")
     for command in ("serve", "bench"):
         assert "--compile" in run(command, "--help").stdout
+
+
+def test_cuda_graphs_is_an_option_of_the_distill_engine_only():
+    """--cuda-graphs / --no-cuda-graphs reach serve's config; with --engine vllm either one is an error (vLLM has its own)."""
+    for flag in ("--cuda-graphs", "--no-cuda-graphs"):
+        r = run("serve", "--engine", "vllm", flag, "--print-command")
+        assert r.returncode == 2 and r.stderr.strip() == ("error: --cuda-graphs sets the distill engine's CUDA graphs: "
+                                                         "vLLM captures its own (--enforce-eager turns them off)")
+    for command in ("serve", "bench"):
+        assert "--no-cuda-graphs" in run(command, "--help").stdout

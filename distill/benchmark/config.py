@@ -41,6 +41,7 @@ class BenchConfig:
     draft_nodes: int | None = None  # EAGLE or lookup: node budget of the dynamic tree (None: the proposer's default)
     full_tree: bool = False  # always verify the whole tree (policy off); default: the engine's policy decides per step
     compile: bool = False  # torch.compile the engine's single-token forwards (plain and speculative runs alike)
+    cuda_graphs: bool | None = None  # decoding steps as CUDA graphs (EngineConfig.cuda_graphs); None: on with CUDA
     typical_epsilon: float = 0.09
     typical_delta: float = 0.3
     dtype: str = "auto"  # auto: the heads' teacher dtype, else distill.runtime's rule

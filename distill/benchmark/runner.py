@@ -81,7 +81,7 @@ class BenchRunner:
             ecfg = EngineConfig(acceptance="typical", typical_epsilon=config.typical_epsilon, typical_delta=config.typical_delta,
                                 tree=config.tree, max_batch=1,
                                 speculate_max_batch=1 if config.full_tree else None, dtype=config.dtype, device=config.device,
-                                compile=config.compile,
+                                compile=config.compile, cuda_graphs=config.cuda_graphs,
                                 **({"draft_nodes": config.draft_nodes} if config.draft_nodes else {}))
             engine = Engine.from_pretrained(config.model, config.heads, ecfg)
             engine.warmup()  # compiles first (--compile): no run is timed with the compiler in it
@@ -131,7 +131,8 @@ class BenchRunner:
         else:  # EAGLE: a dynamic tree of up to max_nodes nodes, drafted per step
             nodes, source = proposer.max_nodes, f"{proposer.name} dynamic (depth {proposer.depth}, top-{proposer.topk})"
         return BenchResult(
-            config=dict(cfg.to_dict(), device=str(self.engine.device), dtype=str(self.engine.dtype).removeprefix("torch.")),
+            config=dict(cfg.to_dict(), device=str(self.engine.device), dtype=str(self.engine.dtype).removeprefix("torch."),
+                        cuda_graphs=self.engine.graphs is not None),
             machine=machine(str(self.engine.device)), date=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             model=self.engine.model_name, heads=str(cfg.heads),
             tree={"nodes": nodes, "source": source, "proposer": proposer.name,

@@ -53,6 +53,7 @@ import torch
 
 from distill.engine import cache as kv
 from distill.engine.acceptance import Acceptance
+from distill.engine.graphs import Graphs, cache_key
 from distill.engine.policy import candidate_sizes
 from distill.engine.proposer import DraftSampling, Proposal
 from distill.engine.tree import row_buffers
@@ -123,6 +124,7 @@ class Eagle:
         head_dim = getattr(conf, "head_dim", None) or conf.hidden_size // conf.num_attention_heads
         self.kv_shape = kv.KVShape(1, attn.k_proj.out_features // head_dim, head_dim, head_dim, p.dtype, p.device)
         self.target_ids = drafter.vocab.target_ids.to(p.device)  # (Vd,): draft id -> target id (d2t applied)
+        self.graphs: Graphs | None = None  # the engine's CUDA graphs: catch-ups and expansions replayed (engine.graphs)
 
     def shape(self, nodes: int) -> tuple[int, int, int]:
         """(N, D, K) of a tree of at most ``nodes`` nodes."""
@@ -155,7 +157,7 @@ class Eagle:
         count = torch.tensor(lengths, dtype=torch.long, device=ids.device)  # (B,)
         nxt = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)  # (B, P): the token after each position
         nxt.scatter_(1, (count - 1)[:, None], root[:, None])  # the root follows each prompt's last token
-        self._catch_up(state, nxt, features, torch.zeros_like(count), count, P)
+        self._catch_up(state, nxt, features, torch.zeros_like(count), count, P, graphed=False)  # prompts: lengths vary
         return state
 
     def commit(self, state: EagleState, proposal: Proposal, features: torch.Tensor, acc: Acceptance, ends: list[int],
@@ -194,18 +196,42 @@ class Eagle:
         self._catch_up(state, nxt, feats, state.deferred_start, count, state.deferred_window + P)
 
     def _catch_up(self, state: EagleState, nxt: torch.Tensor, features: torch.Tensor, start: torch.Tensor,
-                  count: torch.Tensor, window: int) -> None:
+                  count: torch.Tensor, window: int, graphed: bool = True) -> None:
         """Drafter pass over Q committed positions per row: next tokens (B, Q), features (B, Q, A·H), first slot (B,),
-        real positions per row (B,), attention window (host)."""
-        d = self.drafter
+        real positions per row (B,), attention window (host; with graphs, all the cache's slots)."""
+        d, cache = self.drafter, state.cache
+        graphs = self.graphs if graphed else None
         B, Q = nxt.shape
+        if graphs is not None:
+            window = cache.slots
         pos = start[:, None] + torch.arange(Q, device=nxt.device)[None]  # (B, Q): slot = position
-        state.cache.prepare(pos, window)
         keep = (torch.arange(window, device=nxt.device)[None, None, :] <= pos[:, :, None])[:, None]  # (B, 1, Q, W) causal
-        out = d(self.embed(nxt), d.fuse(features), pos, keep, state.cache)  # (B, Q, H)
-        last = out[torch.arange(B, device=out.device), count - 1]  # (B, H)
-        state.feature = last
-        state.logp = torch.log_softmax(d.logits(last).float(), dim=-1)  # (B, Vd)
+
+        def run(nxt, features, pos, keep, count):
+            cache.prepare(pos, keep.shape[-1])
+            out = d(self.embed(nxt), d.fuse(features), pos, keep, cache)  # (B, Q, H)
+            last = out[torch.arange(B, device=out.device), count - 1]  # (B, H)
+            return last, torch.log_softmax(d.logits(last).float(), dim=-1)  # (B, Vd)
+
+        if graphs is None:
+            state.feature, state.logp = run(nxt, features, pos, keep, count)
+        else:
+            state.feature, state.logp = graphs(("eagle catch-up", cache_key(cache), Q), run, nxt, features, pos, keep, count)
+
+    def _expand(self, state: EagleState, tok: torch.Tensor, feat: torch.Tensor, pos: torch.Tensor, write: torch.Tensor,
+                keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One expansion pass: draft ids (B, K), parent outputs (B, K, H), positions and scratch slots (B, K),
+        keep-mask (B, 1, K, W) -> outputs (B, K, H) and draft log-probabilities (B, K, Vd)."""
+        d, cache = self.drafter, state.cache
+
+        def run(tok, feat, pos, write, keep):
+            cache.prepare(write, keep.shape[-1])
+            out = d(self.embed(self.target_ids[tok]), feat, pos, keep, cache)  # (B, K, H)
+            return out, torch.log_softmax(d.logits(out).float(), dim=-1)
+
+        if self.graphs is None:
+            return run(tok, feat, pos, write, keep)
+        return self.graphs(("eagle expansion", cache_key(cache), tok.shape[1]), run, tok, feat, pos, write, keep)
 
     def propose(self, state: EagleState, root: torch.Tensor, end: torch.Tensor, longest: int, nodes: int,
                 sampling: DraftSampling | None = None) -> Proposal:
@@ -213,12 +239,11 @@ class Eagle:
 
         ``sampling`` given: the sampled tree (module docstring), with each node's draft distribution.
         """
-        d = self.drafter
         self.catch_up_deferred(state)
         N, D, K = self.shape(nodes)
         B, dev = root.shape[0], root.device
         S = (D - 1) * K  # scratch slots used
-        window = longest + S
+        window = state.cache.slots if self.graphs is not None else longest + S  # graphs: a static window
         logq = self._warp(state.logp, sampling)  # (B, Vd): the root's draft distribution
         lp, tok = self._children(logq[:, None], K, sampling)  # (B, 1, K)
         score, tok = lp[:, 0], tok[:, 0]  # (B, K): depth-1 candidates (draft ids), cumulative log q
@@ -235,10 +260,9 @@ class Eagle:
             own = (depth - 1) * K + torch.arange(K, device=dev)  # (K,) their scratch slots
             anc[:, torch.arange(K, device=dev), own] = True
             pos = (end - 1 + depth)[:, None].expand(B, K)  # (B, K)
-            state.cache.prepare(end[:, None] + own[None], window)
             keep = kv.step_allowed(end, anc, window)  # (B, 1, K, W)
-            out = d(self.embed(self.target_ids[f_tok]), f_feat, pos, keep, state.cache)  # (B, K, H)
-            logq = self._warp(torch.log_softmax(d.logits(out).float(), dim=-1), sampling)  # (B, K, Vd)
+            out, logq = self._expand(state, f_tok, f_feat, pos, end[:, None] + own[None], keep)  # (B, K, H), (B, K, Vd)
+            logq = self._warp(logq, sampling)
             lp, ct = self._children(logq, K, sampling)  # (B, K, K): each expanded node's K children
             cs = (f_score[:, :, None] + lp).flatten(1)  # (B, K²) cumulative scores
             scores.append(cs)

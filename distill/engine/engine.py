@@ -29,6 +29,10 @@ features
     what the proposer reads from each forward (``Proposer.feature_layers``): the hidden
     state, or the hidden states entering the listed decoder layers (EAGLE-3's aux layers,
     ``hidden_states[i]``), taken with forward hooks for the duration of the call.
+CUDA graphs
+    on a GPU the step's forward is replayed from a graph recorded per (rows in use, tree
+    size) and attends over all of the cache's slots (:mod:`distill.engine.graphs`;
+    ``EngineConfig.cuda_graphs``); an EAGLE proposer's drafter passes are graphed the same way.
 host state
     per step, one transfer from the device brings the emitted tokens and accepted lengths
     to the host; each row's committed length (``end``) lives there and is sent back with
@@ -62,6 +66,7 @@ from distill.engine.acceptance import (
     warp,
 )
 from distill.engine.eagle import DEFAULT_DEPTH, DEFAULT_NODES, DEFAULT_TOPK, Eagle
+from distill.engine.graphs import Graphs, cache_key
 from distill.engine.lookup import Lookup
 from distill.engine.medusa import Medusa
 from distill.engine.policy import DEFAULT_COST_RATIO, AdaptivePolicy, choose_tree_size
@@ -175,6 +180,7 @@ class EngineConfig:
     adaptive: bool = False  # correct the policy with measured acceptance and step times (policy.AdaptivePolicy)
     weight_layout: str = "auto"  # "auto": CPU float32 linears re-laid out and packed (engine.weights); "as-loaded"
     compile: bool = False  # torch.compile the model for single-token forwards (plain steps at batch 1); see Engine._forward
+    cuda_graphs: bool | None = None  # decoding steps replayed as CUDA graphs (engine.graphs); None: on for CUDA unless compile
 
     def __post_init__(self) -> None:
         if self.acceptance not in ACCEPTANCE_MODES:
@@ -190,6 +196,8 @@ class EngineConfig:
             raise ConfigError(f"weight_layout must be one of {', '.join(WEIGHT_LAYOUTS)}; got '{self.weight_layout}'")
         if self.step_cost_ratio is not None and self.step_cost_ratio < 0:
             raise ConfigError(f"step_cost_ratio must be >= 0, got {self.step_cost_ratio}")
+        if self.compile and self.cuda_graphs:
+            raise ConfigError("compile and cuda_graphs are two ways to run the decoding step: choose one")
         if min(1 if self.draft_nodes is None else self.draft_nodes, self.draft_depth, self.draft_topk) < 1:
             raise ConfigError(f"draft_nodes, draft_depth and draft_topk must be >= 1; got {self.draft_nodes}, "
                               f"{self.draft_depth}, {self.draft_topk}")
@@ -327,6 +335,19 @@ class Engine:
         if self.config.compile:
             self._decoder.register_forward_hook(self._keep_hidden)  # traced into the graph (a per-call hook would recompile)
             self._compiled = torch.compile(self.model, dynamic=True)
+        graphs = self.config.cuda_graphs
+        if graphs is None:
+            graphs = self.device.type == "cuda" and not self.config.compile
+        if graphs and self.device.type != "cuda":
+            raise ConfigError(f"cuda_graphs needs a model on a CUDA device; this one is on {self.device}")
+        self.graphs = Graphs(capture=True) if graphs else None  # decoding steps (and EAGLE's drafter passes) as CUDA graphs
+        self.use_graphs(self.graphs)
+
+    def use_graphs(self, graphs: Graphs | None) -> None:
+        """Run the decoding steps (and an EAGLE proposer's drafter passes) through ``graphs`` (None: eagerly)."""
+        self.graphs = graphs
+        if isinstance(self.proposer, Eagle):
+            self.proposer.graphs = graphs
 
     def _keep_hidden(self, module, args, output) -> None:
         self._hidden["hidden"] = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
@@ -709,14 +730,26 @@ class _Batch:
                 proposal = Proposal(self.root[:, None], e._plain)  # (B, 1)
         tokens, buf = proposal.tokens, proposal.buffers
         T = buf.size
+        graphs = e.graphs
         with record_function("distill.mask"):
             offsets = torch.arange(T, device=e.device)
-            window = max(self.ends) + T  # the longest row's committed slots and its tree
-            self.cache.prepare(end[:, None] + offsets[None], window)
+            write = end[:, None] + offsets[None]  # (B, T): tree position t of row b goes to slot end_b + t
+            # eager: the longest row's committed slots and its tree; graphed: every slot (a static shape)
+            window = self.cache.slots if graphs is not None else max(self.ends) + T
             bias = kv.attention_bias(kv.step_allowed(end, buf.mask, window), e.dtype)  # (B, 1, T, W)
         with record_function("distill.forward"):
             layers = e.proposer.feature_layers if speculative else None
-            logits, features = e._forward(tokens, end[:, None] + buf.depth, bias, self.cache, layers=layers)
+            if graphs is not None:
+                cache = self.cache
+
+                def forward(ids, positions, write, bias):
+                    cache.prepare(write, cache.slots)
+                    return e._forward(ids, positions, bias, cache, layers=layers)
+
+                logits, features = graphs(("step", cache_key(cache), T, layers), forward, tokens, end[:, None] + buf.depth, write, bias)
+            else:
+                self.cache.prepare(write, window)
+                logits, features = e._forward(tokens, end[:, None] + buf.depth, bias, self.cache, layers=layers)
         with record_function("distill.accept"):
             acc = e._accept(tokens, logits, buf, active, proposal.draft)
         with record_function("distill.compact"):

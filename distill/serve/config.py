@@ -58,6 +58,7 @@ class ServeConfig:
     step_cost_ratio: float | None = None  # engine cost model r (from `distill bench --sweep-tree`); None = the device default
     adaptive: bool = True  # tree size from measured acceptance and step times (distill.engine.policy.AdaptivePolicy)
     compile: bool = False  # distill engine: torch.compile its single-token forwards (EngineConfig.compile), compiled at start
+    cuda_graphs: bool | None = None  # distill engine: decoding steps as CUDA graphs (EngineConfig.cuda_graphs); None: on with CUDA
     vllm_args: tuple[str, ...] = ()  # --engine vllm: passed to vLLM's server unchanged (what follows `--`)
 
     def __post_init__(self) -> None:
@@ -77,6 +78,8 @@ class ServeConfig:
         self.vllm_args = tuple(self.vllm_args)
         if self.compile and self.engine != "distill":
             raise ConfigError("--compile compiles the distill engine's forwards: vLLM compiles its own (see its -O levels)")
+        if self.cuda_graphs is not None and self.engine != "distill":
+            raise ConfigError("--cuda-graphs sets the distill engine's CUDA graphs: vLLM captures its own (--enforce-eager turns them off)")
         if self.vllm_args and self.engine != "vllm":
             raise ConfigError(f"arguments after -- go to vLLM's server: they need --engine vllm (got {' '.join(self.vllm_args)})")
         for name in ("queue_size", "max_batch", "default_max_tokens"):

@@ -58,7 +58,8 @@ def build_app(cfg: ServeConfig, worker_thread: bool = True):
     engine_cfg = EngineConfig(
         acceptance=cfg.acceptance, typical_epsilon=cfg.typical_epsilon, typical_delta=cfg.typical_delta,
         tree=cfg.tree, max_batch=cfg.engine_batch, dtype=cfg.dtype, device=cfg.device, step_cost_ratio=cfg.step_cost_ratio,
-        adaptive=cfg.adaptive, compile=cfg.compile, **({"draft_nodes": cfg.draft_nodes} if cfg.draft_nodes else {}),
+        adaptive=cfg.adaptive, compile=cfg.compile, cuda_graphs=cfg.cuda_graphs,
+        **({"draft_nodes": cfg.draft_nodes} if cfg.draft_nodes else {}),
     )
     engine = Engine.from_pretrained(cfg.model, cfg.heads, engine_cfg)
     if cfg.compile:

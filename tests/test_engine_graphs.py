@@ -1,0 +1,134 @@
+"""Decoding steps and EAGLE's drafter passes as CUDA graphs (distill.engine.graphs): graphed decoding is eager decoding.
+
+On a CPU the bucket logic runs without capturing (``Graphs(capture=False)``: the same calls with the same
+static windows, run eagerly); the CUDA tests record and replay real graphs and are
+skipped where torch sees no GPU (they ran on an H100/H200 through the device tool, BENCHMARKS.md).
+Models: the tiny random Llamas (vocabulary 8) of the Medusa and EAGLE engine tests, with their heads.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distill.engine import Engine, EngineConfig, SamplingParams
+from distill.engine.graphs import Graphs
+from distill.errors import ConfigError
+from test_engine_eagle import build_tiny as build_eagle
+from test_engine_sampling import build_tiny as build_medusa
+
+PROMPTS = [[1, 5, 2], [3, 3, 7, 0, 1, 4], [6], [2, 4, 6, 1, 3, 5, 7, 0, 2], [5, 5]]
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+
+
+def engines(device: str, graphs: bool | None):
+    """(name, engine) for plain, Medusa and EAGLE decoding of the tiny models on ``device``."""
+    medusa_model, heads = build_medusa()
+    eagle_model, drafter = build_eagle()
+    common = dict(max_batch=len(PROMPTS), speculate_max_batch=len(PROMPTS), acceptance="greedy", cuda_graphs=graphs)
+    return [
+        ("medusa", Engine(medusa_model.to(device), None, heads.to(device), EngineConfig(tree="2,2,2", **common))),
+        ("eagle", Engine(eagle_model.to(device), None, drafter.to(device),
+                         EngineConfig(draft_nodes=6, draft_depth=3, draft_topk=2, **common))),
+    ]
+
+
+def decode(engine: Engine, speculative: bool) -> list[list[int]]:
+    results, _ = engine.generate(PROMPTS, [SamplingParams(max_tokens=12 + 3 * i) for i in range(len(PROMPTS))],
+                                 speculative=speculative)
+    return [r.token_ids for r in results]
+
+
+def continuous(engine: Engine) -> dict[int, list[int]]:
+    """Rows join a running batch two at a time and leave when done (the rows in use change between steps)."""
+    run, done = engine.running_batch(), {}
+    for k in range(0, len(PROMPTS), 2):
+        keys = list(range(k, min(k + 2, len(PROMPTS))))
+        done.update(run.add([PROMPTS[i] for i in keys], [SamplingParams(max_tokens=6 + 2 * i) for i in keys], keys))
+        done.update(run.step())
+    while len(run):
+        done.update(run.step())
+    return {k: r.token_ids for k, r in done.items()}
+
+
+def test_static_window_calls_decode_as_the_eager_calls_batched_and_continuous():
+    for name, engine in engines("cpu", None):
+        assert engine.graphs is None  # CPU default: eager steps
+        plain, spec, cont = decode(engine, False), decode(engine, True), continuous(engine)
+        assert spec == plain, name
+        steps, drafts = [], []
+        forward = engine._forward
+
+        def spy(ids, positions, bias, cache, keep=0, layers=None):
+            if isinstance(keep, int):  # a decoding step (a prefill keeps given positions)
+                steps.append((bias.shape[-1], cache.slots, ids.shape))
+            return forward(ids, positions, bias, cache, keep, layers)
+
+        engine._forward = spy
+        if name == "eagle":  # the drafter's keep-mask (B, 1, q, W) and its cache
+            engine.heads.register_forward_pre_hook(lambda m, args: drafts.append((args[3].shape[-1], args[4].slots)))
+        engine.use_graphs(Graphs(capture=False))
+        assert decode(engine, False) == plain, name
+        assert decode(engine, True) == plain, name
+        assert continuous(engine) == cont, name
+        # every graphed step attended over all the cache's slots; buckets: rows in use x tree sizes
+        assert steps and all(w == s for w, s, _ in steps)
+        assert {shape[1] for _, _, shape in steps} == {1, engine.max_tree_size}
+        assert len({shape[0] for _, _, shape in steps}) > 1  # rows left the batch: new buckets
+        kinds = {key[0] for key in engine.graphs.keys()}
+        if name == "eagle":  # catch-ups and expansions graphed too (prompt catch-ups stay eager: their window is short)
+            assert kinds == {"step", "eagle catch-up", "eagle expansion"}
+            assert sum(w == s for w, s in drafts) > len(drafts) // 2
+        else:
+            assert kinds == {"step"}
+        assert 2 <= len(engine.graphs) <= engine.graphs.max_buckets
+
+
+def test_graphs_replay_their_buckets_and_forget_the_oldest():
+    calls = []
+
+    def fn(x):
+        calls.append(x.shape)
+        return (x * 2,)
+
+    graphs = Graphs(capture=False, max_buckets=2)
+    for n in (1, 2, 1, 3):
+        (y,) = graphs(("double", n), fn, torch.ones(n))
+        assert torch.equal(y, torch.full((n,), 2.0))
+    assert len(calls) == 4 and graphs.keys() == [("double", 1), ("double", 3)]  # bucket 2 was the least recently used
+
+
+def test_cuda_graph_settings_are_checked():
+    with pytest.raises(ConfigError, match="choose one"):
+        EngineConfig(compile=True, cuda_graphs=True)
+    with pytest.raises(ConfigError, match="CUDA device"):
+        engines("cpu", True)
+
+
+@cuda
+def test_cuda_graphs_decode_as_eager_steps_and_replay_their_buckets():
+    eager = {name: (decode(e, False), decode(e, True), continuous(e)) for name, e in engines("cuda", False)}
+    for name, engine in engines("cuda", None):  # the CUDA default: graphs on
+        assert engine.graphs is not None and engine.graphs.capture, name
+        plain, spec, cont = eager[name]
+        assert spec == plain, name
+        assert decode(engine, False) == plain, name
+        recorded = engine.graphs.recorded
+        assert recorded >= 1 and engine.graphs.replays > recorded, name
+        assert decode(engine, True) == plain, name
+        assert continuous(engine) == cont, name
+        assert engine.graphs.recorded > recorded  # the trees' buckets (and the drafter's)
+        kinds = {key[0] for key in engine.graphs.keys()}
+        assert kinds == ({"step", "eagle catch-up", "eagle expansion"} if name == "eagle" else {"step"}), name
+
+
+@cuda
+def test_cuda_graphs_keep_sampled_decoding_seeded():
+    """Typical acceptance at temperature 0.8: the same seeds give the same tokens, graphed or eager, batch 1 and 5."""
+    for (name, eager), (_, graphed) in zip(engines("cuda", False), engines("cuda", True)):
+        for cfg in (eager.config, graphed.config):
+            cfg.acceptance = "typical"
+        sp = [SamplingParams(max_tokens=10, temperature=0.8, seed=i) for i in range(len(PROMPTS))]
+        a = [r.token_ids for r in eager.generate(PROMPTS, sp)[0]]
+        b = [r.token_ids for r in graphed.generate(PROMPTS, sp)[0]]
+        assert a == b, name
