@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from distill.engine import Engine, EngineConfig, SamplingParams
+from distill.engine import cache as kv
 from distill.engine.graphs import Graphs
 from distill.errors import ConfigError
 from test_engine_eagle import build_tiny as build_eagle
@@ -82,6 +83,29 @@ def test_static_window_calls_decode_as_the_eager_calls_batched_and_continuous():
         else:
             assert kinds == {"step"}
         assert 2 <= len(engine.graphs) <= engine.graphs.max_buckets
+        # later requests write the pooled storage of earlier ones: nothing new to record
+        buckets = len(engine.graphs)
+        assert decode(engine, True) == plain and decode(engine, False) == plain, name
+        assert len(engine.graphs) == buckets and engine.kv_pool.reused >= 3, name
+
+
+def test_a_pool_hands_out_the_storage_of_a_cache_that_is_gone():
+    shape = kv.KVShape(2, 1, 4, 4, torch.float32, torch.device("cpu"))
+    pool = kv.SlotPool(shape, keep=2)
+    a = kv.SlotCache(shape, 2, 100, pool=pool)
+    assert (a.capacity_rows, a.slots, pool.allocated) == (2, 256, 1)  # slots rounded up to a power of two
+    first = a.keys.data_ptr()
+    del a  # no reference cycle: back to the pool at once
+    assert len(pool) == 1
+    b = kv.SlotCache(shape, 1, 200, pool=pool)  # fits in the first storage
+    assert b.keys.data_ptr() == first and pool.reused == 1 and len(pool) == 0
+    c = kv.SlotCache(shape, 1, 300, pool=pool)  # too long for any free one: a new storage
+    assert c.slots == 512 and pool.allocated == 2
+    c.keys[:, 0, :, :300] = 1.0
+    c.reserve(3, 300)  # grows into a new storage (its rows copied); the old one goes back to the pool
+    assert c.capacity_rows == 3 and len(pool) == 1 and bool((c.keys[:, 0, :, :300] == 1.0).all())
+    del b, c
+    assert len(pool) == 2  # keep=2: the oldest of three dropped
 
 
 def test_graphs_replay_their_buckets_and_forget_the_oldest():
@@ -120,6 +144,8 @@ def test_cuda_graphs_decode_as_eager_steps_and_replay_their_buckets():
         assert engine.graphs.recorded > recorded  # the trees' buckets (and the drafter's)
         kinds = {key[0] for key in engine.graphs.keys()}
         assert kinds == ({"step", "eagle catch-up", "eagle expansion"} if name == "eagle" else {"step"}), name
+        recorded = engine.graphs.recorded  # a later request replays on the pooled storage: nothing recorded
+        assert decode(engine, True) == plain and engine.graphs.recorded == recorded, name
 
 
 @cuda

@@ -9,13 +9,19 @@ from distill.benchmark.stats import BenchResult, Sweep
 from distill.store.atomic import atomic_write_bytes, atomic_write_figure, atomic_write_json
 
 
+#: the speculative columns' name per proposer (bench.json keeps its medusa_* field names for every proposer)
+PROPOSER_NAMES = {"medusa": "Medusa", "eagle3": "EAGLE-3", "lookup": "lookup"}
+
+
 def markdown(result: BenchResult) -> str:
+    spec = PROPOSER_NAMES.get(result.tree.get("proposer"), "speculative")
     lines = [
         f"Model `{result.model}`, heads `{result.heads}`, tree {result.tree.get('nodes')} nodes ({result.tree.get('source')}; "
         f"{result.tree.get('nodes_used_at_batch_1')} used at batch 1), batch 1, max_tokens {result.config['max_tokens']}, "
         f"prompts `{result.config['prompts']}`; {result.machine}; {result.date}.",
         "",
-        "| acceptance | category | prompts | plain tok/s | Medusa tok/s | tokens/step | plain step ms | Medusa step ms | step overhead | speedup | identical to plain |",
+        f"| acceptance | category | prompts | plain tok/s | {spec} tok/s | tokens/step | plain step ms | {spec} step ms | step overhead | "
+        "speedup | identical to plain |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for g in result.groups:

@@ -27,6 +27,13 @@ capacity
     the storage's rows and slots. Rows and slots beyond what is in use are spare; joining
     rows or longer sequences grow the storage (a copy, geometric growth), never a step.
 
+pooled storage
+    with CUDA graphs (:mod:`distill.engine.graphs`) a graph is tied to the addresses of the
+    storage it writes, so a batch's cache takes its storage from a :class:`SlotPool` and gives
+    it back when the cache is gone: the next batch of a fitting size writes the same memory and
+    replays the graphs already recorded. A pooled storage's slots are rounded up to a power of
+    two, so requests of similar lengths share one.
+
 :class:`SlotCache` is a transformers :class:`~transformers.Cache` built on the public
 cache-layer API: the model's attention calls ``update(keys, values, layer)``, which writes
 the new keys and values at the write slots and returns the first ``window`` slots.
@@ -34,6 +41,7 @@ the new keys and values at the write slots and returns the first ``window`` slot
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -127,7 +135,7 @@ class SlotLayer(CacheLayerMixin):
 
     def __init__(self, cache: "SlotCache", index: int):
         super().__init__()
-        self.cache = cache
+        self.cache = weakref.proxy(cache)  # no cycle: a pooled cache gives its storage back as soon as it is dropped
         self.index = index
         self.is_initialized = True
 
@@ -147,6 +155,44 @@ class SlotLayer(CacheLayerMixin):
         return self.cache.slots
 
 
+def _alloc(shape: KVShape, rows: int, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    keys = torch.zeros(shape.layers, rows, shape.heads, slots, shape.key_dim, dtype=shape.dtype, device=shape.device)
+    values = torch.zeros(shape.layers, rows, shape.heads, slots, shape.value_dim, dtype=shape.dtype, device=shape.device)
+    return keys, values
+
+
+class SlotPool:
+    """Storages of caches that are gone, kept for later caches of one shape (see "pooled storage").
+
+    ``take`` hands out the smallest free storage with room for the rows and slots asked for,
+    else a new one (slots rounded up to a power of two, at least ``min_slots``); ``give`` takes
+    one back, keeping the ``keep`` most recent.
+    """
+
+    def __init__(self, shape: KVShape, keep: int = 4, min_slots: int = 256):
+        self.shape = shape
+        self.keep = keep
+        self.min_slots = min_slots
+        self._free: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.allocated = 0  # storages made
+        self.reused = 0  # storages handed out again
+
+    def __len__(self) -> int:
+        return len(self._free)
+
+    def take(self, rows: int, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        fits = [(k.shape[1] * k.shape[3], i) for i, (k, _) in enumerate(self._free) if k.shape[1] >= rows and k.shape[3] >= slots]
+        if fits:
+            self.reused += 1
+            return self._free.pop(min(fits)[1])
+        self.allocated += 1
+        return _alloc(self.shape, rows, max(self.min_slots, 1 << (max(slots, 1) - 1).bit_length()))
+
+    def give(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self._free.append((keys, values))
+        del self._free[: -self.keep]
+
+
 class SlotCache(Cache):
     """Preallocated keys and values for ``rows`` sequences of up to ``slots`` tokens (see the module docstring).
 
@@ -155,20 +201,25 @@ class SlotCache(Cache):
     slots and the window; the model's attention then calls :meth:`update` once per layer.
     """
 
-    def __init__(self, shape: KVShape, rows: int, slots: int):
+    def __init__(self, shape: KVShape, rows: int, slots: int, pool: SlotPool | None = None):
+        """``pool``: take the storage from it (room for at least ``rows`` x ``slots``) and give it back when this cache is gone."""
         self.shape = shape
-        self.keys, self.values = self._alloc(rows, slots)
+        self.pool = pool
+        self._give_back = None
+        self._use(*(pool.take(rows, slots) if pool is not None else _alloc(shape, rows, slots)))
         self.rows = rows  # rows in use (the batch)
         self.window = 0
         self._index_k: torch.Tensor | None = None  # (B, heads, T, key_dim) write slots, expanded
         self._index_v: torch.Tensor | None = None
         super().__init__(layers=[SlotLayer(self, i) for i in range(shape.layers)])
 
-    def _alloc(self, rows: int, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
-        s = self.shape
-        keys = torch.zeros(s.layers, rows, s.heads, slots, s.key_dim, dtype=s.dtype, device=s.device)
-        values = torch.zeros(s.layers, rows, s.heads, slots, s.value_dim, dtype=s.dtype, device=s.device)
-        return keys, values
+    def _use(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Hold this storage; a pooled one goes back to the pool when the cache is collected or grows out of it."""
+        if self._give_back is not None:
+            self._give_back()  # the storage it had, back to the pool now
+        self.keys, self.values = keys, values
+        if self.pool is not None:
+            self._give_back = weakref.finalize(self, self.pool.give, keys, values)
 
     @property
     def capacity_rows(self) -> int:
@@ -244,10 +295,10 @@ class SlotCache(Cache):
             return
         R2 = max(rows, 2 * R) if rows > R else R
         S2 = max(slots, 2 * S) if slots > S else S
-        keys, values = self._alloc(R2, S2)
+        keys, values = self.pool.take(R2, S2) if self.pool is not None else _alloc(self.shape, R2, S2)
         keys[:, : self.rows, :, :S] = self.keys[:, : self.rows]
         values[:, : self.rows, :, :S] = self.values[:, : self.rows]
-        self.keys, self.values = keys, values
+        self._use(keys, values)
 
 
-__all__ = ["KVShape", "SlotCache", "attention_bias", "prefill_allowed", "step_allowed"]
+__all__ = ["KVShape", "SlotCache", "SlotPool", "attention_bias", "prefill_allowed", "step_allowed"]

@@ -125,6 +125,12 @@ class Eagle:
         self.kv_shape = kv.KVShape(1, attn.k_proj.out_features // head_dim, head_dim, head_dim, p.dtype, p.device)
         self.target_ids = drafter.vocab.target_ids.to(p.device)  # (Vd,): draft id -> target id (d2t applied)
         self.graphs: Graphs | None = None  # the engine's CUDA graphs: catch-ups and expansions replayed (engine.graphs)
+        self.pool: kv.SlotPool | None = None  # with graphs: the drafter caches' storage, reused (engine.cache, "pooled storage")
+
+    def use_graphs(self, graphs: Graphs | None) -> None:
+        """Record the drafter's catch-ups and expansions in ``graphs`` (None: eager), its caches from a pool."""
+        self.graphs = graphs
+        self.pool = kv.SlotPool(self.kv_shape) if graphs is not None else None
 
     def shape(self, nodes: int) -> tuple[int, int, int]:
         """(N, D, K) of a tree of at most ``nodes`` nodes."""
@@ -153,7 +159,7 @@ class Eagle:
     def start(self, features: torch.Tensor, ids: torch.Tensor, lengths: list[int], root: torch.Tensor, slots: int) -> EagleState:
         """Catch up on the prompts: features (B, P, A·H), ids (B, P) right-padded, roots (B,)."""
         B, P = ids.shape
-        state = EagleState(kv.SlotCache(self.kv_shape, B, slots + self.scratch), self)
+        state = EagleState(kv.SlotCache(self.kv_shape, B, slots + self.scratch, pool=self.pool), self)
         count = torch.tensor(lengths, dtype=torch.long, device=ids.device)  # (B,)
         nxt = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)  # (B, P): the token after each position
         nxt.scatter_(1, (count - 1)[:, None], root[:, None])  # the root follows each prompt's last token

@@ -344,10 +344,15 @@ class Engine:
         self.use_graphs(self.graphs)
 
     def use_graphs(self, graphs: Graphs | None) -> None:
-        """Run the decoding steps (and an EAGLE proposer's drafter passes) through ``graphs`` (None: eagerly)."""
+        """Run the decoding steps (and an EAGLE proposer's drafter passes) through ``graphs`` (None: eagerly).
+
+        With graphs, batches take their KV storage from a pool (engine.cache, "pooled storage"), so
+        that later requests write the same memory and replay the graphs already recorded.
+        """
         self.graphs = graphs
+        self.kv_pool = kv.SlotPool(self.kv_shape) if graphs is not None else None
         if isinstance(self.proposer, Eagle):
-            self.proposer.graphs = graphs
+            self.proposer.use_graphs(graphs)
 
     def _keep_hidden(self, module, args, output) -> None:
         self._hidden["hidden"] = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
@@ -646,7 +651,7 @@ class _Batch:
         lengths = [len(p) for p in prompts]
         P = max(lengths)
         slots = -(-(max(n + s.params.max_tokens for n, s in zip(lengths, seqs)) + engine.max_tree_size) // SLOT_ROUND) * SLOT_ROUND
-        cache = kv.SlotCache(engine.kv_shape, len(prompts), slots)
+        cache = kv.SlotCache(engine.kv_shape, len(prompts), slots, pool=engine.kv_pool)
         ids = torch.tensor([list(p) + [0] * (P - len(p)) for p in prompts], dtype=torch.long, device=dev)  # (B, P)
         positions = torch.arange(P, device=dev)[None].expand(len(prompts), P)  # (B, P)
         cache.prepare(positions, P)

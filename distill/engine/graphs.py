@@ -14,7 +14,9 @@ bucket
     feature layers): plain steps are T = 1, and each tree size the proposer or the policy picks
     is its own bucket. The EAGLE proposer records its drafter passes the same way (catch-ups
     of the committed tokens, tree expansions). A bucket is recorded the first time it is met
-    (one eager warm-up call, then the capture) and replayed after that.
+    (one eager warm-up call, then the capture) and replayed after that. With graphs, batches
+    take their KV storage from a :class:`~distill.engine.cache.SlotPool`, so a later request
+    of a fitting size meets the buckets an earlier one recorded.
 static window
     a graphed forward attends over all of its cache's slots, not over the longest row's
     ``end + T`` (the window of an eager step), so that its shapes do not grow with the
