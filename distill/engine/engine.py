@@ -340,8 +340,7 @@ class Engine:
             graphs = self.device.type == "cuda" and not self.config.compile
         if graphs and self.device.type != "cuda":
             raise ConfigError(f"cuda_graphs needs a model on a CUDA device; this one is on {self.device}")
-        self.graphs = Graphs(capture=True) if graphs else None  # decoding steps (and EAGLE's drafter passes) as CUDA graphs
-        self.use_graphs(self.graphs)
+        self.use_graphs(Graphs(capture=True) if graphs else None)  # decoding steps (and EAGLE's drafter passes) as CUDA graphs
 
     def use_graphs(self, graphs: Graphs | None) -> None:
         """Run the decoding steps (and an EAGLE proposer's drafter passes) through ``graphs`` (None: eagerly).

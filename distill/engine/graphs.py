@@ -82,9 +82,6 @@ class Graphs:
     def keys(self) -> list[tuple]:
         return list(self._buckets)
 
-    def clear(self) -> None:
-        self._buckets.clear()
-
     def __call__(self, key: tuple, fn: Callable[..., tuple[torch.Tensor, ...]], *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """``fn(*inputs)`` -> its output tensors (copies), replayed from the bucket ``key``.
 
@@ -94,7 +91,7 @@ class Graphs:
         """
         bucket = self._buckets.get(key)
         if bucket is None:
-            bucket = _Bucket(tuple(x.clone() for x in inputs))
+            bucket = _Bucket(tuple(x.clone() for x in inputs) if self.capture else ())  # eager: nothing to keep
             self._buckets[key] = bucket
             while len(self._buckets) > self.max_buckets:
                 self._buckets.popitem(last=False)
