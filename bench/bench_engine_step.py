@@ -211,8 +211,9 @@ def eagle_engines(base: Engine, nodes: list[int], depth: int) -> dict[int, Engin
                       model_name=base.model_name) for n in nodes}
 
 
-def random_weights_model(folder: str | None) -> str:
-    """A copy of the model folder (config, tokenizer) with random weights in place of its own; -> its path."""
+def random_weights_model(folder: str | None, dtype: torch.dtype | None = None) -> str:
+    """A copy of the model folder (config, tokenizer) with random weights in place of its own; -> its path.
+    ``dtype``: the weights saved in it, and the config's dtype (None: as the config says)."""
     import shutil
     import tempfile
 
@@ -226,7 +227,11 @@ def random_weights_model(folder: str | None) -> str:
         if f.is_file() and not f.name.endswith((".safetensors", ".bin")) and f.name != "model.safetensors.index.json":
             shutil.copy(f, dst / f.name)
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(src)).save_pretrained(dst)
+    config = AutoConfig.from_pretrained(src)
+    if dtype is not None:
+        config.dtype = dtype
+    model = AutoModelForCausalLM.from_config(config)
+    (model.to(dtype) if dtype is not None else model).save_pretrained(dst)
     return str(dst)
 
 
@@ -300,16 +305,12 @@ def profile_steps(engine: Engine, prompt: list[int], nodes: int, steps: int) -> 
     if not hasattr(engine, "proposer"):
         label_old_engine(engine)
     engine.generate([prompt], sp, speculative=nodes > 0)  # warm
-    cuda = engine.device.type == "cuda"
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
         _, st = engine.generate([prompt], sp, speculative=nodes > 0)
     n = st.steps
     phases: dict[str, float] = defaultdict(float)
     inside: dict[str, float] = defaultdict(float)
-    gpu_us = 0.0  # CUDA: the GPU's kernel time (prefill included, one short prompt), per step below
     for ev in prof.events():
-        if cuda and getattr(ev, "device_type", None) == torch.autograd.DeviceType.CUDA:
-            gpu_us += getattr(ev, "self_device_time_total", 0.0)
         labels, p = [], ev.cpu_parent
         while p is not None:
             if p.name.startswith("distill."):
@@ -325,7 +326,6 @@ def profile_steps(engine: Engine, prompt: list[int], nodes: int, steps: int) -> 
     inside["python and dispatch"] = max(phases.get("forward", 0.0) - sum(inside.values()), 0.0)
     mean_ms = 1000 * sum(st.step_seconds) / n
     return {"nodes": nodes, "steps": n, "step_ms_median": 1000 * statistics.median(st.step_seconds), "step_ms_mean": mean_ms,
-            **({"gpu_kernel_ms_per_step": gpu_us / 1000 / n} if cuda else {}),
             "phases_ms": dict(phases), "forward_ms": dict(inside), "unlabelled_ms": max(mean_ms - sum(phases.values()), 0.0)}
 
 

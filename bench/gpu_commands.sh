@@ -12,24 +12,12 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
-M=$(mktemp -d)/model-bf16
-SRC=$src DST=$M $PY - <<'PY' || exit 1
-import os, shutil, torch
-from pathlib import Path
-from transformers import AutoConfig, AutoModelForCausalLM
-src, dst = Path(os.environ["SRC"]), Path(os.environ["DST"])
-dst.mkdir(parents=True)
-for f in src.iterdir():
-    if f.is_file() and not f.name.endswith((".safetensors", ".bin")):
-        shutil.copy(f, dst / f.name)
-torch.manual_seed(0)
-cfg = AutoConfig.from_pretrained(src)
-cfg.dtype = torch.bfloat16
-AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).save_pretrained(dst)
-PY
+export PYTHONPATH=$PWD:$PWD/bench${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+M=$(SRC=$src $PY -c "import os, torch; from bench_engine_step import random_weights_model
+print(random_weights_model(os.environ['SRC'], torch.bfloat16))" 2>/dev/null | tail -1)
+[ -f "$M/config.json" ] || { echo "no random-weights model made from $src"; exit 1; }
 D="$PY -m distill.cli"
-work=$(dirname "$M")
+work=$(mktemp -d)
 step() { echo "== $*"; local t0=$SECONDS; timeout 150 "$@" > "$work/step.log" 2>&1; local rc=$?
          grep -v -E 'Loading weights|Writing model|it/s\]$' "$work/step.log" | tail -14; echo "rc=$rc $((SECONDS - t0))s"; }
 step $D env

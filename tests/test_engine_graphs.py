@@ -2,7 +2,7 @@
 
 On a CPU the bucket logic runs without capturing (``Graphs(capture=False)``: the same calls with the same
 static windows, run eagerly); the CUDA tests record and replay real graphs and are
-skipped where torch sees no GPU (they ran on an H100/H200 through the device tool, BENCHMARKS.md).
+skipped where torch sees no GPU (they ran on an H200 through the device tool, BENCHMARKS.md).
 Models: the tiny random Llamas (vocabulary 8) of the Medusa and EAGLE engine tests, with their heads.
 """
 
@@ -23,7 +23,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs nee
 
 
 def engines(device: str, graphs: bool | None):
-    """(name, engine) for plain, Medusa and EAGLE decoding of the tiny models on ``device``."""
+    """(name, engine): Medusa and EAGLE engines of the tiny models on ``device`` (plain decoding: speculative=False)."""
     medusa_model, heads = build_medusa()
     eagle_model, drafter = build_eagle()
     common = dict(max_batch=len(PROMPTS), speculate_max_batch=len(PROMPTS), acceptance="greedy", cuda_graphs=graphs)
@@ -150,7 +150,7 @@ def test_cuda_graphs_decode_as_eager_steps_and_replay_their_buckets():
 
 @cuda
 def test_cuda_graphs_keep_sampled_decoding_seeded():
-    """Typical acceptance at temperature 0.8: the same seeds give the same tokens, graphed or eager, batch 1 and 5."""
+    """Typical acceptance at temperature 0.8: the same seeds give the same tokens, graphed or eager, in a batch of 5."""
     for (name, eager), (_, graphed) in zip(engines("cuda", False), engines("cuda", True)):
         for cfg in (eager.config, graphed.config):
             cfg.acceptance = "typical"
