@@ -66,7 +66,7 @@ from distill.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from bench_batching import mt_bench_prompts  # noqa: E402  (one MT-Bench first-turn prompt set for the engine benches)
 from distill.store.atomic import atomic_write_bytes  # noqa: E402
 
-MATMUL = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "mkl::", "mkldnn::")
+MATMUL = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "mkl::", "mkldnn::", "_C::onednn_mm")
 ATTENTION = ("scaled_dot_product", "flash_attention", "aten::_efficient_attention", "aten::baddbmm", "aten::softmax")
 CACHE = ("aten::scatter_", "aten::index_copy_", "aten::cat")
 
@@ -348,6 +348,8 @@ def report(runs: dict) -> str:
         row(f"{setting}: ours tok/s", lambda r, i=i: f"{r['plain'][i]['ours_tok_s']:.1f}")
         row(f"{setting}: ours / vLLM (median of rounds)", lambda r, i=i: f"**{r['plain'][i]['ratio_median']:.2f}x** "
             f"({min(x['ratio'] for x in r['plain'][i]['rounds']):.2f}-{max(x['ratio'] for x in r['plain'][i]['rounds']):.2f})")
+    row("linears with vLLM's CPU matmul / all", lambda r: f"{r['linear_prep']['packed_vllm']} / "
+        f"{r['linear_prep']['single_packed'] + r['linear_prep']['single_weight']}")
     nodes = sorted({int(n) for r in runs.values() for n in r.get("step_cost", {}).get("step_ms", {})})
     for n in nodes:
         row(f"step ms, {n} nodes" if n else "step ms, plain", lambda r, n=n: f"{r['step_cost']['step_ms'][str(n)]:.1f}")
@@ -422,7 +424,7 @@ def main() -> None:
         memory["kv_bytes_per_token"] = engine.kv_shape.slot_bytes
     if engine.device.type == "cuda":
         memory["ours_cuda_peak_allocated_mib"] = torch.cuda.max_memory_allocated(engine.device) / 2**20
-    result["linear_prep"] = getattr(engine, "linear_prep", None)  # which kernel multiplies single rows (engine.weights)
+    result["linear_prep"] = getattr(engine, "linear_prep", None)  # packed kinds and single-row kernels (engine.weights)
     print("linear preparation", result["linear_prep"])
     llm = None
     if not args.no_vllm:

@@ -32,6 +32,7 @@ class EnvReport:
     threads: dict[str, str | int | None]
     distill_home: str
     bundled_model: dict = field(default_factory=dict)
+    cpu_linears: str = ""  # the packed kinds the engine's float32 CPU linears may use (distill.engine.weights)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -52,6 +53,8 @@ class EnvReport:
         for stage, pick in self.stages.items():
             extra = "".join(f", {k} {v}" for k, v in pick.items() if k not in ("device", "dtype", "why"))
             out.append(f"- {stage}: {pick['device']}, {pick['dtype']} ({pick['why']}){extra}")
+        if self.cpu_linears:
+            out.append(f"- Engine's float32 CPU linears: {self.cpu_linears}")
         out.append("- Threads: " + ", ".join(f"{k}={v}" for k, v in self.threads.items()))
         out.append(f"- DISTILL_HOME: {self.distill_home}")
         b = self.bundled_model
@@ -117,6 +120,12 @@ def collect(model: str | None = None) -> EnvReport:
             server = runtime.vllm_cpu_env(offline=False)
             stages["serve --engine vllm"] = {"device": device, "dtype": pick.dtype, "why": pick.reason,
                                              "env": " ".join(f"{k}={v}" for k, v in server.items())}
+    from distill.engine.weights import vllm_kernels
+
+    why_not = vllm_kernels()
+    kinds = "torch's oneDNN packed copies" + ("" if why_not else " or vLLM's CPU matmul")
+    cpu_linears = (f"{kinds}, or MKL on the weights for single rows, per weight shape as a probe at start finds faster"
+                   + (f" (vLLM's CPU matmul unavailable: {why_not})" if why_not else ""))
     threads: dict[str, str | int | None] = {"torch.get_num_threads()": torch.get_num_threads()}
     threads.update({k: os.environ.get(k, "unset") for k in THREAD_VARS})
     return EnvReport(
@@ -132,4 +141,5 @@ def collect(model: str | None = None) -> EnvReport:
         threads=threads,
         distill_home=str(distill_home()),
         bundled_model=_bundled_status(),
+        cpu_linears=cpu_linears,
     )

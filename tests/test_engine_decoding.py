@@ -242,7 +242,9 @@ def test_compiled_single_token_forwards_decode_as_eager(model_dir, tokenizer, pr
     reference = Engine(reference_model, tokenizer, None, EngineConfig())
     for m in reference_model.modules():
         if type(m) is DualLinear:
-            m.single_packed = False  # the compiled graph multiplies single rows with MKL too: only the compiler differs
+            # single rows as the compiled graph multiplies them (vLLM's matmul where the weight has it, else MKL on the
+            # weight): only the compiler differs
+            m.single_packed = m.vllm is not None
     plain_reference = [reference.generate([p], [SamplingParams(max_tokens=NEW_TOKENS)])[0][0] for p in prompts[:2]]
     assert all(len(r.token_ids) > 4 for r in plain_reference)
     model = first_layers(model_dir, 2)  # its own: compile hooks its decoder

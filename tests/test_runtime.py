@@ -129,6 +129,10 @@ def test_distill_env_names_the_cpu_and_each_stage_dtype():
         assert any(line.startswith(f"- {stage}: {device}, float32") for line in lines), stage
     if device == "cpu":
         assert any("in-process" in line for line in lines if line.startswith("- generate"))
+    from distill.engine.weights import vllm_kernels
+
+    linears = [line for line in lines if line.startswith("- Engine's float32 CPU linears: ")]
+    assert len(linears) == 1 and ("or vLLM's CPU matmul" in linears[0]) == (vllm_kernels() == ""), linears
     r = subprocess.run([DISTILL, "env", "--json"], capture_output=True, text=True, timeout=300)
     doc = json.loads(r.stdout)
     assert doc["versions"]["torch"] and doc["stages"]["serve"]["dtype"] == "float32"
