@@ -622,6 +622,7 @@ def bench(
     typical_epsilon: Annotated[Optional[float], typer.Option(help="Typical acceptance epsilon.")] = None,
     typical_delta: Annotated[Optional[float], typer.Option(help="Typical acceptance delta.")] = None,
     draft_nodes: DraftNodesOpt = None,
+    vllm: Annotated[Optional[bool], typer.Option("--vllm/--no-vllm", help="Also decode the greedy prompts with bare vLLM (in this process; the same model, dtype and max tokens) and report plain and speculative tok/s against it.")] = None,
     full_tree: Annotated[Optional[bool], typer.Option("--full-tree/--policy-tree", help="Verify the whole tree every step (speculation policy off): measures the tree itself.")] = None,
     compile: Annotated[Optional[bool], typer.Option("--compile/--no-compile", help="torch.compile the engine's single-token forwards, for plain and speculative runs alike (compiled before timing).")] = None,
     cuda_graphs: CudaGraphsOpt = None,
@@ -637,7 +638,7 @@ def bench(
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Folder for bench.json, bench.md, bench.png (and sweep.png, tree.json).")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress lines.")] = False,
 ) -> None:
-    """Plain vs speculative (Medusa or EAGLE) decoding on the same prompts: tokens/step, step overhead, tokens/s and speedup per category."""
+    """Plain vs speculative (Medusa, EAGLE or lookup) decoding on the same prompts: tokens/step, step overhead, tokens/s and speedup per category; with --vllm against bare vLLM too."""
     from distill.benchmark import BenchConfig, run_bench
     from distill.benchmark.report import markdown
     from distill.configs import config_from_options, stage_section
@@ -673,8 +674,10 @@ def run_pipeline(
         typer.echo(f"| {r.stage} | {r.status} | {r.seconds:.0f} | {r.output} |")
     for who, key in (("trained drafter", "overall"), ("lookup (nothing trained)", "lookup")):
         for mode, g in report.result.get(key, {}).items():
+            against = (f"; against bare vLLM ({g['vllm_tokens_per_s']:.1f} tok/s): plain {g['plain_vs_vllm']:.2f}x, "
+                       f"{who} {g['medusa_vs_vllm']:.2f}x" if "vllm_tokens_per_s" in g else "")
             typer.echo(f"{who}, {mode}: {g['tokens_per_step']:.2f} tokens/step, step overhead {g['step_overhead']:.2f}x, "
-                       f"speedup {g['speedup']:.2f}x ({g['plain_tokens_per_s']:.1f} -> {g['medusa_tokens_per_s']:.1f} tok/s)")
+                       f"speedup {g['speedup']:.2f}x ({g['plain_tokens_per_s']:.1f} -> {g['medusa_tokens_per_s']:.1f} tok/s){against}")
     typer.echo(f"heads: {cfg.out}/heads  tree: {cfg.out}/calibrate/tree.json  bench: {cfg.out}/bench/bench.md")
 
 

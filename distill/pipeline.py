@@ -291,7 +291,13 @@ class Pipeline:
 
 
 def _overall(result) -> dict:
-    """The bench's "all prompts" figures per acceptance mode."""
-    return {g.acceptance: {"tokens_per_step": g.acceleration_rate, "step_overhead": g.step_overhead, "speedup": g.speedup,
-                           "plain_tokens_per_s": g.plain_tokens_per_s, "medusa_tokens_per_s": g.medusa_tokens_per_s}
-            for g in result.groups if g.category == "all"}
+    """The bench's "all prompts" figures per acceptance mode (with ``vllm: true``: against bare vLLM too)."""
+    out = {}
+    for g in result.groups:
+        if g.category == "all":
+            out[g.acceptance] = {"tokens_per_step": g.acceleration_rate, "step_overhead": g.step_overhead, "speedup": g.speedup,
+                                 "plain_tokens_per_s": g.plain_tokens_per_s, "medusa_tokens_per_s": g.medusa_tokens_per_s}
+            if g.vllm_tokens_per_s is not None:
+                out[g.acceptance].update(vllm_tokens_per_s=g.vllm_tokens_per_s, plain_vs_vllm=g.plain_vs_vllm,
+                                         medusa_vs_vllm=g.medusa_vs_vllm)
+    return out

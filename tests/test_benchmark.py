@@ -1,4 +1,5 @@
-"""distill bench: statistics on synthetic runs, MT-Bench prompt selection, report files, and a real tiny run."""
+"""distill bench: statistics on synthetic runs, MT-Bench prompt selection, report files, a real tiny run, and the bare-vLLM
+baseline (``--vllm``) run against the session's vLLM engine."""
 
 from __future__ import annotations
 
@@ -35,6 +36,37 @@ def test_group_stats_are_ratios_of_sums_per_category_and_overall():
     assert a.identical == 1 and a.prompts == 2  # prompt b's Medusa output differs
 
 
+def test_vllm_runs_give_each_group_its_ratios_against_vllm():
+    runs = [
+        run("a", "math", "plain", "greedy", 10, 9, 0.9, 2.0, [1, 2]), run("a", "math", "medusa", "greedy", 10, 4, 0.6, 1.0, [1, 2]),
+        run("a", "math", "vllm", "greedy", 10, 0, 0.0, 1.6, [1, 2]),
+        run("b", "code", "plain", "greedy", 20, 19, 1.9, 4.0, [3]), run("b", "code", "medusa", "greedy", 20, 6, 1.0, 2.0, [3]),
+        run("b", "code", "vllm", "greedy", 20, 0, 0.0, 2.4, [4]),
+        run("a", "math", "plain", "typical", 10, 9, 0.9, 2.0), run("a", "math", "medusa", "typical", 10, 4, 0.6, 1.0),
+    ]
+    groups = {(g.acceptance, g.category): g for g in summarize(runs)}
+    m = groups["greedy", "math"]
+    assert m.vllm_tokens_per_s == pytest.approx(10 / 1.6)
+    assert m.plain_vs_vllm == pytest.approx(5 / 6.25) and m.medusa_vs_vllm == pytest.approx(10 / 6.25) and m.vllm_identical == 1
+    a = groups["greedy", "all"]
+    assert a.vllm_tokens_per_s == pytest.approx(30 / 4.0) and a.medusa_vs_vllm == pytest.approx((30 / 3.0) / (30 / 4.0))
+    assert a.vllm_identical == 1 and a.identical == 2  # prompt b: vLLM's greedy output differs from ours
+    assert groups["typical", "all"].vllm_tokens_per_s is None  # vLLM runs greedy only
+    res = BenchResult(BenchConfig(heads="h").to_dict(), "m", "d", "model", "h", {"nodes": 4, "source": "x", "nodes_used_at_batch_1": 4},
+                      summarize(runs), runs)
+    from distill.benchmark.report import markdown
+
+    md = markdown(res)
+    assert "| vLLM tok/s | plain / vLLM | speculative / vLLM | identical to vLLM |" in md
+    assert "| 7.5 | 0.67x | 1.33x | 1/2 |" in md  # greedy, all: vLLM 30 tokens in 4 s, plain 30 in 6 s, Medusa 30 in 3 s
+    assert md.count("| typical |") == 2 and all(line.endswith("| | | | |") for line in md.splitlines() if "| typical |" in line)
+    from distill.pipeline import _overall
+
+    headline = _overall(res)  # what `distill run` prints: against vLLM where the bench measured it
+    assert headline["greedy"]["plain_vs_vllm"] == pytest.approx(5 / 7.5) and headline["greedy"]["medusa_vs_vllm"] == pytest.approx(10 / 7.5)
+    assert "vllm_tokens_per_s" not in headline["typical"]
+
+
 def test_typical_groups_do_not_claim_identity():
     runs = [run("a", "x", "plain", "typical", 5, 4, 0.4, 0.5), run("a", "x", "medusa", "typical", 5, 2, 0.3, 0.4)]
     assert all(g.identical is None for g in summarize(runs))
@@ -47,7 +79,8 @@ def test_mt_bench_prompts_round_robin_over_categories():
     assert len(load_prompts("mt-bench")) == 80
 
 
-@pytest.mark.parametrize("options", [{"modes": ("fast",)}, {"limit": 0}, {"temperature": 0.0}, {"sweep_nodes": (0, 4)}])
+@pytest.mark.parametrize("options", [{"modes": ("fast",)}, {"limit": 0}, {"temperature": 0.0}, {"sweep_nodes": (0, 4)},
+                                     {"vllm": True, "modes": ("typical",)}])
 def test_bench_config_rejects_bad_options(options):
     with pytest.raises(ConfigError):
         BenchConfig(heads="h", **options)
@@ -102,3 +135,34 @@ def test_bench_cli_runs_plain_vs_medusa_and_the_sweep_with_the_bundled_model(tmp
     if best["nodes"] > 0:
         assert load_tree(out / "tree.json")["nodes"] == best["nodes"]
     assert "| greedy | **all** |" in r.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_bench_against_bare_vllm_interleaves_the_engines_on_the_same_prompts(tmp_path, vllm_backend):
+    """--vllm: bare vLLM (the session's engine) decodes the greedy prompts between our plain and lookup runs, in turn first."""
+    from distill.benchmark import run_bench
+    from distill.benchmark.baseline import VllmBaseline
+    from distill.engine import Engine, EngineConfig
+
+    engine = Engine.from_pretrained(None, "lookup", EngineConfig(max_batch=1))
+    cfg = BenchConfig(heads="lookup", limit=3, max_tokens=8, modes=("greedy",), vllm=True, out=str(tmp_path / "bench"))
+    result, paths = run_bench(cfg, engine=engine, baseline=VllmBaseline(vllm_backend.llm))
+    assert [r.mode for r in result.runs] == ["plain", "medusa", "vllm", "medusa", "vllm", "plain", "vllm", "plain", "medusa"]
+    vllm_runs = [r for r in result.runs if r.mode == "vllm"]
+    assert all(r.tokens == len(r.token_ids) == 8 and r.wall_seconds > 0 for r in vllm_runs)
+    overall = result.overall("greedy")
+    assert overall.identical == 3 and overall.vllm_identical == 3  # float32 greedy: vLLM's tokens are ours
+    assert overall.vllm_tokens_per_s == pytest.approx(24 / sum(r.wall_seconds for r in vllm_runs))
+    assert overall.plain_vs_vllm == pytest.approx(overall.plain_tokens_per_s / overall.vllm_tokens_per_s)
+    assert overall.medusa_vs_vllm == pytest.approx(overall.medusa_tokens_per_s / overall.vllm_tokens_per_s)
+    data = json.loads(paths["json"].read_text())
+    assert next(g for g in data["groups"] if g["category"] == "all")["vllm_identical"] == 3
+    assert "| lookup / vLLM | identical to vLLM |" in paths["markdown"].read_text()
+
+
+def test_vllm_needs_the_greedy_mode_on_the_command_line(tmp_path):
+    r = subprocess.run([DISTILL, "bench", "--heads", "lookup", "--vllm", "--modes", "typical", "--out", str(tmp_path / "b")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and r.stderr.strip() == "error: --vllm compares greedy decoding with bare vLLM's: add greedy to --modes"
+    assert not (tmp_path / "b").exists()

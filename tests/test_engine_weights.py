@@ -175,6 +175,20 @@ def test_the_compiler_traces_vllms_matmul_in_one_graph(monkeypatch):
 
 
 @needs_vllm
+def test_a_vllm_matmul_that_fails_leaves_torchs_copies(monkeypatch):
+    """An operator that changed (another vLLM version) fails in the probe's first product: torch's copies are kept."""
+    def broken(self, x, bias):
+        raise RuntimeError("onednn_mm() expected 5 arguments")
+
+    monkeypatch.setattr(VllmMatmul, "__call__", broken)
+    model = tiny_llama(tied=True)
+    sizes = prepare_linears(model)
+    assert sizes["packed_vllm"] == 0 and all(m.kind == ONEDNN for m in model.modules() if type(m) is DualLinear)
+    with torch.inference_mode():
+        model(torch.randint(0, 64, (2, 5)))
+
+
+@needs_vllm
 def test_a_vllm_packed_copy_is_freed_with_its_module():
     layer = nn.Linear(16, 32)
     matmul = VllmMatmul(layer.weight)

@@ -25,6 +25,10 @@ class BenchConfig:
         verify the whole tree at every Medusa step (the engine's speculation policy off),
         which measures the tree itself; by default the policy may shrink the tree or
         decode plainly when its cost model says speculation does not pay.
+    vllm
+        also decode the greedy prompts with bare vLLM (:mod:`distill.benchmark.baseline`), the
+        runs interleaved with ours per prompt, and report plain and speculative tokens/s
+        against it: the comparison a user makes with ``vllm serve``.
     sweep_nodes / sweep_context / sweep_repeats
         the ``--sweep-tree`` grid: tree sizes, the context length a verification
         forward is timed at, and timed repeats per size (the median is kept).
@@ -39,6 +43,7 @@ class BenchConfig:
     temperature: float = 0.7  # for the typical mode
     tree: str | None = None
     draft_nodes: int | None = None  # EAGLE or lookup: node budget of the dynamic tree (None: the proposer's default)
+    vllm: bool = False  # also bare vLLM on the greedy prompts (the yardstick); needs the greedy mode
     full_tree: bool = False  # always verify the whole tree (policy off); default: the engine's policy decides per step
     compile: bool = False  # torch.compile the engine's single-token forwards (plain and speculative runs alike)
     cuda_graphs: bool | None = None  # decoding steps as CUDA graphs (EngineConfig.cuda_graphs); None: on with CUDA
@@ -69,6 +74,8 @@ class BenchConfig:
         bad = [m for m in self.modes if m not in MODES]
         if bad or not self.modes:
             raise ConfigError(f"--modes must be a comma-separated subset of {', '.join(MODES)}; got {', '.join(self.modes) or 'nothing'}")
+        if self.vllm and "greedy" not in self.modes:
+            raise ConfigError("--vllm compares greedy decoding with bare vLLM's: add greedy to --modes")
         if self.limit is not None and self.limit < 1:
             raise ConfigError(f"--limit must be at least 1; got {self.limit}")
         if self.max_tokens < 1:

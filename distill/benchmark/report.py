@@ -15,23 +15,26 @@ PROPOSER_NAMES = {"medusa": "Medusa", "eagle3": "EAGLE-3", "lookup": "lookup"}
 
 def markdown(result: BenchResult) -> str:
     spec = PROPOSER_NAMES.get(result.tree.get("proposer"), "speculative")
+    against = any(g.vllm_tokens_per_s is not None for g in result.groups)  # --vllm: bare vLLM's columns
     lines = [
         f"Model `{result.model}`, heads `{result.heads}`, tree {result.tree.get('nodes')} nodes ({result.tree.get('source')}; "
         f"{result.tree.get('nodes_used_at_batch_1')} used at batch 1), batch 1, max_tokens {result.config['max_tokens']}, "
         f"prompts `{result.config['prompts']}`; {result.machine}; {result.date}.",
         "",
         f"| acceptance | category | prompts | plain tok/s | {spec} tok/s | tokens/step | plain step ms | {spec} step ms | step overhead | "
-        "speedup | identical to plain |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "speedup | identical to plain |" + (f" vLLM tok/s | plain / vLLM | {spec} / vLLM | identical to vLLM |" if against else ""),
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: | ---: | ---: | ---: |" if against else ""),
     ]
     for g in result.groups:
         ident = "" if g.identical is None else f"{g.identical}/{g.prompts}"
         cat = f"**{g.category}**" if g.category == "all" else g.category
-        lines.append(
-            f"| {g.acceptance} | {cat} | {g.prompts} | {g.plain_tokens_per_s:.1f} | {g.medusa_tokens_per_s:.1f} | "
-            f"{g.acceleration_rate:.2f} | {g.plain_step_ms:.1f} | {g.medusa_step_ms:.1f} | {g.step_overhead:.2f}x | "
-            f"{g.speedup:.2f}x | {ident} |"
-        )
+        row = (f"| {g.acceptance} | {cat} | {g.prompts} | {g.plain_tokens_per_s:.1f} | {g.medusa_tokens_per_s:.1f} | "
+               f"{g.acceleration_rate:.2f} | {g.plain_step_ms:.1f} | {g.medusa_step_ms:.1f} | {g.step_overhead:.2f}x | "
+               f"{g.speedup:.2f}x | {ident} |")
+        if against:
+            row += (" | | | |" if g.vllm_tokens_per_s is None else
+                    f" {g.vllm_tokens_per_s:.1f} | {g.plain_vs_vllm:.2f}x | {g.medusa_vs_vllm:.2f}x | {g.vllm_identical}/{g.prompts} |")
+        lines.append(row)
     if result.sweep is not None:
         lines += ["", sweep_markdown(result.sweep)]
     return "\n".join(lines) + "\n"

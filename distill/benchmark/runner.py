@@ -72,7 +72,8 @@ def chat_ids(tokenizer, messages, chat_template: str | None = None, template_kwa
 class BenchRunner:
     """Loads the engine once; :meth:`run` measures every prompt in every mode, :meth:`sweep` the tree sizes."""
 
-    def __init__(self, config: BenchConfig, engine=None, progress: Callable[[str], None] | None = None):
+    def __init__(self, config: BenchConfig, engine=None, progress: Callable[[str], None] | None = None, baseline=None):
+        """``baseline``: a :class:`~distill.benchmark.baseline.VllmBaseline` to use for ``--vllm`` (default: started here)."""
         from distill.engine import Engine, EngineConfig
 
         self.config = config
@@ -89,6 +90,19 @@ class BenchRunner:
             raise ConfigError("the benchmark compares plain and speculative (Medusa, EAGLE or lookup) decoding: "
                               "pass --heads DIR or --heads lookup")
         self.engine = engine
+        self.baseline = baseline
+        if config.vllm and baseline is None:
+            from distill.benchmark.baseline import VllmBaseline
+            from distill.models import context_limit, resolve_model
+
+            self.baseline = VllmBaseline.start(resolve_model(config.model).path, str(engine.dtype).removeprefix("torch."),
+                                               engine.device.type, context_limit(engine.model.config), config.seed)
+
+    def _vllm(self, prompt: Prompt, ids: list[int]) -> Run:
+        tokens, wall, finish = self.baseline.generate(ids, self.config.max_tokens, self.engine.stop_ids)
+        return Run(prompt_id=prompt.id, category=prompt.category, mode="vllm", acceptance="greedy", prompt_tokens=len(ids),
+                   tokens=len(tokens), step_tokens=0, steps=0, step_seconds=0.0, prefill_seconds=0.0, wall_seconds=wall,
+                   finish_reason=finish, token_ids=tokens)
 
     def _one(self, prompt: Prompt, ids: list[int], acceptance: str, speculative: bool, seed: int) -> Run:
         from distill.engine import SamplingParams
@@ -115,12 +129,17 @@ class BenchRunner:
         for _ in range(cfg.warmup):  # untimed: first calls pay for allocations and lazy init
             for spec in (False, True):
                 self._one(prompts[0], encoded[0], "greedy", spec, cfg.seed)
+            if self.baseline is not None:
+                self._vllm(prompts[0], encoded[0])
         runs: list[Run] = []
         for acceptance in cfg.modes:
             for i, (p, ids) in enumerate(zip(prompts, encoded)):
-                order = (False, True) if i % 2 == 0 else (True, False)
-                for spec in order:
-                    runs.append(self._one(p, ids, acceptance, spec, cfg.seed + i))
+                order = ["plain", "medusa"]
+                if acceptance == "greedy" and self.baseline is not None:
+                    order.append("vllm")
+                shift = i % len(order)  # each engine goes first as often as the others
+                for mode in order[shift:] + order[:shift]:
+                    runs.append(self._vllm(p, ids) if mode == "vllm" else self._one(p, ids, acceptance, mode == "medusa", cfg.seed + i))
                 self.progress(f"{acceptance} {i + 1}/{len(prompts)} {p.id}")
         groups = summarize(runs)
         tree, proposer = self.engine.tree, self.engine.proposer
@@ -174,15 +193,17 @@ def summarize(runs: list[Run]) -> list[Group]:
         cats = list(dict.fromkeys(r.category for r in mine))
         for cat in cats + ["all"]:
             sel = [r for r in mine if cat == "all" or r.category == cat]
-            groups.append(Group.of(acceptance, cat, [r for r in sel if r.mode == "plain"], [r for r in sel if r.mode == "medusa"]))
+            groups.append(Group.of(acceptance, cat, [r for r in sel if r.mode == "plain"], [r for r in sel if r.mode == "medusa"],
+                                   [r for r in sel if r.mode == "vllm"]))
     return groups
 
 
-def run_bench(config: BenchConfig, progress: Callable[[str], None] | None = None, engine=None) -> tuple[BenchResult, dict[str, Path]]:
-    """Plain vs Medusa (and the tree-size sweep when asked); writes the artifacts into ``config.out``."""
+def run_bench(config: BenchConfig, progress: Callable[[str], None] | None = None, engine=None,
+              baseline=None) -> tuple[BenchResult, dict[str, Path]]:
+    """Plain vs Medusa (and bare vLLM, and the tree-size sweep, when asked); writes the artifacts into ``config.out``."""
     from distill.benchmark.report import write_all, write_tree
 
-    runner = BenchRunner(config, engine=engine, progress=progress)
+    runner = BenchRunner(config, engine=engine, progress=progress, baseline=baseline)
     result = runner.run()
     if config.sweep_tree:
         if progress:

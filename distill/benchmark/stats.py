@@ -14,6 +14,9 @@ step overhead
 speedup
     Medusa tokens/s / plain tokens/s, tokens/s being generated tokens over the
     wall-clock time of the whole ``generate`` call (prefill included).
+against vLLM (``--vllm``, greedy only)
+    plain or Medusa tokens/s / bare vLLM's tokens/s on the same prompts (``vllm.LLM``,
+    the whole ``generate`` call of one prompt), the decoding a user would run instead.
 predicted speedup
     acceleration rate / step overhead (the sweep: expected acceptance length of the
     tree under the calibrated accuracies / measured overhead of its forward).
@@ -28,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 class Run:
     prompt_id: str
     category: str
-    mode: str  # plain | medusa
+    mode: str  # plain | medusa | vllm (bare vLLM, greedy: distill.benchmark.baseline)
     acceptance: str  # greedy | typical
     prompt_tokens: int
     tokens: int
@@ -58,9 +61,13 @@ class Group:
     step_overhead: float
     speedup: float
     identical: int | None = None  # greedy: prompts whose Medusa output equals plain decoding's
+    vllm_tokens_per_s: float | None = None  # bare vLLM on the same prompts (--vllm; greedy)
+    plain_vs_vllm: float | None = None
+    medusa_vs_vllm: float | None = None
+    vllm_identical: int | None = None  # prompts whose vLLM output equals our plain decoding's
 
     @classmethod
-    def of(cls, acceptance: str, category: str, plain: list[Run], medusa: list[Run]) -> "Group":
+    def of(cls, acceptance: str, category: str, plain: list[Run], medusa: list[Run], vllm: list[Run] = ()) -> "Group":
         def rate(runs: list[Run]) -> float:
             secs = sum(r.wall_seconds for r in runs)
             return sum(r.tokens for r in runs) / secs if secs else 0.0
@@ -77,12 +84,19 @@ class Group:
         if acceptance == "greedy":
             by_id = {r.prompt_id: r.token_ids for r in plain}
             identical = sum(1 for r in medusa if by_id.get(r.prompt_id) == r.token_ids)
+        against = {}
+        if vllm:
+            v_rate = rate(list(vllm))
+            by_id = {r.prompt_id: r.token_ids for r in plain}
+            against = dict(vllm_tokens_per_s=v_rate, plain_vs_vllm=p_rate / v_rate if v_rate else 0.0,
+                           medusa_vs_vllm=m_rate / v_rate if v_rate else 0.0,
+                           vllm_identical=sum(1 for r in vllm if by_id.get(r.prompt_id) == r.token_ids))
         return cls(
             acceptance=acceptance, category=category, prompts=len(medusa),
             plain_tokens=sum(r.tokens for r in plain), medusa_tokens=sum(r.tokens for r in medusa),
             plain_tokens_per_s=p_rate, medusa_tokens_per_s=m_rate, acceleration_rate=accel,
             plain_step_ms=p_ms, medusa_step_ms=m_ms, step_overhead=m_ms / p_ms if p_ms else 0.0,
-            speedup=m_rate / p_rate if p_rate else 0.0, identical=identical,
+            speedup=m_rate / p_rate if p_rate else 0.0, identical=identical, **against,
         )
 
 

@@ -108,6 +108,8 @@ def vllm_kernels() -> str:
     if _has_matmul():  # vLLM loaded it
         _shape_function()
         return ""
+    if torch.cuda.is_available():  # vLLM here is a CUDA build: its library has no CPU matmul, and loading it costs seconds
+        return "not looked for on a CUDA machine"
     spec = importlib.util.find_spec("vllm")
     return load_vllm_kernels(None if spec is None else spec.origin)
 
@@ -264,12 +266,17 @@ def choose_kernels(modules: list[DualLinear]) -> None:
     groups: dict[tuple[int, ...], list[DualLinear]] = defaultdict(list)
     for m in modules:
         groups[tuple(m.weight.shape)].append(m)
-    with_vllm = vllm_kernels() == ""
+    with_vllm = bool(groups) and vllm_kernels() == ""
     for members in groups.values():
         unique = list({id(m.weight): m.weight for m in members}.values())
         copies: dict[str, list] = {ONEDNN: [torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS) for w in unique]}
         if with_vllm:
-            copies[VLLM] = [VllmMatmul(w) for w in unique]
+            try:
+                copies[VLLM] = [VllmMatmul(w) for w in unique]
+                copies[VLLM][0](torch.zeros(1, unique[0].shape[1], dtype=unique[0].dtype), None)  # a changed operator fails here
+            except (RuntimeError, TypeError):
+                copies.pop(VLLM, None)
+                with_vllm = False
         times = probe(unique, copies)
         kind = min(copies, key=lambda k: times[f"{k}@1"] + times[f"{k}@{PACK_ROWS}"])
         by_weight = {id(w): c for w, c in zip(unique, copies[kind])}
