@@ -81,16 +81,15 @@ class Group:
         p_ms, m_ms = step_ms(plain), step_ms(medusa)
         p_rate, m_rate = rate(plain), rate(medusa)
         identical = None
+        plain_ids = {r.prompt_id: r.token_ids for r in plain}
         if acceptance == "greedy":
-            by_id = {r.prompt_id: r.token_ids for r in plain}
-            identical = sum(1 for r in medusa if by_id.get(r.prompt_id) == r.token_ids)
+            identical = sum(1 for r in medusa if plain_ids.get(r.prompt_id) == r.token_ids)
         against = {}
         if vllm:
             v_rate = rate(list(vllm))
-            by_id = {r.prompt_id: r.token_ids for r in plain}
             against = dict(vllm_tokens_per_s=v_rate, plain_vs_vllm=p_rate / v_rate if v_rate else 0.0,
                            medusa_vs_vllm=m_rate / v_rate if v_rate else 0.0,
-                           vllm_identical=sum(1 for r in vllm if by_id.get(r.prompt_id) == r.token_ids))
+                           vllm_identical=sum(1 for r in vllm if plain_ids.get(r.prompt_id) == r.token_ids))
         return cls(
             acceptance=acceptance, category=category, prompts=len(medusa),
             plain_tokens=sum(r.tokens for r in plain), medusa_tokens=sum(r.tokens for r in medusa),
