@@ -35,6 +35,8 @@ EAGLE steps with a random drafter (fusing the default aux layers, full vocabular
 dynamic tree of N nodes and verifies it, so its time is the drafter's proposal plus the verification.
 ``--random-weights`` builds the model from its config.json with random weights (step costs do not depend
 on the weights: for a machine the weights cannot travel to, e.g. the GPU machine of BENCHMARKS.md).
+``--shape llama-2-7b`` gives that random model Llama-2-7B's width and depth (the tokenizer's vocabulary is
+kept), initialised on the device itself, nothing written to disk: the step costs of a 7B target.
 
 On CUDA the engine syncs once per step (the host transfer), so the step times are the GPU's.
 
@@ -44,6 +46,7 @@ On CUDA the engine syncs once per step (the host transfer), so the step times ar
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import os
@@ -235,6 +238,31 @@ def random_weights_model(folder: str | None, dtype: torch.dtype | None = None) -
     return str(dst)
 
 
+#: Llama-2-7B's shape (hidden 4096, 32 layers, 32 heads of 128, MLP 11008, untied LM head), for ``--shape``.
+SHAPES = {"llama-2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                             num_key_value_heads=32, head_dim=128, tie_word_embeddings=False, max_position_embeddings=4096)}
+
+
+def shaped_engine(folder: str | None, shape: str, config: EngineConfig, layers: int | None = None) -> Engine:
+    """An engine over a random model of ``SHAPES[shape]`` with the folder's tokenizer and vocabulary, built on the
+    configured device in its dtype (a 7B model is never materialised in float32 or saved)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from distill.models import resolve_model
+    from distill.runtime import stage_dtype
+
+    src = resolve_model(folder)
+    where = stage_dtype(src.path, config.device, config.dtype, None, what="the shaped model")
+    config = dataclasses.replace(config, device=where.device, dtype=where.dtype)
+    lm_config = AutoConfig.from_pretrained(src.path)
+    for key, value in {**SHAPES[shape], **({"num_hidden_layers": layers} if layers else {})}.items():
+        setattr(lm_config, key, value)
+    torch.manual_seed(0)
+    with torch.device(config.device):
+        lm = AutoModelForCausalLM.from_config(lm_config, dtype=config.torch_dtype).eval()
+    return Engine(lm, AutoTokenizer.from_pretrained(src.path), None, config, model_name=f"{src.name} as {shape}, random")
+
+
 def tree_engines(base: Engine, nodes: list[int], heads) -> dict[int, Engine]:
     """One engine per tree size, all forced to use their whole tree (sparse-N under the default accuracy).
     Their steps are multi-token forwards, which run eager under --compile too: only ``base`` compiles."""
@@ -385,6 +413,8 @@ def main() -> None:
     ap.add_argument("--eagle-nodes", type=int, nargs="*", default=[], help="EAGLE step costs with a random drafter")
     ap.add_argument("--eagle-depth", type=int, default=5)
     ap.add_argument("--random-weights", action="store_true", help="the model's config with random weights")
+    ap.add_argument("--shape", choices=sorted(SHAPES), help="a random model of this shape (implies --random-weights)")
+    ap.add_argument("--layers", type=int, help="--shape with this many decoder layers (a smoke test on a small machine)")
     ap.add_argument("--label", default="", help="a name for this run in the JSON (e.g. before / after)")
     ap.add_argument("--out", default="bench/results/engine_step.json", help="JSON file of runs by --label (the entry is replaced)")
     ap.add_argument("--report", metavar="JSON", help="print markdown tables of a results file and exit")
@@ -400,10 +430,15 @@ def main() -> None:
     extra = {"compile": True} if args.compile else {}
     if args.cuda_graphs != "auto":
         extra["cuda_graphs"] = args.cuda_graphs == "on"
-    model = random_weights_model(args.model) if args.random_weights else args.model
-    engine = Engine.from_pretrained(model, None, EngineConfig(max_batch=max(args.batch, 1), device=args.device, dtype=args.dtype, **extra))
+    config = EngineConfig(max_batch=max(args.batch, 1), device=args.device, dtype=args.dtype, **extra)
+    if args.shape:
+        engine = shaped_engine(args.model, args.shape, config, args.layers)
+    else:
+        model = random_weights_model(args.model) if args.random_weights else args.model
+        engine = Engine.from_pretrained(model, None, config)
     result["engine"] = {"device": str(engine.device), "dtype": str(engine.dtype).replace("torch.", ""),
-                        "cuda_graphs": engine.graphs is not None, "random_weights": args.random_weights}
+                        "cuda_graphs": engine.graphs is not None, "random_weights": args.random_weights or bool(args.shape),
+                        "shape": args.shape, "parameters": sum(p.numel() for p in engine.model.parameters())}
     if engine.device.type == "cuda":
         result["gpu"] = torch.cuda.get_device_name(engine.device)
         torch.cuda.reset_peak_memory_stats(engine.device)

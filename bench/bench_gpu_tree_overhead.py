@@ -57,8 +57,9 @@ def main() -> None:
     import torch
     from transformers import LlamaForCausalLM
 
-    from distill.benchmark.report import _atomic_write, plot_sweep, sweep_markdown
+    from distill.benchmark.report import plot_sweep, sweep_markdown
     from distill.benchmark.sweep import sweep_tree_sizes
+    from distill.store.atomic import atomic_write_bytes
     from distill.engine.tree import default_accuracy
     from distill.heads import HeadsConfig, MedusaHeads
     from distill.heads.model import TRAINED_FC_BIAS
@@ -86,11 +87,12 @@ def main() -> None:
     md = sweep_markdown(sweep)
     print(md)
     out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     doc = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "args": vars(args),
            "model": f"Llama-shaped, {args.layers} layers, hidden 4096, random weights, {args.dtype}",
            "torch": torch.__version__, "sweep": asdict(sweep)}
-    _atomic_write(out, (json.dumps(doc, indent=1) + "\n").encode())
-    _atomic_write(out.with_suffix(".md"), (md + "\n").encode())
+    atomic_write_bytes(out, (json.dumps(doc, indent=1) + "\n").encode())
+    atomic_write_bytes(out.with_suffix(".md"), (md + "\n").encode())
     plot_sweep(sweep, out.with_suffix(".png"))
     print(f"wrote {out}, {out.with_suffix('.md')}, {out.with_suffix('.png')}")
 
