@@ -147,7 +147,7 @@ def test_bench_against_bare_vllm_interleaves_the_engines_on_the_same_prompts(tmp
 
     engine = Engine.from_pretrained(None, "lookup", EngineConfig(max_batch=1))
     cfg = BenchConfig(heads="lookup", limit=3, max_tokens=8, modes=("greedy",), vllm=True, out=str(tmp_path / "bench"))
-    result, paths = run_bench(cfg, engine=engine, baseline=VllmBaseline(vllm_backend.llm))
+    result, paths = run_bench(cfg, engine=engine, baseline=VllmBaseline(vllm_backend))
     assert [r.mode for r in result.runs] == ["plain", "medusa", "vllm", "medusa", "vllm", "plain", "vllm", "plain", "medusa"]
     vllm_runs = [r for r in result.runs if r.mode == "vllm"]
     assert all(r.tokens == len(r.token_ids) == 8 and r.wall_seconds > 0 for r in vllm_runs)
@@ -166,3 +166,15 @@ def test_vllm_needs_the_greedy_mode_on_the_command_line(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and r.stderr.strip() == "error: --vllm compares greedy decoding with bare vLLM's: add greedy to --modes"
     assert not (tmp_path / "b").exists()
+
+
+def test_a_baseline_whose_stop_tokens_differ_from_the_engines_is_refused():
+    """vLLM ending replies at other tokens than the engine would decode other lengths: a clear error, not a skewed ratio."""
+    from types import SimpleNamespace
+
+    from distill.benchmark.baseline import VllmBaseline
+
+    baseline = VllmBaseline(SimpleNamespace(stop_ids=frozenset({2})))
+    baseline.check_stops({2})
+    with pytest.raises(ConfigError, match=r"the engine stops at tokens \[2, 7\], vLLM at \[2\]"):
+        baseline.check_stops({2, 7})

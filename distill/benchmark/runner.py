@@ -97,9 +97,11 @@ class BenchRunner:
 
             self.baseline = VllmBaseline.start(resolve_model(config.model).path, str(engine.dtype).removeprefix("torch."),
                                                engine.device.type, context_limit(engine.model.config), config.seed)
+        if self.baseline is not None:
+            self.baseline.check_stops(engine.stop_ids)
 
     def _vllm(self, prompt: Prompt, ids: list[int]) -> Run:
-        tokens, wall, finish = self.baseline.generate(ids, self.config.max_tokens, self.engine.stop_ids)
+        tokens, wall, finish = self.baseline.generate(ids, self.config.max_tokens)
         return Run(prompt_id=prompt.id, category=prompt.category, mode="vllm", acceptance="greedy", prompt_tokens=len(ids),
                    tokens=len(tokens), step_tokens=0, steps=0, step_seconds=0.0, prefill_seconds=0.0, wall_seconds=wall,
                    finish_reason=finish, token_ids=tokens)
