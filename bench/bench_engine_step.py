@@ -407,6 +407,7 @@ def main() -> None:
     ap.add_argument("--profile-steps", type=int, default=8)
     ap.add_argument("--no-vllm", action="store_true")
     ap.add_argument("--compile", action="store_true", help="EngineConfig(compile=True)")
+    ap.add_argument("--no-fuse", action="store_true", help="every linear its own product (the engine before issue 19's fusion)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="auto")
@@ -431,6 +432,8 @@ def main() -> None:
     if args.cuda_graphs != "auto":
         extra["cuda_graphs"] = args.cuda_graphs == "on"
     config = EngineConfig(max_batch=max(args.batch, 1), device=args.device, dtype=args.dtype, **extra)
+    if args.no_fuse:  # no example forward: prepare_linears finds no linears that read one input
+        Engine._example = staticmethod(lambda model: None)
     if args.shape:
         engine = shaped_engine(args.model, args.shape, config, args.layers)
     else:

@@ -61,7 +61,7 @@ def test_preparing_keeps_parameters_values_and_outputs():
         with torch.inference_mode():
             assert torch.allclose(before_one, model(ids[:1, :1]).logits, atol=1e-5)
     assert prepare_linears(model) == {"relaid_bytes": 0, "packed_bytes": 0, "packed_vllm": 0, "single_packed": 0,
-                                      "single_weight": 0}
+                                      "single_weight": 0, "fused_groups": 0, "fused_linears": 0}
 
 
 def onednn_only(monkeypatch):
@@ -255,3 +255,79 @@ def test_an_untied_input_embedding_is_left_as_loaded():
     prepare_linears(model)
     assert is_output_major(model.get_output_embeddings().weight)
     assert model.get_input_embeddings().weight.is_contiguous()
+
+
+def test_linears_fed_one_input_multiply_once_with_the_same_outputs_and_memory():
+    """q/k/v and gate/up of each layer become one product each; the logits, the Parameters and their values stay."""
+    model = tiny_llama(tied=True)
+    ids = torch.randint(0, 64, (2, 7))
+    with torch.no_grad():
+        before = [model(ids).logits, model(ids[:1, :1]).logits, model(ids[:1]).logits]
+        values = {n: p.detach().clone() for n, p in model.named_parameters()}
+        params = dict(model.named_parameters())
+        sizes = prepare_linears(model, lambda: model(ids[:1, :3]).logits)
+    assert sizes["fused_groups"] == 4 and sizes["fused_linears"] == 10  # 2 layers x (q, k, v) and (gate, up)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert attn.q_proj.fused is attn.k_proj.fused is attn.v_proj.fused and attn.q_proj.fused.sizes == [16, 8, 8]
+    assert mlp.gate_proj.fused is mlp.up_proj.fused and mlp.gate_proj.fused.sizes == [32, 32]
+    assert attn.o_proj.fused is None and mlp.down_proj.fused is None and model.lm_head.fused is None  # inputs of their own
+    assert sizes["packed_bytes"] == 4 * (2 * (16 * 16 + 8 * 16 + 8 * 16 + 16 * 16 + 3 * 32 * 16) + 64 * 16)
+    for n, p in model.named_parameters():
+        assert p is params[n] and torch.equal(p, values[n]), n  # same Parameter objects, same values
+    fused = attn.q_proj.fused.module.weight
+    for m in (attn.q_proj, attn.k_proj, attn.v_proj):  # views of the one concatenated weight: no second copy
+        assert m.weight.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
+    products = []
+    for layer in model.model.layers:
+        for group in (layer.self_attn.q_proj.fused, layer.mlp.up_proj.fused):
+            group.module.register_forward_hook(lambda *a: products.append(1))
+    with torch.inference_mode():
+        after = [model(ids).logits, model(ids[:1, :1]).logits, model(ids[:1]).logits]
+    assert len(products) == 3 * 4  # one product per group and forward, not one per member
+    for b, a in zip(before, after):
+        assert torch.allclose(b, a, atol=1e-5)
+    x = torch.randn(3, 16)  # a member called on its own input multiplies for itself
+    with torch.inference_mode():
+        assert torch.allclose(attn.k_proj(x), x @ values["model.layers.0.self_attn.k_proj.weight"].t(), atol=1e-5)
+    with torch.no_grad():
+        attn.v_proj.weight.mul_(2.0)  # changed after packing, through a member: an error, not a stale product
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="changed after the engine packed it"):
+        model(ids[:1, :2])
+
+
+def test_groups_whose_outputs_differ_are_undone():
+    """A model whose code cannot take the members' outputs as columns of one product keeps separate products."""
+    model = tiny_llama(tied=False)
+    ids = torch.randint(0, 64, (1, 5))
+    calls = []
+
+    def example():  # a second forward that differs from the first, as a model broken by the fusion would
+        calls.append(1)
+        return model(ids).logits + (len(calls) > 1)
+
+    sizes = prepare_linears(model, example)
+    assert len(calls) == 2 and sizes["fused_groups"] == 0 and sizes["fused_linears"] == 0
+    assert all(m.fused is None and (m.packed is not None or m.vllm is not None)
+               for m in model.modules() if type(m) is DualLinear)
+    assert sizes["single_packed"] + sizes["single_weight"] == 2 * 7 + 1
+
+
+def test_a_tied_or_twice_called_linear_is_never_fused():
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+            self.c.weight = self.a.weight  # c shares a's weight
+
+        def forward(self, x):
+            return self.a(x) + self.b(x) + self.b(x) + self.c(x)  # b twice, a and c tied: nothing to fuse
+
+    torch.manual_seed(0)
+    m = Twice().eval()
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        ref = m(x)
+        sizes = prepare_linears(m, lambda: m(x))
+    assert sizes["fused_groups"] == 0
+    with torch.inference_mode():
+        assert torch.allclose(m(x), ref, atol=1e-5)

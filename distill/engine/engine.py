@@ -307,7 +307,8 @@ class Engine:
         self.config = config or EngineConfig()
         self.model = model.eval()
         # the model's linear layers, prepared in place (values unchanged) where the rule says they multiply faster
-        self.linear_prep = prepare_linears(model) if self.config.weight_layout == "auto" else {}
+        self.linear_prep = prepare_linears(model, None if self.config.compile else self._example(model)) \
+            if self.config.weight_layout == "auto" else {}
         use_gqa_sdpa(model)  # sdpa without copying shared key/value heads under the engine's masks (same outputs)
         self.tokenizer = tokenizer
         self.model_name = model_name or getattr(model.config, "_name_or_path", "") or "model"
@@ -355,6 +356,16 @@ class Engine:
 
     def _keep_hidden(self, module, args, output) -> None:
         self._hidden["hidden"] = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+
+    @staticmethod
+    def _example(model):
+        """One short forward of ``model`` -> its logits: what :func:`~distill.engine.weights.prepare_linears` learns
+        the linears that read one input from (not under ``compile``: the compiled forward multiplies per linear)."""
+        device = next(model.parameters()).device
+
+        def run():
+            return model(input_ids=torch.zeros((1, 2), dtype=torch.long, device=device), use_cache=False).logits
+        return run
 
     @torch.inference_mode()
     def warmup(self) -> None:

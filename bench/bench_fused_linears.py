@@ -1,0 +1,67 @@
+"""Linears fed one input, fused or not (issue 19): the model's forward with and without the groups, side by side.
+
+    OMP_NUM_THREADS=2 .venv/bin/python bench/bench_fused_linears.py --rounds 60 --out bench/results/fused_linears.json
+
+Two engines over the bundled model in one process: one prepared as the engine does by default
+(attention's q/k/v and the MLP's gate/up each one product, ``distill.engine.weights``), one with
+every linear its own product (no example forward, so no groups). Each round times one forward of
+each (order alternating per round) over the same token ids, no cache, for 1 row, 8 rows (a batch-8
+plain step's shape) and 17 rows (a 16-node tree at batch 1); medians and minima in milliseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from distill.engine import Engine, EngineConfig
+from distill.runtime import machine
+from distill.store.atomic import atomic_write_bytes
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=60)
+    ap.add_argument("--out", default="bench/results/fused_linears.json")
+    args = ap.parse_args()
+    fused = Engine.from_pretrained(None, None, EngineConfig(max_batch=8))
+    example = Engine._example
+    Engine._example = staticmethod(lambda model: None)  # the same preparation without the example forward: no groups
+    try:
+        separate = Engine.from_pretrained(None, None, EngineConfig(max_batch=8))
+    finally:
+        Engine._example = example
+    engines = {"fused": fused, "separate": separate}
+    result = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
+              "threads": torch.get_num_threads(), "prep": {k: e.linear_prep for k, e in engines.items()}, "shapes": {}}
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        for batch, tokens in [(1, 1), (8, 1), (1, 17)]:
+            ids = torch.randint(0, 1000, (batch, tokens))
+            for e in engines.values():
+                e.model(input_ids=ids, use_cache=False)  # warm-up
+            times: dict[str, list[float]] = {k: [] for k in engines}
+            for r in range(args.rounds):
+                for name in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
+                    t0 = time.perf_counter()
+                    engines[name].model(input_ids=ids, use_cache=False)
+                    times[name].append(time.perf_counter() - t0)
+            row = {f"{k}_ms_median": 1000 * statistics.median(v) for k, v in times.items()}
+            row |= {f"{k}_ms_min": 1000 * min(v) for k, v in times.items()}
+            row["saved_ms_median"] = row["separate_ms_median"] - row["fused_ms_median"]
+            result["shapes"][f"{batch}x{tokens}"] = row
+            print(f"{batch} x {tokens} tokens", {k: round(v, 2) for k, v in row.items()}, flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(out, (json.dumps(result, indent=1, default=str) + "\n").encode())
+    print("wrote", out)
+
+
+if __name__ == "__main__":
+    main()
