@@ -1,12 +1,16 @@
 """Linears fed one input, fused or not (issue 19): the model's forward with and without the groups, side by side.
 
-    OMP_NUM_THREADS=2 .venv/bin/python bench/bench_fused_linears.py --rounds 60 --out bench/results/fused_linears.json
+    OMP_NUM_THREADS=2 .venv/bin/python bench/bench_fused_linears.py --rounds 300 --out bench/results/fused_linears.json
 
 Two engines over the bundled model in one process: one prepared as the engine does by default
 (attention's q/k/v and the MLP's gate/up each one product, ``distill.engine.weights``), one with
-every linear its own product (no example forward, so no groups). Each round times one forward of
-each (order alternating per round) over the same token ids, no cache, for 1 row, 8 rows (a batch-8
-plain step's shape) and 17 rows (a 16-node tree at batch 1); medians and minima in milliseconds.
+every linear its own product (no example forward, so no groups). Both keep the same packed kind
+for every weight (vLLM's CPU matmul where it loads, else torch's), so only the fusion differs: the
+start-up probe picks a kind per weight shape, and on a noisy machine its pick alone moves a forward
+by more than the fusion does. Each round times one forward of each (order alternating per round)
+over the same token ids, no cache, for 1 row, 8 rows (a batch-8 plain step's shape) and 17 rows
+(a 16-node tree at batch 1): medians and minima in milliseconds, and the paired difference
+(separate - fused, round by round) as mean ± standard error.
 """
 
 from __future__ import annotations
@@ -18,18 +22,22 @@ import statistics
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from distill.engine import Engine, EngineConfig
+from distill.engine import Engine, EngineConfig, weights
 from distill.runtime import machine
 from distill.store.atomic import atomic_write_bytes
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=60)
+    ap.add_argument("--rounds", type=int, default=300)
     ap.add_argument("--out", default="bench/results/fused_linears.json")
     args = ap.parse_args()
+    kind = weights.VLLM if weights.vllm_kernels() == "" else weights.ONEDNN
+    weights.probe = lambda ws, copies: {k: (0.5 if k.startswith(kind) else 1.0)  # that kind, packed at one row too
+                                        for k in ["weight@1"] + [f"{c}@{r}" for c in copies for r in (1, weights.PACK_ROWS)]}
     fused = Engine.from_pretrained(None, None, EngineConfig(max_batch=8))
     example = Engine._example
     Engine._example = staticmethod(lambda model: None)  # the same preparation without the example forward: no groups
@@ -39,7 +47,7 @@ def main() -> None:
         Engine._example = example
     engines = {"fused": fused, "separate": separate}
     result = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
-              "threads": torch.get_num_threads(), "prep": {k: e.linear_prep for k, e in engines.items()}, "shapes": {}}
+              "threads": torch.get_num_threads(), "kind": kind, "prep": {k: e.linear_prep for k, e in engines.items()}, "shapes": {}}
     torch.manual_seed(0)
     with torch.inference_mode():
         for batch, tokens in [(1, 1), (8, 1), (1, 17)]:
@@ -54,7 +62,8 @@ def main() -> None:
                     times[name].append(time.perf_counter() - t0)
             row = {f"{k}_ms_median": 1000 * statistics.median(v) for k, v in times.items()}
             row |= {f"{k}_ms_min": 1000 * min(v) for k, v in times.items()}
-            row["saved_ms_median"] = row["separate_ms_median"] - row["fused_ms_median"]
+            diff = 1000 * (np.array(times["separate"]) - np.array(times["fused"]))
+            row["saved_ms_mean"], row["saved_ms_stderr"] = float(diff.mean()), float(diff.std(ddof=1) / len(diff) ** 0.5)
             result["shapes"][f"{batch}x{tokens}"] = row
             print(f"{batch} x {tokens} tokens", {k: round(v, 2) for k, v in row.items()}, flush=True)
     out = Path(args.out)
