@@ -153,6 +153,29 @@ def test_each_weight_keeps_the_packed_kind_the_probe_found_faster_and_multiplies
 
 
 @needs_vllm
+def test_one_packed_kind_serves_every_weight_the_sum_over_shapes_decides(monkeypatch):
+    """Shapes whose probes disagree still get one kind: the one faster summed over all shapes (per shape they are noise)."""
+    model = tiny_llama(tied=True)
+    ids = torch.randint(0, 64, (1, 5))
+    with torch.no_grad():
+        before = model(ids).logits
+
+    def probe(unique, copies):  # torch's kind wins the 16x16 weights narrowly, vLLM's every other shape clearly
+        narrow = tuple(unique[0].shape) == (16, 16)
+        t = {"weight@1": 9.0, f"{ONEDNN}@1": 1.0 if narrow else 3.0, f"{VLLM}@1": 1.1 if narrow else 1.0}
+        return t | {f"{k}@{PACK_ROWS}": t[f"{k}@1"] for k in copies}
+
+    monkeypatch.setattr(weights, "probe", probe)
+    sizes = prepare_linears(model)
+    monkeypatch.undo()
+    prepared = [m for m in model.modules() if type(m) is DualLinear]
+    assert {m.weight.shape[0] for m in prepared if tuple(m.weight.shape) == (16, 16)}  # the narrow shape is there
+    assert all(m.kind == VLLM and m.packed is None for m in prepared) and sizes["packed_vllm"] == len(prepared)
+    with torch.inference_mode():
+        assert torch.allclose(model(ids).logits, before, atol=1e-5)
+
+
+@needs_vllm
 def test_the_compiler_traces_vllms_matmul_in_one_graph(monkeypatch):
     """torch.compile of a prepared linear with vLLM's copy: one graph (fullgraph), vLLM's operator in it, the same product."""
     layer = nn.Linear(16, 32)

@@ -38,9 +38,9 @@ single rows and the kind: measured, not assumed
     3.5 ms packed). So :func:`prepare_linears` times the kernels once per weight shape, over all
     the model's weights of that shape (so they stream from memory as in a forward), at the
     thread count it runs with (:func:`probe`): each packed kind at 1 and ``PACK_ROWS`` rows, MKL
-    at one row. Each weight keeps the kind with the smaller sum of the two (the other copy is
-    freed), and multiplies single rows with MKL or its packed copy, whichever was faster
-    (``single_packed``). The probe costs a few passes of the linears (a fraction of a second for the
+    at one row. The model keeps the kind with the smaller sum over all its shapes, one kind for
+    every weight (:func:`choose_kernels` says why; the other copies are freed), and each weight
+    multiplies single rows with MKL or its packed copy, whichever was faster (``single_packed``). The probe costs a few passes of the linears (a fraction of a second for the
     bundled model). The rule applies to float32 weights on CPU only.
 linears that read one input (fused)
     a forward feeds several linears the same tensor: attention's query, key and value
@@ -406,28 +406,46 @@ def choose_kernels(modules: list[DualLinear]) -> None:
     """Give each module its packed copy and single-row kernel (module docstring), by :func:`probe` per weight shape.
 
     Modules are grouped by weight shape; each group's distinct weights (a shared weight counts
-    once) get a packed copy of each kind available, are probed, and keep the winning kind's.
+    once) get a packed copy of each kind available and are probed. One kind serves the whole
+    model: the one with the smaller sum over all shapes. Per shape the two kinds often differ by
+    less than the probe's noise (the same 1536x576 weights: 163-227 us a product from one round
+    to the next), so per-shape picks flipped from run to run, while inside a forward the kinds
+    differ clearly: torch's copies for every weight cost 4.1-4.3 ms more a forward than vLLM's at
+    1, 8 and 17 rows, and torch's for only the 30 MLP gate/up products 1.8-2.0 ms more (AMD EPYC
+    family 25 model 17, 2 threads). Each shape then keeps that kind's copies and picks its
+    single-row kernel.
     """
     groups: dict[tuple[int, ...], list[DualLinear]] = defaultdict(list)
     for m in modules:
         groups[tuple(m.weight.shape)].append(m)
     with_vllm = bool(groups) and vllm_kernels() == ""
+    probed = []  # (members, unique weights, times, kept kind, kept copies)
     for members in groups.values():
         unique = list({id(m.weight): m.weight for m in members}.values())
-        copies: dict[str, list] = {ONEDNN: [torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS) for w in unique]}
+        copies: dict[str, list] = {ONEDNN: _copies(ONEDNN, unique)}
         if with_vllm:
             try:
-                copies[VLLM] = [VllmMatmul(w) for w in unique]
+                copies[VLLM] = _copies(VLLM, unique)
                 copies[VLLM][0](torch.zeros(1, unique[0].shape[1], dtype=unique[0].dtype), None)  # a changed operator fails here
             except (RuntimeError, TypeError):
                 copies.pop(VLLM, None)
                 with_vllm = False
         times = probe(unique, copies)
-        kind = min(copies, key=lambda k: times[f"{k}@1"] + times[f"{k}@{PACK_ROWS}"])
-        by_weight = {id(w): c for w, c in zip(unique, copies[kind])}
+        kept = min(copies, key=lambda k: times[f"{k}@1"] + times[f"{k}@{PACK_ROWS}"])
+        probed.append((members, unique, times, kept, copies[kept]))  # the other kind's copies are freed here
+    kinds = [VLLM, ONEDNN] if with_vllm else [ONEDNN]
+    kind = min(kinds, key=lambda k: sum(t[f"{k}@1"] + t[f"{k}@{PACK_ROWS}"] for _, _, t, _, _ in probed))
+    for members, unique, times, kept, copies in probed:
+        by_weight = {id(w): c for w, c in zip(unique, copies if kept == kind else _copies(kind, unique))}
         for m in members:
             m.packed, m.vllm = (None, by_weight[id(m.weight)]) if kind == VLLM else (by_weight[id(m.weight)], None)
             m.single_packed = times[f"{kind}@1"] < times["weight@1"]
+
+
+def _copies(kind: str, weights: list[torch.Tensor]) -> list:
+    if kind == VLLM:
+        return [VllmMatmul(w) for w in weights]
+    return [torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS) for w in weights]
 
 
 __all__ = ["ONEDNN", "PACK_ROWS", "VLLM", "DualLinear", "FusedLinears", "VllmMatmul", "choose_kernels", "shared_input_groups", "is_output_major", "prepare_linears",
