@@ -1,6 +1,11 @@
 """Linears fed one input, fused or not (issue 19): the model's forward with and without the groups, side by side.
 
     OMP_NUM_THREADS=2 .venv/bin/python bench/bench_fused_linears.py --rounds 300 --out bench/results/fused_linears.json
+    OMP_NUM_THREADS=2 .venv/bin/python bench/bench_fused_linears.py --compare kind --rounds 150 --out bench/results/packed_kind.json
+
+``--compare kind`` instead compares the two packed kinds, both engines fused: vLLM's CPU matmul
+for every weight against torch's oneDNN copy for every weight (why the engine does not let its
+start-up probe choose between them: ``distill.engine.weights.choose_kernels``).
 
 Two engines over the bundled model in one process: one prepared as the engine does by default
 (attention's q/k/v and the MLP's gate/up each one product, ``distill.engine.weights``), one with
@@ -10,7 +15,7 @@ start-up probe picks a kind per weight shape, and on a noisy machine its pick al
 by more than the fusion does. Each round times one forward of each (order alternating per round)
 over the same token ids, no cache, for 1 row, 8 rows (a batch-8 plain step's shape) and 17 rows
 (a 16-node tree at batch 1): medians and minima in milliseconds, and the paired difference
-(separate - fused, round by round) as mean ± standard error.
+(separate - fused, round by round) as mean ± standard error (``saved_ms_*``).
 """
 
 from __future__ import annotations
@@ -33,19 +38,38 @@ from distill.store.atomic import atomic_write_bytes
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=300)
+    ap.add_argument("--compare", choices=("fusion", "kind"), default="fusion")
     ap.add_argument("--out", default="bench/results/fused_linears.json")
     args = ap.parse_args()
-    kind = weights.VLLM if weights.vllm_kernels() == "" else weights.ONEDNN
-    weights.probe = lambda ws, copies: {k: (0.5 if k.startswith(kind) else 1.0)  # that kind, packed at one row too
-                                        for k in ["weight@1"] + [f"{c}@{r}" for c in copies for r in (1, weights.PACK_ROWS)]}
-    fused = Engine.from_pretrained(None, None, EngineConfig(max_batch=8))
-    example = Engine._example
-    Engine._example = staticmethod(lambda model: None)  # the same preparation without the example forward: no groups
-    try:
-        separate = Engine.from_pretrained(None, None, EngineConfig(max_batch=8))
-    finally:
-        Engine._example = example
-    engines = {"fused": fused, "separate": separate}
+    def only(kind: str):  # the probe's single-row choice pinned to the packed copy, so only the compared thing differs
+        weights.probe = lambda ws, copies: {k: (0.5 if k.startswith(kind) else 1.0)
+                                            for k in ["weight@1"] + [f"{c}@{r}" for c in copies for r in (1, weights.PACK_ROWS)]}
+
+    if args.compare == "kind":
+        if weights.vllm_kernels():
+            raise SystemExit(f"--compare kind needs vLLM's CPU matmul: {weights.vllm_kernels()}")
+        kind = "vllm vs onednn"
+        only(weights.VLLM)
+        first = Engine.from_pretrained(None, None, EngineConfig(max_batch=8))
+        load = weights.vllm_kernels
+        weights.vllm_kernels = lambda: "compared here"  # torch's copies for every weight
+        only(weights.ONEDNN)
+        try:
+            second = Engine.from_pretrained(None, None, EngineConfig(max_batch=8))
+        finally:
+            weights.vllm_kernels = load
+        engines = {"vllm": first, "onednn": second}
+    else:
+        kind = weights.VLLM if weights.vllm_kernels() == "" else weights.ONEDNN
+        only(kind)
+        fused = Engine.from_pretrained(None, None, EngineConfig(max_batch=8))
+        example = Engine._example
+        Engine._example = staticmethod(lambda model: None)  # the same preparation without the example forward: no groups
+        try:
+            separate = Engine.from_pretrained(None, None, EngineConfig(max_batch=8))
+        finally:
+            Engine._example = example
+        engines = {"fused": fused, "separate": separate}
     result = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
               "threads": torch.get_num_threads(), "kind": kind, "prep": {k: e.linear_prep for k, e in engines.items()}, "shapes": {}}
     torch.manual_seed(0)
@@ -62,7 +86,8 @@ def main() -> None:
                     times[name].append(time.perf_counter() - t0)
             row = {f"{k}_ms_median": 1000 * statistics.median(v) for k, v in times.items()}
             row |= {f"{k}_ms_min": 1000 * min(v) for k, v in times.items()}
-            diff = 1000 * (np.array(times["separate"]) - np.array(times["fused"]))
+            a, b = list(engines)
+            diff = 1000 * (np.array(times[b]) - np.array(times[a]))  # what the second costs more than the first
             row["saved_ms_mean"], row["saved_ms_stderr"] = float(diff.mean()), float(diff.std(ddof=1) / len(diff) ** 0.5)
             result["shapes"][f"{batch}x{tokens}"] = row
             print(f"{batch} x {tokens} tokens", {k: round(v, 2) for k, v in row.items()}, flush=True)
