@@ -409,7 +409,7 @@ def choose_kernels(modules: list[DualLinear]) -> None:
     for every weight. A probe of both kinds per shape was tried and is not a good judge: shape by
     shape the two often differ by less than its noise (the same 1536x576 weights: 163-227 us a
     product from one round to the next), so its picks flipped from run to run, while in place
-    torch's copies cost 4.1-4.3 ms more a forward than vLLM's at 1, 8 and 17 rows (the bundled
+    torch's copies cost 3.4-4.3 ms more a forward than vLLM's at 1, 8 and 17 rows (the bundled
     model, AMD EPYC family 25 model 17, 2 threads; vLLM's handler has less per-call overhead on
     the same oneDNN kernels). The probe then decides single rows only: MKL on the weight or the
     packed copy, per shape, whichever was faster.
