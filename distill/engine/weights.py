@@ -240,6 +240,7 @@ def prepare_linears(model: nn.Module, example: Callable[[], torch.Tensor] | None
         module.packed, module.vllm, module.packed_version = None, None, w._version
         prepared.append(module)
     groups, reference = shared_input_groups(model, prepared, example) if example is not None and prepared else ([], None)
+    fused: list[FusedLinears] = []
     if not groups:
         choose_kernels(prepared)
     else:
@@ -260,11 +261,9 @@ def prepare_linears(model: nn.Module, example: Callable[[], torch.Tensor] | None
             fused = []
         prepared = [m for m in prepared if m.fused is None] + [f.module for f in fused]
     single = sum(m.single_packed for m in prepared)
-    fused_members = sum(1 for m in model.modules() if type(m) is DualLinear and m.fused is not None)
     return {"relaid_bytes": relaid, "packed_bytes": packed, "packed_vllm": sum(m.kind == VLLM for m in prepared),
             "single_packed": single, "single_weight": len(prepared) - single,
-            "fused_groups": len({id(m.fused) for m in model.modules() if type(m) is DualLinear and m.fused is not None}),
-            "fused_linears": fused_members}
+            "fused_groups": len(fused), "fused_linears": sum(len(f.members) for f in fused)}
 
 
 def shared_input_groups(model: nn.Module, modules: list[DualLinear],
@@ -353,7 +352,7 @@ def _fuse(members: list[DualLinear]) -> FusedLinears:
     weight = torch.cat([m.weight.detach() for m in members])
     bias = None
     if any(m.bias is not None for m in members):
-        bias = torch.cat([m.bias.detach() if m.bias is not None else torch.zeros(m.out_features, dtype=first.dtype)
+        bias = torch.cat([m.bias.detach() if m.bias is not None else torch.zeros(m.out_features, dtype=first.dtype, device=first.device)
                           for m in members])
     module = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, dtype=first.dtype, device=first.device)
     module.weight.data = weight.t().contiguous().t() if wants_output_major(weight) else weight
