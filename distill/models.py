@@ -117,6 +117,19 @@ def convert_bundled(force: bool = False) -> Path:
     target = distill_home() / "models" / DEFAULT_MODEL
     if not force and _conversion_ok(target):
         return target
+    from filelock import FileLock
+
+    # Two first runs at once (`distill generate --part 0/2 & --part 1/2` on a fresh home) convert once:
+    # the second waits, then finds the first one's folder verified; without the lock its commit would
+    # remove the folder the first is already reading.
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target.parent / f".{DEFAULT_MODEL}.lock")):
+        if not force and _conversion_ok(target):
+            return target
+        return _convert_bundled(target)
+
+
+def _convert_bundled(target: Path) -> Path:
     gguf = _bundled_gguf()
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig

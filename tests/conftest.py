@@ -19,7 +19,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REPO = Path(__file__).resolve().parents[1]
 DISTILL = str(Path(sys.executable).with_name("distill"))
-COMMAND_SECONDS = pytest.StashKey[list]()  # (seconds, command) of the README walkthrough's commands
+COMMAND_SECONDS = "readme_command_seconds"  # a user property: (seconds, command) of the README walkthrough's commands
+_COMMAND_ROWS: list = []
 
 
 # A two-token, two-turn row and a store for it: the shard store's own tests (local, journal, object store) share them.
@@ -42,9 +43,15 @@ def tiny_store(root, key=TINY_KEY) -> ShardStore:
     return ShardStore(root, {"config_key": key, "teacher": TINY_ENC.to_dict()}, key, TINY_ENC.id_dtype).open()
 
 
+def pytest_runtest_logreport(report):
+    """Collect the README walkthrough's timings (a report's user properties reach the controller under xdist too)."""
+    if report.when == "call":
+        _COMMAND_ROWS.extend(tuple(row) for name, rows in report.user_properties if name == COMMAND_SECONDS for row in rows)
+
+
 def pytest_terminal_summary(terminalreporter, config):
     """Where the README walkthrough's time goes (CI logs show it beside pytest's --durations)."""
-    rows = sorted(config.stash.get(COMMAND_SECONDS, []), reverse=True)
+    rows = sorted(_COMMAND_ROWS, reverse=True)
     if rows:
         terminalreporter.section(f"README commands: {len(rows)} in {sum(s for s, _ in rows):.0f}s, slowest first")
         for seconds, cmd in rows[:25]:
@@ -324,18 +331,26 @@ _LAST_SERVER_USER = pytest.StashKey[str]()
 _SERVER = pytest.StashKey[VLLMServer]()
 
 
-@pytest.hookimpl(trylast=True)  # after -k / -m deselection
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(session, config, items):
-    """Note the last test that uses the session's vLLM server: it is stopped right after that test."""
-    users = [item.nodeid for item in items if "vllm_server" in getattr(item, "fixturenames", ())]
-    if users:
-        config.stash[_LAST_SERVER_USER] = users[-1]
+    """For `-n 2` (scripts/test.sh): the README walkthrough, a quarter of the suite on its own, starts first so the
+    other worker runs everything else beside it; the session vLLM server's users share one worker (one server)."""
+    items.sort(key=lambda item: item.nodeid.split("::")[0] != "tests/test_readme.py")  # stable: the rest keep their order
+    for item in items:
+        if "vllm_server" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("vllm_server"))
 
 
 def pytest_runtest_teardown(item, nextitem):
-    """A vLLM server's engine core polls for work (~20% of a core here): it is not left running for tests that do not use it."""
-    if item.nodeid == item.config.stash.get(_LAST_SERVER_USER, None) and _SERVER in item.config.stash:
-        item.config.stash[_SERVER].kill()
+    """A vLLM server's engine core polls for work (~20% of a core here): it is not left running for tests that do not use it.
+
+    The last user is found among the session's items once the run has begun (after -k / -m deselection)."""
+    config = item.config
+    if _LAST_SERVER_USER not in config.stash:
+        users = [i.nodeid for i in item.session.items if "vllm_server" in getattr(i, "fixturenames", ())]
+        config.stash[_LAST_SERVER_USER] = users[-1] if users else ""
+    if item.nodeid == config.stash[_LAST_SERVER_USER] and _SERVER in config.stash:
+        config.stash[_SERVER].kill()
 
 
 @pytest.fixture(scope="session")

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from distill import models
 from distill.errors import HubUnreachableError, ModelError
 from distill.models import CONVERSION_FILE, resolve_model, sha256_file
 
@@ -22,10 +24,16 @@ def test_bundled_conversion_is_reused_and_rebuilt_when_a_file_is_damaged(tmp_pat
     data = bytearray(weights.read_bytes())
     data[len(data) // 2] ^= 0xFF  # one flipped byte
     weights.write_bytes(bytes(data))
-    rebuilt = resolve_model(None)
+    # Two first runs at once (parallel `generate --part` runs): one converts, the other waits and reuses it.
+    conversions = []
+    real = models._convert_bundled
+    monkeypatch.setattr(models, "_convert_bundled", lambda target: conversions.append(target) or real(target))
+    with ThreadPoolExecutor(2) as pool:
+        rebuilt, again = pool.map(lambda _: resolve_model(None), range(2))
+    assert conversions == [folder] and again.path == rebuilt.path == folder
     record = json.loads((rebuilt.path / CONVERSION_FILE).read_text())
     assert sha256_file(rebuilt.path / "model.safetensors") == record["files"]["model.safetensors"]
-    assert rebuilt.revision == reused.revision  # the conversion is deterministic
+    assert rebuilt.revision == again.revision == reused.revision  # the conversion is deterministic
 
 
 def test_local_folder_and_bad_names(tmp_path, model_dir):
