@@ -2,6 +2,10 @@
 
     OMP_NUM_THREADS=2 .venv/bin/python bench/bench_fused_linears.py --rounds 300 --out bench/results/fused_linears.json
     OMP_NUM_THREADS=2 .venv/bin/python bench/bench_fused_linears.py --compare kind --rounds 150 --out bench/results/packed_kind.json
+    OMP_NUM_THREADS=2 .venv/bin/python bench/bench_fused_linears.py --compare norms --rounds 150 --out bench/results/norms.json
+
+``--compare norms`` compares the RMS normalisations on vLLM's kernel (the engine's default,
+``distill.engine.norms``) with the modules' own forwards, everything else prepared alike.
 
 ``--compare kind`` instead compares the two packed kinds, both engines fused: vLLM's CPU matmul
 for every weight against torch's oneDNN copy for every weight (why the engine does not let its
@@ -31,6 +35,7 @@ import numpy as np
 import torch
 
 from distill.engine import Engine, EngineConfig, weights
+from distill.engine.norms import restore_norms
 from distill.runtime import machine
 from distill.store.atomic import atomic_write_bytes
 
@@ -38,7 +43,7 @@ from distill.store.atomic import atomic_write_bytes
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=300)
-    ap.add_argument("--compare", choices=("fusion", "kind"), default="fusion")
+    ap.add_argument("--compare", choices=("fusion", "kind", "norms"), default="fusion")
     ap.add_argument("--out", default="bench/results/fused_linears.json")
     args = ap.parse_args()
     def only(kind: str):  # the probe's single-row choice pinned to the packed copy, so only the compared thing differs
@@ -59,6 +64,14 @@ def main() -> None:
         finally:
             weights.vllm_kernels = load
         engines = {"vllm": first, "onednn": second}
+    elif args.compare == "norms":
+        kind = weights.VLLM if weights.vllm_kernels() == "" else weights.ONEDNN
+        only(kind)
+        kernel = Engine.from_pretrained(None, None, EngineConfig(max_batch=8))
+        own = Engine.from_pretrained(None, None, EngineConfig(max_batch=8))
+        if not kernel.linear_prep.get("rms_norms_vllm") or restore_norms(own.model) != kernel.linear_prep["rms_norms_vllm"]:
+            raise SystemExit("--compare norms needs vLLM's CPU kernels (no norm was swapped)")
+        engines = {"kernel": kernel, "own": own}
     else:
         kind = weights.VLLM if weights.vllm_kernels() == "" else weights.ONEDNN
         only(kind)

@@ -72,6 +72,7 @@ from distill.engine.medusa import Medusa
 from distill.engine.policy import DEFAULT_COST_RATIO, AdaptivePolicy, choose_tree_size
 from distill.engine.proposer import DraftSampling, Proposal, Proposer
 from distill.engine.tree import ResolvedTree, TreeBuffers, build_buffers, resolve_tree
+from distill.engine.norms import prepare_norms
 from distill.engine.weights import prepare_linears
 from distill.errors import ConfigError, ModelError
 from distill.heads.eagle import EagleDrafter, is_eagle3_folder
@@ -178,7 +179,8 @@ class EngineConfig:
     device: str = "auto"  # auto: CUDA when available, else CPU
     step_cost_ratio: float | None = None  # r of the policy's cost model (None: DEFAULT_COST_RATIO of the device type)
     adaptive: bool = False  # correct the policy with measured acceptance and step times (policy.AdaptivePolicy)
-    weight_layout: str = "auto"  # "auto": CPU float32 linears re-laid out and packed (engine.weights); "as-loaded"
+    weight_layout: str = "auto"  # "auto": CPU float32 linears re-laid out and packed (engine.weights), RMSNorms on
+    # vLLM's CPU kernel where it loads (engine.norms); "as-loaded": the modules as they came
     compile: bool = False  # torch.compile the model for single-token forwards (plain steps at batch 1); see Engine._forward
     cuda_graphs: bool | None = None  # decoding steps replayed as CUDA graphs (engine.graphs); None: on for CUDA unless compile
 
@@ -290,7 +292,8 @@ class Engine:
 
     ``heads``: Medusa heads (:class:`MedusaHeads`), an EAGLE-3 drafter (:class:`EagleDrafter`), or
     the lookup proposer (:class:`~distill.engine.lookup.Lookup`: n-gram matches in the context). The engine prepares the model (and heads) it is given, in place, values unchanged: weights
-    re-laid out per ``EngineConfig.weight_layout`` (:mod:`distill.engine.weights`) and ``sdpa``
+    re-laid out per ``EngineConfig.weight_layout`` (:mod:`distill.engine.weights`), RMS normalisations on one
+    kernel each (:mod:`distill.engine.norms`, same switch, not under ``compile``) and ``sdpa``
     attention switched to ``distill_sdpa`` (:mod:`distill.engine.attention`).
     """
 
@@ -309,6 +312,8 @@ class Engine:
         # the model's linear layers, prepared in place (values unchanged) where the rule says they multiply faster
         self.linear_prep = prepare_linears(model, None if self.config.compile else self._example(model)) \
             if self.config.weight_layout == "auto" else {}
+        if self.config.weight_layout == "auto" and not self.config.compile:  # compiled, inductor fuses the norms itself
+            self.linear_prep.update(prepare_norms(model))
         use_gqa_sdpa(model)  # sdpa without copying shared key/value heads under the engine's masks (same outputs)
         self.tokenizer = tokenizer
         self.model_name = model_name or getattr(model.config, "_name_or_path", "") or "model"
@@ -388,7 +393,8 @@ class Engine:
         if hc.vocab_size != vocab:
             raise ModelError(f"heads vocab_size {hc.vocab_size} != model's {vocab}")
         if self.config.weight_layout == "auto":
-            for k, v in prepare_linears(heads).items():
+            prepared = prepare_linears(heads) | ({} if self.config.compile else prepare_norms(heads))
+            for k, v in prepared.items():
                 self.linear_prep[k] = self.linear_prep.get(k, 0) + v
         if isinstance(heads, EagleDrafter):
             layers = model.config.get_text_config().num_hidden_layers

@@ -353,11 +353,10 @@ class Scheduler:
             m.sequences.labels(reason).inc()
             m.generation_tokens.inc(len(s.decoder.ids))
             m.vllm.finished(reason, s, time.monotonic())
-        s.finish(reason)
-        if m is not None:
-            siblings = s.siblings()
-            if all(t.finished for t in siblings):
+            siblings = s.siblings()  # the parent request's too, when this is its last choice (before the answer can go out)
+            if all(t.finished or t is s for t in siblings):
                 m.vllm.parent_finished(s.n, max(len(t.decoder.ids) for t in siblings))
+        s.finish(reason)
 
     def _add(self, batch, seqs: list[Sequence]) -> list:
         inputs = [s.engine_input() for s in seqs]
