@@ -3,6 +3,7 @@ and the packed kind and single-row kernel the probe picks (torch's oneDNN copy, 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 
 import pytest
@@ -338,3 +339,51 @@ def test_a_tied_or_twice_called_linear_is_never_fused():
     assert sizes["fused_groups"] == 0
     with torch.inference_mode():
         assert torch.allclose(m(x), ref, atol=1e-5)
+
+
+def test_a_padded_prefill_multiplies_the_prompts_rows_only():
+    model = tiny_llama(tied=True)
+    prepare_linears(model, lambda: model(torch.tensor([[1, 2]])).logits)
+    layer = model.model.layers[0]
+    x = torch.randn(3, 5, 16)
+    lengths = [5, 2, 4]
+    index = torch.tensor([0, 1, 2, 3, 4, 5, 6, 10, 11, 12, 13])
+    products = []
+    linears = [m for m in model.modules() if type(m) is DualLinear]
+    groups = {id(m.fused): m.fused.module for m in linears if m.fused is not None}
+    assert groups  # q/k/v and gate/up
+    for m in [m for m in linears if m.fused is None] + list(groups.values()):  # every product, with its row count
+        original = m._packed_product
+        m._packed_product = lambda x, original=original: products.append(x.shape[0]) or original(x)
+    with torch.inference_mode():
+        full_q, full_down = layer.self_attn.q_proj(x), layer.mlp.down_proj(torch.randn(3, 5, 32))
+        products.clear()
+        down_in = torch.randn(3, 5, 32)
+        with weights.valid_rows(lengths, 5):
+            q, k = layer.self_attn.q_proj(x), layer.self_attn.k_proj(x)  # a fused group: one product
+            down = layer.mlp.down_proj(down_in)
+            other = layer.mlp.down_proj(torch.randn(4, 32))  # another row count: not a padded input, untouched
+        assert products == [11, 11, 4]
+        reference_q, reference_down = layer.self_attn.q_proj(x), layer.mlp.down_proj(down_in)
+    flat = q.reshape(15, -1)
+    assert torch.allclose(flat[index], reference_q.reshape(15, -1)[index], atol=1e-6)
+    assert not flat[[7, 8, 9, 14]].any()  # the padding: zeros, not multiplied
+    assert torch.allclose(down.reshape(15, -1)[index], reference_down.reshape(15, -1)[index], atol=1e-6)
+    assert k.shape == (3, 5, 8) and other.shape == (4, 16) and full_q.shape == (3, 5, 16) and full_down.shape == (3, 5, 16)
+    with weights.valid_rows([5, 5, 5], 5):  # no padding: no selection
+        assert weights.VALID_ROWS.get() is None
+
+
+def test_the_engines_padded_prefill_decodes_as_the_unselected_one(hf_model, tokenizer, monkeypatch):
+    from distill.engine import Engine, EngineConfig, SamplingParams
+    from distill.engine import engine as engine_module
+
+    engine = Engine(hf_model, tokenizer, None, EngineConfig(max_batch=4))
+    prompts = [tokenizer.encode(t) for t in ("Name three colours.", "Hi", "Write a haiku about the sea and the moon, please.")]
+    params = SamplingParams(max_tokens=12, logprobs=2)
+    selected, _ = engine.generate(prompts, params, speculative=False)
+    monkeypatch.setattr(engine_module, "valid_rows", lambda *a, **k: contextlib.nullcontext())
+    padded, _ = engine.generate(prompts, params, speculative=False)
+    assert [r.token_ids for r in selected] == [r.token_ids for r in padded]
+    for a, b in zip(selected, padded):
+        assert all(abs(x.logprob - y.logprob) < 1e-4 for x, y in zip(a.logprobs, b.logprobs))

@@ -73,7 +73,7 @@ from distill.engine.policy import DEFAULT_COST_RATIO, AdaptivePolicy, choose_tre
 from distill.engine.proposer import DraftSampling, Proposal, Proposer
 from distill.engine.tree import ResolvedTree, TreeBuffers, build_buffers, resolve_tree
 from distill.engine.norms import prepare_norms
-from distill.engine.weights import prepare_linears
+from distill.engine.weights import prepare_linears, valid_rows
 from distill.errors import ConfigError, ModelError
 from distill.heads.eagle import EagleDrafter, is_eagle3_folder
 from distill.heads.tree import load_tree
@@ -677,7 +677,8 @@ class _Batch:
         keep = torch.tensor(last, dtype=torch.long, device=dev)
         bias = kv.attention_bias(kv.prefill_allowed(P, dev), engine.dtype)  # (1, 1, P, P)
         layers = engine.proposer.feature_layers if speculative else None
-        logits, features = engine._forward(ids, positions, bias, cache, keep, layers)  # (B, U, V), (B, P, F)
+        with valid_rows(lengths, P, dev):  # the prepared linears multiply the prompts' tokens, not the padding
+            logits, features = engine._forward(ids, positions, bias, cache, keep, layers)  # (B, U, V), (B, P, F)
         rows = torch.arange(len(prompts), device=dev)
         col = torch.tensor([last.index(n - 1) for n in lengths], device=dev)
         for b in echo:  # position t's distribution drew prompt token t + 1

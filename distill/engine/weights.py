@@ -59,12 +59,15 @@ linears that read one input (fused)
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import platform
 import time
 import weakref
 from collections import defaultdict
+from contextvars import ContextVar
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -169,6 +172,36 @@ class VllmMatmul:
 
 
 # -- the prepared linear ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ValidRows:
+    """The rows of a padded input that hold tokens: ``index`` into its ``total`` rows (batch x positions, flattened)."""
+
+    index: torch.Tensor
+    total: int
+
+
+#: Set by :func:`valid_rows` around a padded forward: the products of :class:`DualLinear` then skip the padding.
+VALID_ROWS: ContextVar[ValidRows | None] = ContextVar("distill_valid_rows", default=None)
+
+
+@contextlib.contextmanager
+def valid_rows(lengths: list[int], width: int, device: torch.device | str = "cpu"):
+    """Right-padded rows of ``width`` positions, row b holding ``lengths[b]`` tokens: the prepared linears of any
+    forward run inside multiply those rows only and give the padding zeros (a batch's prefill: 8 MT-Bench first turns
+    of 52-87 tokens are 523 tokens in 696 padded positions). Only products whose input has ``len(lengths) * width``
+    rows are affected; a forward without padding needs no selection and gets none."""
+    total = len(lengths) * width
+    if sum(lengths) == total:
+        yield
+        return
+    index = torch.cat([torch.arange(n, device=device) + b * width for b, n in enumerate(lengths)])
+    token = VALID_ROWS.set(ValidRows(index, total))
+    try:
+        yield
+    finally:
+        VALID_ROWS.reset(token)
+
+
 class DualLinear(nn.Linear):
     """An ``nn.Linear`` (same parameters) whose products with ``M > 1`` rows use a packed copy of its weight.
 
@@ -200,6 +233,14 @@ class DualLinear(nn.Linear):
             return F.linear(x, self.weight, self.bias) if self.vllm is None else self.vllm(x, self.bias)
         if x.numel() == x.shape[-1] and not self.single_packed:  # a single row where MKL on the weight is faster
             return F.linear(x, self.weight, self.bias)
+        rows = VALID_ROWS.get()
+        if rows is not None and x.shape[:-1].numel() == rows.total:  # a padded prefill: the prompts' rows only
+            y = self._packed_product(x.reshape(-1, x.shape[-1]).index_select(0, rows.index))
+            out = y.new_zeros(rows.total, y.shape[-1]).index_copy_(0, rows.index, y)
+            return out.view(*x.shape[:-1], y.shape[-1])
+        return self._packed_product(x)
+
+    def _packed_product(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight._version != self.packed_version:
             raise RuntimeError("this linear weight changed after the engine packed it: build a new Engine after training")
         if self.vllm is not None:
