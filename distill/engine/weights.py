@@ -42,6 +42,17 @@ single rows: measured, not assumed
     weight (:func:`choose_kernels` says why), and each weight multiplies single rows with MKL or
     its packed copy, whichever the probe found faster (``single_packed``). The probe costs a few passes of the linears (a fraction of a second for the
     bundled model). The rule applies to float32 weights on CPU only.
+a padded prefill
+    a batch's prompts are right-padded to the longest, and every linear multiplies every padded
+    position although only the prompts' tokens matter (the padding's keys are never attended by a
+    prompt token: the prefill mask is causal and the padding comes last). Inside
+    :func:`valid_rows` the products of :class:`DualLinear` take the prompts' rows only and give
+    the padding zeros (``index_select`` before, ``index_copy_`` after). 8 MT-Bench first turns of
+    52-87 tokens are 523 tokens in 696 positions: the batch's prefill took 856 instead of 1128 ms
+    (median of 6 alternating rounds, same outputs, AMD EPYC family 25 model 17, 2 threads); vLLM
+    packs the prompts without padding and took ~720 ms for the same prefill. An earlier attempt
+    packed the prompts into one row with a block-diagonal mask (BENCHMARKS.md, issue 19) and saved
+    only 6%: the attention then spans all 523 positions; here it stays per prompt.
 linears that read one input (fused)
     a forward feeds several linears the same tensor: attention's query, key and value
     projections, the MLP's gate and up projections. :func:`prepare_linears` finds them by
