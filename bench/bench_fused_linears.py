@@ -3,9 +3,12 @@
     OMP_NUM_THREADS=2 .venv/bin/python bench/bench_fused_linears.py --rounds 300 --out bench/results/fused_linears.json
     OMP_NUM_THREADS=2 .venv/bin/python bench/bench_fused_linears.py --compare kind --rounds 150 --out bench/results/packed_kind.json
     OMP_NUM_THREADS=2 .venv/bin/python bench/bench_fused_linears.py --compare norms --rounds 150 --out bench/results/norms.json
+    OMP_NUM_THREADS=2 .venv/bin/python bench/bench_fused_linears.py --compare rotary --rounds 150 --out bench/results/rotary.json
 
 ``--compare norms`` compares the RMS normalisations on vLLM's kernel (the engine's default,
 ``distill.engine.norms``) with the modules' own forwards, everything else prepared alike.
+``--compare rotary``: one engine's forward inside :func:`distill.engine.rotary.rotary_kernel` (as the
+engine runs its forwards: the rotation on vLLM's kernel) and outside it (transformers' function).
 
 ``--compare kind`` instead compares the two packed kinds, both engines fused: vLLM's CPU matmul
 for every weight against torch's oneDNN copy for every weight (why the engine does not let its
@@ -25,6 +28,7 @@ over the same token ids, no cache, for 1 row, 8 rows (a batch-8 plain step's sha
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import statistics
@@ -36,6 +40,7 @@ import torch
 
 from distill.engine import Engine, EngineConfig, weights
 from distill.engine.norms import restore_norms
+from distill.engine.rotary import rotary_kernel
 from distill.runtime import machine
 from distill.store.atomic import atomic_write_bytes
 
@@ -43,7 +48,7 @@ from distill.store.atomic import atomic_write_bytes
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=300)
-    ap.add_argument("--compare", choices=("fusion", "kind", "norms"), default="fusion")
+    ap.add_argument("--compare", choices=("fusion", "kind", "norms", "rotary"), default="fusion")
     ap.add_argument("--out", default="bench/results/fused_linears.json")
     args = ap.parse_args()
     def only(kind: str):  # the probe's single-row choice pinned to the packed copy, so only the compared thing differs
@@ -72,6 +77,13 @@ def main() -> None:
         if not kernel.linear_prep.get("rms_norms_vllm") or restore_norms(own.model) != kernel.linear_prep["rms_norms_vllm"]:
             raise SystemExit("--compare norms needs vLLM's CPU kernels (no norm was swapped)")
         engines = {"kernel": kernel, "own": own}
+    elif args.compare == "rotary":
+        kind = weights.VLLM if weights.vllm_kernels() == "" else weights.ONEDNN
+        only(kind)
+        engine = Engine.from_pretrained(None, None, EngineConfig(max_batch=8))
+        if not engine.linear_prep.get("rotary_vllm"):
+            raise SystemExit("--compare rotary needs vLLM's CPU kernels (no rotation was replaced)")
+        engines = {"kernel": engine, "own": engine}
     else:
         kind = weights.VLLM if weights.vllm_kernels() == "" else weights.ONEDNN
         only(kind)
@@ -89,13 +101,19 @@ def main() -> None:
     with torch.inference_mode():
         for batch, tokens in [(1, 1), (8, 1), (1, 17)]:
             ids = torch.randint(0, 1000, (batch, tokens))
-            for e in engines.values():
-                e.model(input_ids=ids, use_cache=False)  # warm-up
+            positions = torch.arange(tokens)[None].expand(batch, tokens)  # per row, as the engine passes them
+
+            def forward(name):
+                with rotary_kernel() if args.compare == "rotary" and name == "kernel" else contextlib.nullcontext():
+                    engines[name].model(input_ids=ids, position_ids=positions, use_cache=False)
+
+            for name in engines:
+                forward(name)  # warm-up
             times: dict[str, list[float]] = {k: [] for k in engines}
             for r in range(args.rounds):
                 for name in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
                     t0 = time.perf_counter()
-                    engines[name].model(input_ids=ids, use_cache=False)
+                    forward(name)
                     times[name].append(time.perf_counter() - t0)
             row = {f"{k}_ms_median": 1000 * statistics.median(v) for k, v in times.items()}
             row |= {f"{k}_ms_min": 1000 * min(v) for k, v in times.items()}

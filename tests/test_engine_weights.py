@@ -374,6 +374,47 @@ def test_a_padded_prefill_multiplies_the_prompts_rows_only():
         assert weights.VALID_ROWS.get() is None
 
 
+def test_row_wise_mlps_take_the_prompts_rows_once():
+    model = tiny_llama(tied=True)
+    prepare_linears(model, lambda: model(torch.tensor([[1, 2]])).logits)
+    layers = model.model.layers
+    mlps = weights.rowwise_modules(layers)
+    assert mlps == [layer.mlp for layer in layers]  # not the attention, though it too is made of linears only
+
+    class Routed(nn.Module):  # a mixture of experts: its router is no linear + activation
+        def __init__(self):
+            super().__init__()
+            self.router = nn.Linear(16, 2)
+            self.experts = nn.ModuleList([nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16)) for _ in range(2)])
+
+    class Layer(nn.Module):
+        def __init__(self, mlp):
+            super().__init__()
+            self.mlp = mlp
+
+    assert weights.rowwise_modules([Layer(Routed()), Layer(nn.Sequential(nn.Linear(16, 32), nn.SiLU(), nn.Linear(32, 16)))]) \
+        [0].__class__ is nn.Sequential
+    mlp = layers[0].mlp
+    gate_up = mlp.gate_proj.fused.module
+    rows_seen = []
+    for m in (gate_up, mlp.down_proj):
+        original = m._packed_product
+        m._packed_product = lambda x, original=original: rows_seen.append(x.shape[0]) or original(x)
+    x = torch.randn(3, 5, 16)
+    index = torch.tensor([0, 1, 2, 3, 4, 5, 6, 10, 11, 12, 13])
+    with torch.inference_mode():
+        reference = mlp(x)
+        rows_seen.clear()
+        with weights.valid_rows([5, 2, 4], 5, rowwise=mlps):
+            out = mlp(x)
+            assert mlp(torch.randn(4, 16)).shape == (4, 16)  # another row count: not selected
+        assert rows_seen == [11, 11, 4, 4]  # each product once, on the prompts' rows, nothing scattered in between
+        assert not mlp._forward_pre_hooks and not mlp._forward_hooks  # the hooks leave with the context
+    assert out.shape == (3, 5, 16)
+    assert torch.allclose(out.reshape(15, -1)[index], reference.reshape(15, -1)[index], atol=1e-6)
+    assert not out.reshape(15, -1)[[7, 8, 9, 14]].any()
+
+
 def test_the_engines_padded_prefill_decodes_as_the_unselected_one(hf_model, tokenizer, monkeypatch):
     from distill.engine import Engine, EngineConfig, SamplingParams
     from distill.engine import engine as engine_module

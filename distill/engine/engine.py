@@ -41,6 +41,7 @@ host state
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import numbers
@@ -69,15 +70,16 @@ from distill.engine.eagle import DEFAULT_DEPTH, DEFAULT_NODES, DEFAULT_TOPK, Eag
 from distill.engine.graphs import Graphs, cache_key
 from distill.engine.lookup import Lookup
 from distill.engine.medusa import Medusa
+from distill.engine.norms import prepare_norms
 from distill.engine.policy import DEFAULT_COST_RATIO, AdaptivePolicy, choose_tree_size
 from distill.engine.proposer import DraftSampling, Proposal, Proposer
+from distill.engine.rotary import prepare_rotary, rotary_kernel
 from distill.engine.tree import ResolvedTree, TreeBuffers, build_buffers, resolve_tree
-from distill.engine.norms import prepare_norms
-from distill.engine.weights import prepare_linears, valid_rows
+from distill.engine.weights import prepare_linears, rowwise_modules, valid_rows
 from distill.errors import ConfigError, ModelError
 from distill.heads.eagle import EagleDrafter, is_eagle3_folder
-from distill.heads.tree import load_tree
 from distill.heads.model import MedusaHeads, read_distill_meta
+from distill.heads.tree import load_tree
 from distill.models import context_limit
 from distill.runtime import canonical_dtype, stage_dtype, torch_dtype
 
@@ -179,8 +181,8 @@ class EngineConfig:
     device: str = "auto"  # auto: CUDA when available, else CPU
     step_cost_ratio: float | None = None  # r of the policy's cost model (None: DEFAULT_COST_RATIO of the device type)
     adaptive: bool = False  # correct the policy with measured acceptance and step times (policy.AdaptivePolicy)
-    weight_layout: str = "auto"  # "auto": CPU float32 linears re-laid out and packed (engine.weights), RMSNorms on
-    # vLLM's CPU kernel where it loads (engine.norms); "as-loaded": the modules as they came
+    weight_layout: str = "auto"  # "auto": CPU float32 linears re-laid out and packed (engine.weights), RMSNorms and
+    # the rotary embedding on vLLM's CPU kernels where they load (engine.norms, engine.rotary); "as-loaded": as they came
     compile: bool = False  # torch.compile the model for single-token forwards (plain steps at batch 1); see Engine._forward
     cuda_graphs: bool | None = None  # decoding steps replayed as CUDA graphs (engine.graphs); None: on for CUDA unless compile
 
@@ -292,9 +294,9 @@ class Engine:
 
     ``heads``: Medusa heads (:class:`MedusaHeads`), an EAGLE-3 drafter (:class:`EagleDrafter`), or
     the lookup proposer (:class:`~distill.engine.lookup.Lookup`: n-gram matches in the context). The engine prepares the model (and heads) it is given, in place, values unchanged: weights
-    re-laid out per ``EngineConfig.weight_layout`` (:mod:`distill.engine.weights`), RMS normalisations on one
-    kernel each (:mod:`distill.engine.norms`, same switch, not under ``compile``) and ``sdpa``
-    attention switched to ``distill_sdpa`` (:mod:`distill.engine.attention`).
+    re-laid out per ``EngineConfig.weight_layout`` (:mod:`distill.engine.weights`), RMS normalisations and the
+    rotary embedding on one kernel each (:mod:`distill.engine.norms`, :mod:`distill.engine.rotary`; same switch, not
+    under ``compile``) and ``sdpa`` attention switched to ``distill_sdpa`` (:mod:`distill.engine.attention`).
     """
 
     def __init__(
@@ -312,13 +314,15 @@ class Engine:
         # the model's linear layers, prepared in place (values unchanged) where the rule says they multiply faster
         self.linear_prep = prepare_linears(model, None if self.config.compile else self._example(model)) \
             if self.config.weight_layout == "auto" else {}
-        if self.config.weight_layout == "auto" and not self.config.compile:  # compiled, inductor fuses the norms itself
-            self.linear_prep.update(prepare_norms(model))
+        if self.config.weight_layout == "auto" and not self.config.compile:  # compiled, inductor fuses these itself
+            self.linear_prep.update(prepare_norms(model) | prepare_rotary(model))
+        self._rotary = bool(self.linear_prep.get("rotary_vllm"))  # eager forwards rotate on vLLM's kernel (engine.rotary)
         use_gqa_sdpa(model)  # sdpa without copying shared key/value heads under the engine's masks (same outputs)
         self.tokenizer = tokenizer
         self.model_name = model_name or getattr(model.config, "_name_or_path", "") or "model"
         self.device = next(model.parameters()).device
         self._decoder = model.get_decoder()  # its output's last_hidden_state is what the LM head reads
+        self._rowwise = rowwise_modules(getattr(self._decoder, "layers", ()))  # dense MLPs: a padded prefill's rows
         self.dtype = next(model.parameters()).dtype
         self.stop_ids = self._eos_ids()
         self.kv_shape = kv.KVShape.of(model)
@@ -517,8 +521,9 @@ class Engine:
         else:
             handles = [self._decoder.layers[i].register_forward_pre_hook(entering(i), with_kwargs=True) for i in layers]
         try:
-            out = self.model(input_ids=ids, position_ids=positions, attention_mask=bias, past_key_values=cache,
-                             use_cache=True, logits_to_keep=keep)
+            with rotary_kernel() if self._rotary else contextlib.nullcontext():
+                out = self.model(input_ids=ids, position_ids=positions, attention_mask=bias, past_key_values=cache,
+                                 use_cache=True, logits_to_keep=keep)
         finally:
             for h in handles:
                 h.remove()
@@ -677,7 +682,7 @@ class _Batch:
         keep = torch.tensor(last, dtype=torch.long, device=dev)
         bias = kv.attention_bias(kv.prefill_allowed(P, dev), engine.dtype)  # (1, 1, P, P)
         layers = engine.proposer.feature_layers if speculative else None
-        with valid_rows(lengths, P, dev):  # the prepared linears multiply the prompts' tokens, not the padding
+        with valid_rows(lengths, P, dev, engine._rowwise):  # the linears and MLPs take the prompts' tokens, not the padding
             logits, features = engine._forward(ids, positions, bias, cache, keep, layers)  # (B, U, V), (B, P, F)
         rows = torch.arange(len(prompts), device=dev)
         col = torch.tensor([last.index(n - 1) for n in lengths], device=dev)

@@ -47,12 +47,17 @@ a padded prefill
     position although only the prompts' tokens matter (the padding's keys are never attended by a
     prompt token: the prefill mask is causal and the padding comes last). Inside
     :func:`valid_rows` the products of :class:`DualLinear` take the prompts' rows only and give
-    the padding zeros (``index_select`` before, ``index_copy_`` after). 8 MT-Bench first turns of
-    52-87 tokens are 523 tokens in 696 positions: the batch's prefill took 856 instead of 1128 ms
-    (median of 6 alternating rounds, same outputs, AMD EPYC family 25 model 17, 2 threads); vLLM
-    packs the prompts without padding and took ~720 ms for the same prefill. An earlier attempt
-    packed the prompts into one row with a block-diagonal mask (BENCHMARKS.md, issue 19) and saved
-    only 6%: the attention then spans all 523 positions; here it stays per prompt.
+    the padding zeros (``index_select`` before, ``index_copy_`` after, the padding's rows filled
+    with zeros). 8 MT-Bench first turns of 52-87 tokens are 523 tokens in 696 positions: the
+    batch's prefill took 856 instead of 1128 ms (median of 6 alternating rounds, same outputs, AMD
+    EPYC family 25 model 17, 2 threads); vLLM packs the prompts without padding and took ~720 ms
+    for the same prefill. An earlier attempt packed the prompts into one row with a block-diagonal
+    mask (BENCHMARKS.md, issue 19) and saved only 6%: the attention then spans all 523 positions;
+    here it stays per prompt. Row-wise modules given to :func:`valid_rows` (each decoder layer's
+    dense MLP: :func:`rowwise_modules`) take the prompts' rows once at their input and give their
+    output back padded, so their products, activation and multiply run on those rows and nothing
+    is selected or scattered inside them: per layer one selection and one scatter of the hidden
+    width instead of one per product, 2 of them 3 times that width.
 linears that read one input (fused)
     a forward feeds several linears the same tensor: attention's query, key and value
     projections, the MLP's gate and up projections. :func:`prepare_linears` finds them by
@@ -185,32 +190,92 @@ class VllmMatmul:
 # -- the prepared linear ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ValidRows:
-    """The rows of a padded input that hold tokens: ``index`` into its ``total`` rows (batch x positions, flattened)."""
+    """The rows of a padded input that hold tokens: ``index`` into its ``total`` rows (batch x positions, flattened),
+    ``pad`` the others."""
 
     index: torch.Tensor
+    pad: torch.Tensor
     total: int
+
+    def covers(self, x: torch.Tensor) -> bool:
+        """Is ``x`` (..., features) a padded input of these rows?"""
+        return x.shape[:-1].numel() == self.total
+
+    def select(self, x: torch.Tensor) -> torch.Tensor:
+        """The prompts' rows of a padded ``x`` -> (tokens, features)."""
+        return x.reshape(-1, x.shape[-1]).index_select(0, self.index)
+
+    def scatter(self, y: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        """The prompts' rows ``y`` (tokens, features) back in padded rows of ``shape`` (the padding zeros)."""
+        out = y.new_empty(self.total, y.shape[-1])
+        out.index_copy_(0, self.index, y)
+        out.index_fill_(0, self.pad, 0)  # the padding's rows only: filling all of them first cost a second pass
+        return out.view(*shape, y.shape[-1])
 
 
 #: Set by :func:`valid_rows` around a padded forward: the products of :class:`DualLinear` then skip the padding.
 VALID_ROWS: ContextVar[ValidRows | None] = ContextVar("distill_valid_rows", default=None)
 
+#: Names of a decoder layer's feed-forward block (transformers' models).
+MLP_NAMES = ("mlp", "feed_forward")
+
+
+def rowwise_modules(layers) -> list[nn.Module]:
+    """The dense MLP of each decoder layer in ``layers``: a child named as in :data:`MLP_NAMES` whose modules are linears
+    and parameter-free activations only. Such a block maps each row on its own (a mixture of experts, whose router
+    and experts are other modules, is not one)."""
+    out = []
+    for layer in layers:
+        for name in MLP_NAMES:
+            block = getattr(layer, name, None)
+            if isinstance(block, nn.Module) and _dense(block):
+                out.append(block)
+                break
+    return out
+
+
+def _dense(block: nn.Module) -> bool:
+    children = list(block.children())
+    return any(isinstance(c, nn.Linear) for c in children) and all(
+        isinstance(c, nn.Linear) or not any(True for _ in c.parameters()) for c in block.modules() if c is not block)
+
 
 @contextlib.contextmanager
-def valid_rows(lengths: list[int], width: int, device: torch.device | str = "cpu"):
+def valid_rows(lengths: list[int], width: int, device: torch.device | str = "cpu", rowwise: list[nn.Module] = ()):
     """Right-padded rows of ``width`` positions, row b holding ``lengths[b]`` tokens: the prepared linears of any
     forward run inside multiply those rows only and give the padding zeros (a batch's prefill: 8 MT-Bench first turns
     of 52-87 tokens are 523 tokens in 696 padded positions). Only products whose input has ``len(lengths) * width``
-    rows are affected; a forward without padding needs no selection and gets none."""
+    rows are affected; a forward without padding needs no selection and gets none. The ``rowwise`` modules (each
+    maps every row on its own: :func:`rowwise_modules`) are given the prompts' rows and their output padded back."""
     total = len(lengths) * width
     if sum(lengths) == total:
         yield
         return
-    index = torch.cat([torch.arange(n, device=device) + b * width for b, n in enumerate(lengths)])
-    token = VALID_ROWS.set(ValidRows(index, total))
+    valid = torch.zeros(total, dtype=torch.bool)
+    for b, n in enumerate(lengths):
+        valid[b * width : b * width + n] = True
+    rows = ValidRows(valid.nonzero()[:, 0].to(device), (~valid).nonzero()[:, 0].to(device), total)
+    shapes: dict[int, torch.Size] = {}
+
+    def enter(module, args):
+        x = args[0]
+        if not (isinstance(x, torch.Tensor) and rows.covers(x)):
+            return None
+        shapes[id(module)] = x.shape[:-1]
+        return (rows.select(x), *args[1:])
+
+    def leave(module, args, output):
+        shape = shapes.pop(id(module), None)
+        return output if shape is None else rows.scatter(output, shape)
+
+    handles = [h for m in rowwise for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
+    token = VALID_ROWS.set(rows)
     try:
         yield
     finally:
         VALID_ROWS.reset(token)
+        for h in handles:
+            h.remove()
 
 
 class DualLinear(nn.Linear):
@@ -245,10 +310,8 @@ class DualLinear(nn.Linear):
         if x.numel() == x.shape[-1] and not self.single_packed:  # a single row where MKL on the weight is faster
             return F.linear(x, self.weight, self.bias)
         rows = VALID_ROWS.get()
-        if rows is not None and x.shape[:-1].numel() == rows.total:  # a padded prefill: the prompts' rows only
-            y = self._packed_product(x.reshape(-1, x.shape[-1]).index_select(0, rows.index))
-            out = y.new_zeros(rows.total, y.shape[-1]).index_copy_(0, rows.index, y)
-            return out.view(*x.shape[:-1], y.shape[-1])
+        if rows is not None and rows.covers(x):  # a padded prefill: the prompts' rows only
+            return rows.scatter(self._packed_product(rows.select(x)), x.shape[:-1])
         return self._packed_product(x)
 
     def _packed_product(self, x: torch.Tensor) -> torch.Tensor:
