@@ -124,8 +124,11 @@ def collect(model: str | None = None) -> EnvReport:
 
     why_not = vllm_kernels()
     kind = "vLLM's CPU matmul (packed copies)" if not why_not else "torch's oneDNN packed copies"
+    swaps = [name for name, op in (("RMS norms", "rms_norm"), ("the rotary embedding", "rotary_embedding"))
+             if not why_not and hasattr(torch.ops._C, op)]  # distill.engine.norms / .rotary, where a model's modules check out
     cpu_linears = (f"{kind}, or MKL on the weights for single rows, per weight shape as a probe at start finds faster"
-                   + (f" (vLLM's CPU matmul unavailable: {why_not})" if why_not else ""))
+                   + (f" (vLLM's CPU matmul unavailable: {why_not})" if why_not else "")
+                   + (f"; {' and '.join(swaps)} on vLLM's CPU kernels where they reproduce the model's" if swaps else ""))
     threads: dict[str, str | int | None] = {"torch.get_num_threads()": torch.get_num_threads()}
     threads.update({k: os.environ.get(k, "unset") for k in THREAD_VARS})
     return EnvReport(

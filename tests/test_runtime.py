@@ -134,6 +134,8 @@ def test_distill_env_names_the_cpu_and_each_stage_dtype():
     linears = [line for line in lines if line.startswith("- Engine's float32 CPU linears: ")]
     assert len(linears) == 1 and linears[0].startswith("- Engine's float32 CPU linears: vLLM's CPU matmul" if vllm_kernels() == ""
                                                      else "- Engine's float32 CPU linears: torch's oneDNN"), linears
+    assert linears[0].endswith("RMS norms and the rotary embedding on vLLM's CPU kernels where they reproduce the model's") \
+        == (vllm_kernels() == "")  # distill.engine.norms and .rotary use the same library
     r = subprocess.run([DISTILL, "env", "--json"], capture_output=True, text=True, timeout=300)
     doc = json.loads(r.stdout)
     assert doc["versions"]["torch"] and doc["stages"]["serve"]["dtype"] == "float32"
