@@ -392,8 +392,13 @@ def test_row_wise_mlps_take_the_prompts_rows_once():
             super().__init__()
             self.mlp = mlp
 
-    assert weights.rowwise_modules([Layer(Routed()), Layer(nn.Sequential(nn.Linear(16, 32), nn.SiLU(), nn.Linear(32, 16)))]) \
-        [0].__class__ is nn.Sequential
+    class Scaled(nn.Module):  # a parameter of its own besides the linear: not known to act on rows alone
+        def __init__(self):
+            super().__init__()
+            self.proj, self.scale = nn.Linear(16, 16), nn.Parameter(torch.ones(16))
+
+    dense = nn.Sequential(nn.Linear(16, 32), nn.SiLU(), nn.Linear(32, 16))
+    assert weights.rowwise_modules([Layer(Routed()), Layer(Scaled()), Layer(dense)]) == [dense]
     mlp = layers[0].mlp
     gate_up = mlp.gate_proj.fused.module
     rows_seen = []
