@@ -55,6 +55,11 @@ def main() -> None:
         weights.probe = lambda ws, copies: {k: (0.5 if k.startswith(kind) else 1.0)
                                             for k in ["weight@1"] + [f"{c}@{r}" for c in copies for r in (1, weights.PACK_ROWS)]}
 
+    def loaded_kind() -> str:  # vLLM's matmul where it loads, else torch's copies, pinned for every engine compared
+        kind = weights.VLLM if weights.vllm_kernels() == "" else weights.ONEDNN
+        only(kind)
+        return kind
+
     if args.compare == "kind":
         if weights.vllm_kernels():
             raise SystemExit(f"--compare kind needs vLLM's CPU matmul: {weights.vllm_kernels()}")
@@ -70,23 +75,20 @@ def main() -> None:
             weights.vllm_kernels = load
         engines = {"vllm": first, "onednn": second}
     elif args.compare == "norms":
-        kind = weights.VLLM if weights.vllm_kernels() == "" else weights.ONEDNN
-        only(kind)
+        kind = loaded_kind()
         kernel = Engine.from_pretrained(None, None, EngineConfig(max_batch=8))
         own = Engine.from_pretrained(None, None, EngineConfig(max_batch=8))
         if not kernel.linear_prep.get("rms_norms_vllm") or restore_norms(own.model) != kernel.linear_prep["rms_norms_vllm"]:
             raise SystemExit("--compare norms needs vLLM's CPU kernels (no norm was swapped)")
         engines = {"kernel": kernel, "own": own}
     elif args.compare == "rotary":
-        kind = weights.VLLM if weights.vllm_kernels() == "" else weights.ONEDNN
-        only(kind)
+        kind = loaded_kind()
         engine = Engine.from_pretrained(None, None, EngineConfig(max_batch=8))
         if not engine.linear_prep.get("rotary_vllm"):
             raise SystemExit("--compare rotary needs vLLM's CPU kernels (no rotation was replaced)")
         engines = {"kernel": engine, "own": engine}
     else:
-        kind = weights.VLLM if weights.vllm_kernels() == "" else weights.ONEDNN
-        only(kind)
+        kind = loaded_kind()
         fused = Engine.from_pretrained(None, None, EngineConfig(max_batch=8))
         example = Engine._example
         Engine._example = staticmethod(lambda model: None)  # the same preparation without the example forward: no groups
