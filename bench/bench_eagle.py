@@ -45,6 +45,7 @@ import torch  # noqa: E402
 from bench_engine_step import cpu_description, mt_bench_prompts, vllm, vllm_llm  # noqa: E402
 from distill.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from distill.engine.engine import LOOKUP, load_heads  # noqa: E402
+from distill.engine.datastore import Datastore  # noqa: E402
 from distill.engine.lookup import Lookup  # noqa: E402
 from distill.store.atomic import atomic_write_bytes  # noqa: E402
 
@@ -85,6 +86,9 @@ def main() -> None:
     ap.add_argument("--eagle", type=Path, help="EAGLE-3 drafter folder (omit: no EAGLE rows)")
     ap.add_argument("--lookup", action="store_true", help="add the lookup proposer (n-gram matches in the context, nothing trained)")
     ap.add_argument("--lookup-nodes", type=int, default=8, help="the lookup proposer's node budget")
+    ap.add_argument("--lookup-data", type=Path, action="append", default=[], metavar="DATA",
+                    help="with --lookup: also the lookup proposer with this dataset as its datastore (rows "
+                         "lookup+NAME-policy / -full, NAME the folder's name); repeatable")
     ap.add_argument("--medusa", type=Path, help="Medusa heads trained on the same data and budget (omit: EAGLE vs plain only)")
     ap.add_argument("--eval", type=Path, help="held-out dataset folder for teacher-forced per-depth acceptance")
     ap.add_argument("--eval-tokens", type=int, default=4000)
@@ -132,11 +136,19 @@ def main() -> None:
     if args.lookup:
         configs["lookup-policy"] = (LOOKUP, EngineConfig(max_batch=1, dtype="float32", device="cpu"))
         configs["lookup-full"] = (LOOKUP, EngineConfig(max_batch=1, dtype="float32", device="cpu", speculate_max_batch=1))
+        for data in args.lookup_data:  # the same proposer with a datastore (distill.engine.datastore)
+            name = f"lookup+{data.name}"
+            configs[f"{name}-policy"] = (data, EngineConfig(max_batch=1, dtype="float32", device="cpu"))
+            configs[f"{name}-full"] = (data, EngineConfig(max_batch=1, dtype="float32", device="cpu", speculate_max_batch=1))
     configs = {k: v for k, v in configs.items() if v[0] is not None or k == "plain"}  # drafters not given: no rows
-    engines = {}
+    engines, stores = {}, {}
     for name, (folder, cfg) in configs.items():
         if folder == LOOKUP:
             heads, tree = Lookup(max_nodes=args.lookup_nodes), None
+        elif folder in args.lookup_data:
+            stores.setdefault(folder, Datastore.from_dataset(folder, model.config.vocab_size))
+            heads, tree = Lookup(max_nodes=args.lookup_nodes, datastore=stores[folder]), None
+            result.setdefault("datastores", {})[name] = stores[folder].describe()
         else:
             heads, tree = load_heads(folder, cfg) if folder is not None else (None, None)
         engines[name] = Engine(model, tok, heads, cfg, model_name=resolved.name, tree=tree)

@@ -534,6 +534,7 @@ def export(
 # == serving commands: distill serve, bench ==
 HeadsOpt = Annotated[Optional[Path], typer.Option("--heads", help="Medusa heads or EAGLE-3 drafter folder (from `distill train-heads`), or `lookup`: draft from n-gram matches in each request's own context, nothing trained.")]
 DraftNodesOpt = Annotated[Optional[int], typer.Option("--draft-nodes", help="EAGLE drafter or lookup: node budget of the dynamic tree (default: EAGLE 24, lookup 8).")]
+LookupDataOpt = Annotated[Optional[Path], typer.Option("--lookup-data", help="With --heads lookup: a dataset this model generated (`distill generate`); the n-grams of its replies draft beside the context's (BENCHMARKS.md: +5-8% tokens/step).")]
 TreeOpt = Annotated[Optional[str], typer.Option("--tree", help="Verification tree: tree.json path, chain[-K], sparse-N, or Cartesian 3,2,2,1 (default: the heads' tree.json, else sparse-24).")]
 
 
@@ -561,6 +562,7 @@ def serve(
     chat_template_kwargs: Annotated[Optional[str], typer.Option("--chat-template-kwargs", help='The chat template\'s extra variables for every chat request, a JSON object (e.g. \'{"enable_thinking": false}\'); a request\'s own chat_template_kwargs override them (vLLM: --default-chat-template-kwargs).')] = None,
     tree: TreeOpt = None,
     draft_nodes: DraftNodesOpt = None,
+    lookup_data: LookupDataOpt = None,
     acceptance: Annotated[Optional[str], typer.Option(help="Acceptance for sampled requests: typical | rejection | greedy (temperature 0 is always greedy, lossless).")] = None,
     typical_epsilon: Annotated[Optional[float], typer.Option(help="Typical acceptance epsilon.")] = None,
     typical_delta: Annotated[Optional[float], typer.Option(help="Typical acceptance delta.")] = None,
@@ -622,6 +624,7 @@ def bench(
     typical_epsilon: Annotated[Optional[float], typer.Option(help="Typical acceptance epsilon.")] = None,
     typical_delta: Annotated[Optional[float], typer.Option(help="Typical acceptance delta.")] = None,
     draft_nodes: DraftNodesOpt = None,
+    lookup_data: LookupDataOpt = None,
     vllm: Annotated[Optional[bool], typer.Option("--vllm/--no-vllm", help="Also decode the greedy prompts with bare vLLM (in this process; the same model, dtype and max tokens) and report plain and speculative tok/s against it.")] = None,
     full_tree: Annotated[Optional[bool], typer.Option("--full-tree/--policy-tree", help="Verify the whole tree every step (speculation policy off): measures the tree itself.")] = None,
     compile: Annotated[Optional[bool], typer.Option("--compile/--no-compile", help="torch.compile the engine's single-token forwards, for plain and speculative runs alike (compiled before timing).")] = None,
@@ -672,7 +675,8 @@ def run_pipeline(
     typer.echo("| stage | status | seconds | output |\n| --- | --- | ---: | --- |")
     for r in report.stages:
         typer.echo(f"| {r.stage} | {r.status} | {r.seconds:.0f} | {r.output} |")
-    for who, key in (("trained drafter", "overall"), ("lookup (nothing trained)", "lookup")):
+    store = " + the data's n-grams" if report.result.get("lookup_source") == "context and data" else ""
+    for who, key in (("trained drafter", "overall"), (f"lookup{store} (nothing trained)", "lookup")):
         for mode, g in report.result.get(key, {}).items():
             against = (f"; against bare vLLM ({g['vllm_tokens_per_s']:.1f} tok/s): plain {g['plain_vs_vllm']:.2f}x, "
                        f"{who} {g['medusa_vs_vllm']:.2f}x" if "vllm_tokens_per_s" in g else "")

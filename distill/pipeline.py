@@ -13,7 +13,8 @@ stage
     train      ``out/heads/``          ``distill train-heads`` (resumes from its checkpoints)
     calibrate  ``out/calibrate/``      ``distill calibrate`` on ``split/eval`` (tree.json)
     bench      ``out/bench/``          ``distill bench`` with the calibrated tree; with ``lookup: true``
-                                       also the lookup proposer (``out/bench/lookup/``)
+                                       also the lookup proposer (``out/bench/lookup/``), with
+                                       ``lookup: data`` drafting from ``split/train``'s n-grams too
     ========== ======================= ==========================================
 
 fingerprint
@@ -45,6 +46,9 @@ from distill.configs import config_from_options, parse_value, read_yaml_mapping
 from distill.errors import ConfigError, StoreError
 from distill.store.atomic import atomic_write_json
 
+#: bench's ``lookup``: off, the lookup proposer on each prompt's context (true / "context"), or with the run's
+#: training split as its datastore too ("data").
+LOOKUP_CHOICES = (False, True, "context", "data")
 STAGES = ("generate", "validate", "split", "train", "calibrate", "bench")
 STATE_FILE = "pipeline.json"
 # Where each stage writes, relative to the pipeline's out folder.
@@ -88,6 +92,9 @@ class PipelineConfig:
             clash = sorted(owned & set(getattr(self, stage)))
             if clash:
                 raise ConfigError(f"pipeline section '{stage}' sets {', '.join(clash)}: the pipeline sets those itself under 'run: out'")
+        if self.bench.get("lookup", False) not in LOOKUP_CHOICES:
+            raise ConfigError(f"bench: lookup must be one of {', '.join(map(str, LOOKUP_CHOICES))} (data: the lookup "
+                              f"proposer with the run's training split as its datastore); got {self.bench['lookup']!r}")
 
     @classmethod
     def from_yaml(cls, path: Path, overrides: dict | None = None, sets: Sequence[str] = ()) -> "PipelineConfig":
@@ -281,12 +288,15 @@ class Pipeline:
         self._clear("bench")
         if "modes" in o and isinstance(o["modes"], str):
             o["modes"] = tuple(m.strip() for m in o["modes"].split(",") if m.strip())
-        lookup = bool(o.pop("lookup", False))
+        lookup = o.pop("lookup", False)  # one of LOOKUP_CHOICES (checked with the file)
         result, _ = run_bench(config_from_options(BenchConfig, o, "bench"))
         summary = {"tree_nodes": result.tree.get("nodes"), "overall": _overall(result)}
-        if lookup:  # the same prompts with the lookup proposer: what the context alone gives, nothing trained
-            o = dict(o, heads="lookup", tree=None, out=str(Path(o["out"]) / "lookup"))
+        if lookup:  # the same prompts with the lookup proposer, nothing trained: the context alone, or with the
+            # n-grams of the data the heads trained on as its datastore
+            store = {"lookup_data": str(self.path("split") / "train")} if lookup == "data" else {}
+            o = dict(o, heads="lookup", tree=None, out=str(Path(o["out"]) / "lookup"), **store)
             summary["lookup"] = _overall(run_bench(config_from_options(BenchConfig, o, "bench"))[0])
+            summary["lookup_source"] = "context and data" if store else "context"
         return summary
 
 

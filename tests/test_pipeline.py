@@ -29,7 +29,7 @@ TINY = {
     "split": {"eval_fraction": 0.3},
     "train": {"heads": 2, "share_lm_head": True, "max_len": 128, "batch_size": 2, "steps": 4, "save_every": 2, "lr": 0.003},
     "calibrate": {"nodes": 4, "max_len": 128},
-    "bench": {"limit": 2, "max_tokens": 12, "modes": "greedy", "lookup": True},
+    "bench": {"limit": 2, "max_tokens": 12, "modes": "greedy", "lookup": "data"},
 }
 
 
@@ -86,7 +86,8 @@ def test_pipeline_runs_every_stage_then_skips_them_and_reruns_only_what_a_change
     bench = json.loads((ref / "bench" / "bench.json").read_text())
     assert bench["tree"]["nodes"] == 4  # the calibrated tree was the one benchmarked
     lookup = json.loads((ref / "bench" / "lookup" / "bench.json").read_text())  # and the lookup proposer beside it
-    assert lookup["tree"]["proposer"] == "lookup" and "lookup (nothing trained), greedy:" in stdout
+    assert lookup["tree"]["proposer"] == "lookup" and "lookup + the data's n-grams (nothing trained), greedy:" in stdout
+    assert lookup["config"]["lookup_data"].endswith("split/train") and "datastore" in lookup["tree"]["source"]
     assert json.loads((ref / "validate.json").read_text())["ok"] is True
 
     out = tmp_path / "a"
@@ -141,6 +142,9 @@ def test_pipeline_files_with_unknown_sections_or_chained_paths_are_refused(tmp_p
         PipelineConfig.from_yaml(bad)
     bad.write_text(yaml.safe_dump({"run": {"out": "x"}, "train": {"data": "elsewhere"}}))
     with pytest.raises(ConfigError, match="sets data"):
+        PipelineConfig.from_yaml(bad)
+    bad.write_text(yaml.safe_dump({"run": {"out": "x"}, "bench": {"lookup": "corpus"}}))
+    with pytest.raises(ConfigError, match="lookup must be one of"):
         PipelineConfig.from_yaml(bad)
     cfg = PipelineConfig.from_yaml(REPO / "pipelines" / "quickstart.yaml", {"out": str(tmp_path / "q")})
     assert cfg.out == str(tmp_path / "q") and cfg.train["share_lm_head"] is True

@@ -25,6 +25,7 @@ import openai
 import pytest
 
 from conftest import DISTILL, REPO
+from distill.store.shards import iter_rows
 
 pytestmark = pytest.mark.slow
 
@@ -323,15 +324,16 @@ def test_sigterm_stops_the_server_cleanly(server):
 
 
 @pytest.fixture(scope="module")
-def tiny_queue_server(tmp_path_factory):
-    """The lookup proposer (``--heads lookup``: nothing trained) behind a queue of one."""
-    srv = Server(["--heads", "lookup", "--max-batch", "1", "--queue-size", "1", "--max-tokens", "24", "--static"],
-                 tmp_path_factory.mktemp("log") / "serve-small.log")
+def tiny_queue_server(tmp_path_factory, real_shards):
+    """The lookup proposer (``--heads lookup``: nothing trained; a self-distilled dataset as its datastore) behind a
+    queue of one."""
+    srv = Server(["--heads", "lookup", "--lookup-data", str(real_shards), "--max-batch", "1", "--queue-size", "1",
+                  "--max-tokens", "24", "--static"], tmp_path_factory.mktemp("log") / "serve-small.log")
     yield srv
     srv.stop()
 
 
-def test_full_queue_answers_503_and_the_admitted_requests_succeed(tiny_queue_server, plain):
+def test_full_queue_answers_503_and_the_admitted_requests_succeed(tiny_queue_server, plain, real_shards):
     client = tiny_queue_server.client(key="unused", max_retries=0)
     model = client.models.list().data[0].id
 
@@ -352,6 +354,8 @@ def test_full_queue_answers_503_and_the_admitted_requests_succeed(tiny_queue_ser
             assert r == plain(chat(QUESTIONS[i % len(QUESTIONS)]), max_tokens=24)[0]
     text = httpx.get(f"{tiny_queue_server.url}/metrics").text
     assert 'distill_proposer{proposer="lookup"} 1.0' in text
+    indexed = sum(int(sum(r["loss_mask"])) for r in iter_rows(real_shards, columns=["loss_mask"]))
+    assert f"distill_lookup_datastore_tokens {float(indexed)}" in text  # --lookup-data: every generated token indexed
     # vLLM's admission counter: the refusals by the sequence limit, none by a token limit (the queue has none)
     assert f'vllm:admission_rejections_total{{model_name="smollm2-135m-instruct",reason="max_num_queued_reqs"}} {len(refused)}.0' in text
     assert 'vllm:admission_rejections_total{model_name="smollm2-135m-instruct",reason="max_num_queued_tokens"} 0.0' in text

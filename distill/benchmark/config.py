@@ -43,6 +43,7 @@ class BenchConfig:
     temperature: float = 0.7  # for the typical mode
     tree: str | None = None
     draft_nodes: int | None = None  # EAGLE or lookup: node budget of the dynamic tree (None: the proposer's default)
+    lookup_data: str | None = None  # lookup: a self-distilled dataset of this model as its datastore (engine.datastore)
     vllm: bool = False  # also bare vLLM on the greedy prompts (the yardstick); needs the greedy mode
     full_tree: bool = False  # always verify the whole tree (policy off); default: the engine's policy decides per step
     compile: bool = False  # torch.compile the engine's single-token forwards (plain and speculative runs alike)
@@ -76,6 +77,8 @@ class BenchConfig:
             raise ConfigError(f"--modes must be a comma-separated subset of {', '.join(MODES)}; got {', '.join(self.modes) or 'nothing'}")
         if self.vllm and "greedy" not in self.modes:
             raise ConfigError("--vllm compares greedy decoding with bare vLLM's: add greedy to --modes")
+        if self.lookup_data is not None and str(self.heads) != "lookup":
+            raise ConfigError("--lookup-data is the lookup proposer's datastore: it needs --heads lookup")
         if self.limit is not None and self.limit < 1:
             raise ConfigError(f"--limit must be at least 1; got {self.limit}")
         if self.max_tokens < 1:

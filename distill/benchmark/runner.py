@@ -82,7 +82,7 @@ class BenchRunner:
             ecfg = EngineConfig(acceptance="typical", typical_epsilon=config.typical_epsilon, typical_delta=config.typical_delta,
                                 tree=config.tree, max_batch=1,
                                 speculate_max_batch=1 if config.full_tree else None, dtype=config.dtype, device=config.device,
-                                compile=config.compile, cuda_graphs=config.cuda_graphs,
+                                compile=config.compile, cuda_graphs=config.cuda_graphs, lookup_data=config.lookup_data,
                                 **({"draft_nodes": config.draft_nodes} if config.draft_nodes else {}))
             engine = Engine.from_pretrained(config.model, config.heads, ecfg)
             engine.warmup()  # compiles first (--compile): no run is timed with the compiler in it
@@ -148,7 +148,8 @@ class BenchRunner:
         if tree is not None:
             nodes, source = len(tree.paths), tree.source
         elif proposer.name == "lookup":  # a tree of up to max_nodes nodes from n-gram matches in the context
-            nodes, source = proposer.max_nodes, f"lookup (n-gram matches in the context, depth {proposer.depth})"
+            store = f" and a datastore of {proposer.datastore.describe()}" if proposer.datastore is not None else ""
+            nodes, source = proposer.max_nodes, f"lookup (n-gram matches in the context{store}, depth {proposer.depth})"
         else:  # EAGLE: a dynamic tree of up to max_nodes nodes, drafted per step
             nodes, source = proposer.max_nodes, f"{proposer.name} dynamic (depth {proposer.depth}, top-{proposer.topk})"
         return BenchResult(

@@ -68,6 +68,7 @@ from distill.engine.acceptance import (
 )
 from distill.engine.eagle import DEFAULT_DEPTH, DEFAULT_NODES, DEFAULT_TOPK, Eagle
 from distill.engine.graphs import Graphs, cache_key
+from distill.engine.datastore import Datastore
 from distill.engine.lookup import Lookup
 from distill.engine.medusa import Medusa
 from distill.engine.norms import prepare_norms
@@ -172,6 +173,7 @@ class EngineConfig:
     typical_delta: float = TYPICAL_DELTA
     tree: str | None = None  # Medusa: tree.json path, chain[-K], sparse-N, Cartesian "3,2,2,1"; None = heads' tree.json or sparse-24
     draft_nodes: int | None = None  # EAGLE / lookup: node budget N of the dynamic tree (None: the proposer's default)
+    lookup_data: str | None = None  # lookup: a self-distilled dataset of this model, indexed as its datastore
     draft_depth: int = DEFAULT_DEPTH  # EAGLE: depth D of the dynamic tree
     draft_topk: int = DEFAULT_TOPK  # EAGLE: K, nodes expanded per depth and children per expanded node
     sample_drafts: bool = True  # rejection mode, EAGLE: sampled rows' drafts drawn from q (multi-round speculative sampling); False: top-K point masses
@@ -437,11 +439,14 @@ class Engine:
         (plain only)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from distill.models import resolve_model
+        from distill.models import model_record, resolve_model
 
         config = config or EngineConfig()
         resolved = resolve_model(model)
         lookup = heads == LOOKUP
+        if config.lookup_data is not None and not lookup:
+            raise ConfigError(f"a lookup datastore ({config.lookup_data}) is for the lookup proposer: pass heads "
+                              f"'{LOOKUP}' with it")
         teacher = read_distill_meta(Path(heads)).get("teacher_dtype") if heads is not None and not lookup else None
         where = stage_dtype(resolved.path, config.device, config.dtype, teacher, what=f"the heads in {heads}")
         config = dataclasses.replace(config, device=where.device, dtype=where.dtype)
@@ -449,7 +454,11 @@ class Engine:
         lm = AutoModelForCausalLM.from_pretrained(resolved.path, dtype=config.torch_dtype).to(device).eval()
         tok = AutoTokenizer.from_pretrained(resolved.path)
         if lookup:
-            mh, tree = Lookup(**({"max_nodes": config.draft_nodes} if config.draft_nodes else {})), None
+            store = None
+            if config.lookup_data is not None:
+                record = model_record(resolved, lm.get_output_embeddings().weight.shape[0], None)
+                store = Datastore.from_dataset(config.lookup_data, record["vocab_size"], record["tokenizer_sha256"])
+            mh, tree = Lookup(**({"max_nodes": config.draft_nodes} if config.draft_nodes else {}), datastore=store), None
         else:
             mh, tree = load_heads(heads, config) if heads is not None else (None, None)
         return cls(lm, tok, mh, config, model_name=resolved.name, tree=tree)

@@ -1,4 +1,4 @@
-"""The lookup proposer: drafts from n-gram matches in each row's own context; no drafter, nothing trained.
+"""The lookup proposer: drafts from n-gram matches in each row's own context (and a datastore); nothing trained.
 
 Prompt lookup decoding (Saxena 2023; vLLM's ``ngram`` method) drafts the tokens that followed
 an earlier occurrence of the context's last few tokens. Chat models repeat their prompt and
@@ -14,15 +14,23 @@ match
     the longest suffix of the context, ``max_ngram`` tokens down to ``min_ngram``, that
     occurred earlier in the context. Its occurrences' ``continuations`` are the up to
     ``depth`` tokens that followed each of its ``occurrences`` most recent occurrences.
+datastore
+    optional (:mod:`distill.engine.datastore`): the n-grams of the model's own replies in a
+    self-distilled dataset. Its continuations after the context's longest suffix found there
+    join the context's, sharing ``store_weight`` times the context's weight (the context's
+    own occurrences count 1 each): what this conversation repeats ranks first, what the
+    model usually writes next fills the rest of the budget and drafts where the context
+    has no match.
 tree
-    the trie of those continuations. A node's count is the number of continuations that
-    start with its path. The tree of a step is the ``nodes`` nodes with the highest counts,
-    ties to the shallower and then the more recent: a child never counts more than its
-    parent, so the set is prefix-closed. Siblings are distinct tokens decided by the context
-    alone: point-mass proposals, which every acceptance rule takes exactly
+    the trie of those continuations. A node's count is the summed weight of the continuations
+    that start with its path. The tree of a step is the ``nodes`` nodes with the highest
+    counts, ties to the shallower and then the more recent: a child never counts more than
+    its parent, so the set is prefix-closed. Siblings are distinct tokens decided by the
+    context alone: point-mass proposals, which every acceptance rule takes exactly
     (:mod:`distill.engine.acceptance`).
 no match
-    the row drafts nothing. A step in which no row drafts anything is a plain step.
+    in neither source: the row drafts nothing. A step in which no row drafts anything is a
+    plain step.
 filler
     rows drafting fewer nodes than the batch's largest tree are padded to its size with
     children of the root whose tokens no sibling carries (lowest ids first): ordinary
@@ -31,7 +39,8 @@ expected tokens per step
     :data:`DEFAULT_TAUS` until measured: the policy's starting table, corrected from then on
     by the acceptance it observes (:class:`~distill.engine.policy.AdaptivePolicy`).
 proposal cost
-    none: no weights are read to draft.
+    none: no weights are read to draft (the datastore is searched on the host, a few
+    binary searches per row).
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ from dataclasses import dataclass
 import torch
 
 from distill.engine.acceptance import Acceptance
+from distill.engine.datastore import Datastore
 from distill.engine.policy import candidate_sizes
 from distill.engine.proposer import Proposal
 from distill.engine.tree import build_buffers, row_buffers
@@ -51,6 +61,9 @@ from distill.errors import ConfigError
 #: replies (192 tokens) to the 80 MT-Bench first turns, replayed through the proposer's tree (BENCHMARKS.md, issue 14).
 DEFAULT_TAUS = {1: 1.35, 2: 1.53, 4: 1.71, 8: 1.82, 16: 1.85, 32: 1.87}
 DEFAULT_NODES, DEFAULT_DEPTH, DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, DEFAULT_OCCURRENCES = 8, 6, 6, 1, 64
+#: A datastore's share of a row's tree weight against its own context's, and the occurrences it samples: the best of
+#: 0.25 / 0.5 / 1 and 16 / 64 in the replay of BENCHMARKS.md ("The lookup proposer's datastore").
+DEFAULT_STORE_WEIGHT, DEFAULT_STORE_OCCURRENCES = 0.5, 16
 
 
 class _Context:
@@ -70,32 +83,41 @@ class _Context:
                 self.follows[tuple(t[p - n:p])].append(p)
             t.append(tok)
 
-    def draft(self, nodes: int, depth: int, min_ngram: int, occurrences: int) -> list[tuple[int, int]]:
-        """The step's tree: (parent position, token) per node, parents first; position 0 is the root."""
+    def continuations(self, depth: int, min_ngram: int, occurrences: int) -> tuple[int, list[tuple[int, ...]]]:
+        """(n, continuations): what followed the ``occurrences`` most recent occurrences of the longest matching suffix
+        (n tokens; 0 and none when no suffix of at least ``min_ngram`` tokens occurred before), the most recent first."""
         t = self.tokens
-        starts: list[int] = []
         for n in range(min(self.max_ngram, len(t) - 1), min_ngram - 1, -1):
             starts = self.follows.get(tuple(t[len(t) - n:]), [])
             if starts:
-                break
-        if not starts or nodes < 1:
-            return []
-        counts: dict[tuple[int, ...], int] = {}
-        order: dict[tuple[int, ...], int] = {}
-        for s in reversed(starts[-occurrences:]):  # the most recent occurrence first: it wins ties
-            cont = tuple(t[s:s + depth])
-            for d in range(1, len(cont) + 1):
-                path = cont[:d]
-                counts[path] = counts.get(path, 0) + 1
-                order.setdefault(path, len(order))
-        chosen = sorted(counts, key=lambda p: (-counts[p], len(p), order[p]))[:nodes]
-        chosen.sort(key=lambda p: (len(p), order[p]))  # parents before children
-        where = {(): 0}
-        out = []
-        for i, path in enumerate(chosen, start=1):
-            out.append((where[path[:-1]], path[-1]))
-            where[path] = i
-        return out
+                return n, [tuple(t[s:s + depth]) for s in reversed(starts[-occurrences:])]
+        return 0, []
+
+    def draft(self, nodes: int, depth: int, min_ngram: int, occurrences: int) -> list[tuple[int, int]]:
+        """The step's tree from this context alone: (parent position, token) per node, parents first (:func:`_tree`)."""
+        return _tree([(c, 1.0) for c in self.continuations(depth, min_ngram, occurrences)[1]], nodes)
+
+
+def _tree(weighted: list[tuple[tuple[int, ...], float]], nodes: int) -> list[tuple[int, int]]:
+    """The trie of weighted continuations, cut to its ``nodes`` heaviest nodes: (parent position, token) per node,
+    parents first; position 0 is the root. Ties go to the shallower node, then to the continuation listed first."""
+    if nodes < 1:
+        return []
+    counts: dict[tuple[int, ...], float] = {}
+    order: dict[tuple[int, ...], int] = {}
+    for cont, w in weighted:
+        for d in range(1, len(cont) + 1):
+            path = cont[:d]
+            counts[path] = counts.get(path, 0.0) + w
+            order.setdefault(path, len(order))
+    chosen = sorted(counts, key=lambda p: (-counts[p], len(p), order[p]))[:nodes]
+    chosen.sort(key=lambda p: (len(p), order[p]))  # parents before children
+    where = {(): 0}
+    out = []
+    for i, path in enumerate(chosen, start=1):
+        out.append((where[path[:-1]], path[-1]))
+        where[path] = i
+    return out
 
 
 class LookupState:
@@ -120,12 +142,18 @@ class Lookup:
     max_ngram: int = DEFAULT_MAX_NGRAM
     min_ngram: int = DEFAULT_MIN_NGRAM
     occurrences: int = DEFAULT_OCCURRENCES
+    datastore: Datastore | None = None  # the second source: n-grams of the model's own text in a dataset
+    store_weight: float = DEFAULT_STORE_WEIGHT
+    store_occurrences: int = DEFAULT_STORE_OCCURRENCES
     name = "lookup"
     feature_layers = None  # reads no features
 
     def __post_init__(self) -> None:
-        if min(self.max_nodes, self.depth, self.min_ngram, self.occurrences) < 1 or self.max_ngram < self.min_ngram:
+        if min(self.max_nodes, self.depth, self.min_ngram, self.occurrences, self.store_occurrences) < 1 \
+                or self.max_ngram < self.min_ngram:
             raise ConfigError("lookup drafting needs nodes, depth, occurrences >= 1 and 1 <= min_ngram <= max_ngram")
+        if not self.store_weight > 0:
+            raise ConfigError(f"the datastore's weight must be > 0; got {self.store_weight}")
         self._plain = build_buffers([])
         self.accuracy: list[list[float]] = []  # no per-depth table: the policy starts from DEFAULT_TAUS
 
@@ -146,7 +174,7 @@ class Lookup:
                 sampling=None) -> Proposal:
         """Each row's tree from its context (point masses whatever ``sampling`` says)."""
         n = min(nodes, self.max_nodes)
-        trees = [ctx.draft(n, self.depth, self.min_ngram, self.occurrences) for ctx in state.rows]
+        trees = [_tree(self._weighted(ctx), n) for ctx in state.rows] if n >= 1 else [[] for _ in state.rows]
         T = 1 + max(map(len, trees))
         dev = root.device
         if T == 1:
@@ -178,6 +206,18 @@ class Lookup:
         host = torch.cat([proposal.tokens.gather(1, acc.path[:, 1:]), acc.next_token[:, None]], dim=1).tolist()
         for ctx, row, L in zip(state.rows, host, lengths):
             ctx.extend(row[:L] + [row[-1]])
+
+    def _weighted(self, ctx: _Context) -> list[tuple[tuple[int, ...], float]]:
+        """A row's continuations with their weights: 1 each from its context; from the datastore, ``store_weight``
+        times the context's count (at least 1) shared among its continuations."""
+        n, own = ctx.continuations(self.depth, self.min_ngram, self.occurrences)
+        weighted = [(c, 1.0) for c in own]
+        if self.datastore is not None:
+            _, found = self.datastore.continuations(ctx.tokens, self.store_occurrences, self.min_ngram)
+            if found:
+                w = self.store_weight * max(1, len(own)) / len(found)
+                weighted += [(c, w) for c in found]
+        return weighted
 
     def _plain_on(self, device: torch.device):
         if self._plain.depth.device != device:

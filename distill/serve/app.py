@@ -394,6 +394,8 @@ def create_app(engine, settings: AppSettings, worker_thread: bool = True) -> Fas
     metrics = ServerMetrics(settings.model_name, settings.speculative, settings.max_model_len)
     proposer = getattr(engine, "proposer", None)
     metrics.proposer.labels(proposer.name if proposer is not None and settings.speculative else "none").set(1)
+    store = getattr(proposer, "datastore", None)
+    metrics.datastore_tokens.set(store.generated_tokens if store is not None else 0)
     scheduler = Scheduler(engine, queue_size=settings.queue_size, max_batch=settings.max_batch,
                           speculative=settings.speculative, metrics=metrics)
     service = _Service(engine, settings, metrics, scheduler)

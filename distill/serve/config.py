@@ -47,6 +47,7 @@ class ServeConfig:
     max_model_len: int | None = None  # default: the model's context length
     tree: str | None = None  # tree.json, a named default, or a Cartesian spec "3,2,2,1"
     draft_nodes: int | None = None  # EAGLE drafter or lookup: node budget of the dynamic tree (None: the proposer's default)
+    lookup_data: str | None = None  # lookup: a self-distilled dataset of this model as its datastore (engine.datastore)
     acceptance: str = "typical"
     typical_epsilon: float = 0.09
     typical_delta: float = 0.3
@@ -66,6 +67,11 @@ class ServeConfig:
             raise ConfigError(f"--engine must be one of {', '.join(ENGINES)}; got '{self.engine}'")
         if self.acceptance not in ACCEPTANCE:
             raise ConfigError(f"--acceptance must be one of {', '.join(ACCEPTANCE)}; got '{self.acceptance}'")
+        if self.lookup_data is not None:
+            if str(self.heads) != "lookup":
+                raise ConfigError("--lookup-data is the lookup proposer's datastore: it needs --heads lookup")
+            if self.engine == "vllm":
+                raise ConfigError("--lookup-data is for --engine distill: vLLM's ngram method drafts from the context only")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be in 0..65535; got {self.port}")
         if self.host not in ("localhost",):

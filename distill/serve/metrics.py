@@ -62,6 +62,9 @@ class ServerMetrics:
         )
         self.proposer = Gauge("distill_proposer", "The proposer that drafts (1 for the one running): medusa, eagle3, lookup or none",
                               ["proposer"], registry=r)
+        self.datastore_tokens = Gauge(
+            "distill_lookup_datastore_tokens", "Generated tokens the lookup proposer's datastore indexes (--lookup-data; 0: none)",
+            registry=r)
         self.rejected = Counter("distill_rejected_requests", "Requests refused with 503 because the queue was full", registry=r)
 
     def exposition(self) -> bytes:

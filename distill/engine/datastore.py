@@ -1,0 +1,153 @@
+"""The lookup proposer's second source: an n-gram index over the model's own text in a self-distilled dataset.
+
+A row's context often has no earlier occurrence of its last few tokens, most of all early in
+a reply. The model's replies in its self-distilled data do: they are the same model writing
+the same phrases, chat-template markers and openings (retrieval-based drafting, He et al. 2023,
+"REST", with a datastore of the model's own generations instead of a corpus). Drafts stay
+point masses checked by the engine's verification, so the output is the model's whatever the
+datastore holds; what it holds decides only how often a draft lands.
+
+Terms
+-----
+document
+    one generated span of a row (``loss_mask`` runs) with the up to ``max_ngram`` tokens
+    before it (the chat template's assistant header, the end of the user's turn), so that
+    the span's opening tokens are indexed after what preceded them.
+position
+    an index p into a document whose token was generated and which has at least one token
+    before it; its n-gram is the n tokens before p and its continuation the up to ``depth``
+    tokens from p on, within the document.
+index
+    the positions sorted by their preceding tokens read backwards (the token before p first,
+    then the one before it, ...; up to ``max_ngram``). The suffixes of a context, read
+    backwards, are prefixes of one another, so one narrowing pass over the sorted columns
+    finds the longest suffix that occurred and the range of its occurrences.
+occurrences
+    at most this many positions of the range, evenly spaced over it (the range is sorted by
+    what came before, so this samples the contexts the n-gram appeared in).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from distill.errors import ConfigError
+
+_SEP = -1  # between documents: never a continuation token
+
+
+class Datastore:
+    """The n-gram index of a list of documents (see the module docstring)."""
+
+    def __init__(self, documents: Iterable[tuple[Sequence[int], int]], max_ngram: int = 6, depth: int = 6,
+                 source: str = ""):
+        """documents: (tokens, first) pairs: the document's token ids, and the index of its first generated token
+        (the tokens before it are context only, never a continuation)."""
+        if max_ngram < 1 or depth < 1:
+            raise ConfigError("a datastore needs max_ngram >= 1 and depth >= 1")
+        self.max_ngram, self.depth, self.source = max_ngram, depth, source
+        parts, starts, firsts, total = [], [], [], 0
+        for tokens, first in documents:
+            arr = np.asarray(tokens, dtype=np.int64)
+            if arr.size == 0:
+                continue
+            if arr.min() < 0:
+                raise ConfigError(f"negative token id in the datastore's documents ({source or 'given'})")
+            parts += [arr, np.array([_SEP])]
+            starts.append(total)
+            firsts.append(total + max(first, 1))
+            total += arr.size + 1
+        self.documents = len(starts)
+        # int32: ids of any vocabulary; the tail: continuations may read past the last document
+        self.tokens = np.concatenate(parts + [np.full(depth, _SEP)]).astype(np.int32)
+        # per token: its document's start and first generated position (the separators' are never positions)
+        doc = np.maximum(np.cumsum(np.isin(np.arange(self.tokens.size), starts)) - 1, 0)
+        start = np.asarray(starts + [0], dtype=np.int64)[doc]
+        first = np.asarray(firsts + [self.tokens.size], dtype=np.int64)[doc]
+        p = np.arange(self.tokens.size)
+        keep = (self.tokens != _SEP) & (p >= first)
+        pos, start = p[keep], start[keep]
+        # column j: the token j + 1 places before each position, + 1 (0: before the document's start)
+        cols = np.zeros((max_ngram, pos.size), dtype=np.int32)  # 4 bytes a key: max_ngram x 4 bytes per indexed token
+        for j in range(max_ngram):
+            q = pos - 1 - j
+            ok = q >= start
+            cols[j, ok] = self.tokens[q[ok]] + 1
+        order = np.lexsort(cols[::-1])
+        self.keys = np.ascontiguousarray(cols[:, order])
+        self.positions = pos[order]
+        self.generated_tokens = int(pos.size)
+
+    @classmethod
+    def from_dataset(cls, data: Path | str, vocab_size: int, tokenizer_sha256: str | None = None, max_ngram: int = 6,
+                     depth: int = 6) -> "Datastore":
+        """The generated spans of a self-distilled dataset's shards (``input_ids``, ``loss_mask``); ``tokenizer_sha256``:
+        the serving model's (``distill.models.model_record``), checked against the one the dataset records."""
+        from distill.data.dataset import Dataset
+        from distill.store.shards import iter_rows
+
+        recorded = (Dataset.open(data).meta.get("model") or {})
+        made_with = recorded.get("tokenizer_sha256")
+        if tokenizer_sha256 and made_with and made_with != tokenizer_sha256:
+            raise ConfigError(f"{data} was made with another tokenizer ({recorded.get('id') or 'unknown model'}) than the "
+                              "model served: its n-grams would never match; use a dataset this model generated")
+
+        def documents():
+            for row in iter_rows(data, columns=["input_ids", "loss_mask"], batch_size=256):
+                ids = np.asarray(row["input_ids"], dtype=np.int64)
+                mask = np.asarray(row["loss_mask"], dtype=bool)
+                if ids.shape != mask.shape:
+                    raise ConfigError(f"{data}: a row's input_ids and loss_mask differ in length")
+                if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+                    raise ConfigError(f"{data} holds token ids outside the model's {vocab_size}-token vocabulary: "
+                                      "its datastore needs the model that generated it")
+                edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8), [0]])))
+                for a, b in zip(edges[::2], edges[1::2]):
+                    lo = max(0, a - max_ngram)
+                    yield ids[lo:b], a - lo
+
+        store = cls(documents(), max_ngram, depth, source=str(data))
+        if not store.generated_tokens:
+            raise ConfigError(f"{data} has no generated tokens (loss_mask) to index")
+        return store
+
+    def match(self, context: Sequence[int], min_ngram: int = 1) -> tuple[int, int, int]:
+        """(n, lo, hi): the longest suffix of ``context`` (n tokens, min_ngram <= n <= max_ngram) that precedes an
+        indexed position, and its occurrences ``positions[lo:hi]``; (0, 0, 0) when none."""
+        lo, hi, best = 0, self.positions.size, (0, 0, 0)
+        for j in range(min(self.max_ngram, len(context))):
+            key = np.int32(context[-1 - j] + 1)  # the keys' own dtype: another one would convert the whole row first
+            row = self.keys[j, lo:hi]
+            a, b = np.searchsorted(row, key, "left"), np.searchsorted(row, key, "right")
+            if a == b:
+                break
+            lo, hi = lo + int(a), lo + int(b)
+            if j + 1 >= min_ngram:
+                best = (j + 1, lo, hi)
+        return best
+
+    def continuations(self, context: Sequence[int], occurrences: int, min_ngram: int = 1) -> tuple[int, list[tuple[int, ...]]]:
+        """(n, continuations): what followed up to ``occurrences`` occurrences of the context's longest matching suffix."""
+        n, lo, hi = self.match(context, min_ngram)
+        if not n:
+            return 0, []
+        k = min(occurrences, hi - lo)
+        at = self.positions[lo + (np.arange(k) * (hi - lo)) // k]
+        cont = self.tokens[at[:, None] + np.arange(self.depth)]
+        out = []
+        for row in cont.tolist():
+            if _SEP in row:
+                row = row[:row.index(_SEP)]
+            if row:
+                out.append(tuple(row))
+        return n, out
+
+    def describe(self) -> str:
+        return (f"{self.generated_tokens:,} generated tokens of {self.documents:,} replies"
+                + (f" in {self.source}" if self.source else "") + f", n-grams up to {self.max_ngram}")
+
+
+__all__ = ["Datastore"]
