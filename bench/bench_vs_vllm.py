@@ -125,6 +125,9 @@ def server_commands(args, model_dir: Path, dtype: str, max_batch: int) -> dict[s
     for h in args.drafter:
         if "c" in args.servers:
             cmds[f"c:{h}"] = [*distill, "--heads", h]
+    for data in args.lookup_data:  # the lookup proposer with a self-distilled dataset as its datastore
+        if "c" in args.servers:
+            cmds[f"c:lookup+{Path(data).name}"] = [*distill, "--heads", "lookup", "--lookup-data", data]
     for h in args.drafter:
         if "d" in args.servers:
             cmds[f"d:{h}"] = [DISTILL, "serve", "--engine", "vllm", "--model", str(model_dir), "--heads", h,
@@ -229,6 +232,8 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="model name, folder or Hub id (default: the bundled one)")
     ap.add_argument("--drafter", action="append", default=[], metavar="H",
                     help="drafter of servers c and d: a heads folder or `lookup` (repeatable; default: lookup)")
+    ap.add_argument("--lookup-data", action="append", default=[], metavar="DATA",
+                    help="also (c) `distill serve --heads lookup --lookup-data DATA` (repeatable)")
     ap.add_argument("--servers", default=SERVERS, help="which servers, e.g. ab or abcd (default: abcd)")
     ap.add_argument("--limit", type=int, default=None, help="the first N MT-Bench first turns (default: all 80)")
     ap.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")

@@ -85,3 +85,20 @@ def test_bench_cli_runs_plain_vs_lookup_with_the_bundled_model(tmp_path, cli_env
     doc = json.loads((tmp_path / "b" / "bench.json").read_text())
     assert doc["tree"]["proposer"] == "lookup" and doc["heads"] == "lookup"
     assert {g["identical"] for g in doc["groups"]} == {1}
+
+
+def test_the_adaptive_policy_observes_lookup_trees_smaller_than_the_size_it_chose(hf_model, tokenizer, mt_prompts, mt_plain):
+    """A lookup tree holds as many nodes as the context offers, up to the chosen size (6 of 8, say): the policy learns
+    per chosen size (regression: `distill serve`, adaptive by default, failed such steps with a KeyError)."""
+    from distill.engine.policy import candidate_sizes
+
+    # a free tree in the cost model: the policy starts at the full 8 nodes, which the context rarely fills exactly
+    engine = Engine(hf_model, tokenizer, Lookup(max_nodes=8), EngineConfig(adaptive=True, max_batch=1, step_cost_ratio=0))
+    sizes = set(candidate_sizes(8))
+    odd = []
+    for prompt, plain in zip(mt_prompts, mt_plain):
+        (res,), stats = engine.generate([prompt], SamplingParams(max_tokens=MT_TOKENS))
+        assert res.token_ids == plain
+        odd += [n for n in stats.tree_nodes_per_step if n not in sizes]
+    assert odd  # such steps happened (and were observed without error)
+    assert engine.policy._seen and all(n in sizes for _, n in engine.policy._seen)

@@ -812,8 +812,8 @@ class _Batch:
             s.emit(new, on_tokens, lps.get(b))
         seconds = time.perf_counter() - t0
         stats.step_seconds.append(seconds)
-        if e.policy is not None and speculative:
-            e.policy.observe(B, buf.nodes, seconds, lengths_acc)
+        if e.policy is not None and speculative:  # the size it chose: a lookup tree may hold fewer nodes (its taus are
+            e.policy.observe(B, nodes, seconds, lengths_acc)  # per budget, no-match steps included)
 
 
 def load_heads(folder: str | Path, config: EngineConfig) -> tuple[MedusaHeads | EagleDrafter, ResolvedTree | None]:

@@ -216,7 +216,7 @@ class Lookup:
             _, found = self.datastore.continuations(ctx.tokens, self.store_occurrences, self.min_ngram)
             if found:
                 w = self.store_weight * max(1, len(own)) / len(found)
-                weighted += [(c, w) for c in found]
+                weighted += [(c[:self.depth], w) for c in found]  # the store's depth was fixed when it was built
         return weighted
 
     def _plain_on(self, device: torch.device):
