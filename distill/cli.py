@@ -534,7 +534,7 @@ def export(
 # == serving commands: distill serve, bench ==
 HeadsOpt = Annotated[Optional[Path], typer.Option("--heads", help="Medusa heads or EAGLE-3 drafter folder (from `distill train-heads`), or `lookup`: draft from n-gram matches in each request's own context, nothing trained.")]
 DraftNodesOpt = Annotated[Optional[int], typer.Option("--draft-nodes", help="EAGLE drafter or lookup: node budget of the dynamic tree (default: EAGLE 24, lookup 8).")]
-LookupDataOpt = Annotated[Optional[Path], typer.Option("--lookup-data", help="With --heads lookup: a dataset this model generated (`distill generate`); the n-grams of its replies draft beside the context's (BENCHMARKS.md: +5-8% tokens/step).")]
+LookupDataOpt = Annotated[Optional[Path], typer.Option("--lookup-data", help="With --heads lookup: a dataset this model generated (`distill generate`); the n-grams of its replies draft beside the context's (MT-Bench with the bundled model: +5-10% tokens/step from 14k tokens of data, 10-25% from 316k; BENCHMARKS.md).")]
 TreeOpt = Annotated[Optional[str], typer.Option("--tree", help="Verification tree: tree.json path, chain[-K], sparse-N, or Cartesian 3,2,2,1 (default: the heads' tree.json, else sparse-24).")]
 
 
