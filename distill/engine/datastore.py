@@ -49,7 +49,7 @@ class Datastore:
         if max_ngram < 1 or depth < 1:
             raise ConfigError("a datastore needs max_ngram >= 1 and depth >= 1")
         self.max_ngram, self.depth, self.source = max_ngram, depth, source
-        parts, starts, firsts, total = [], [], [], 0
+        parts, starts, firsts, lengths, total = [], [], [], [], 0
         for tokens, first in documents:
             arr = np.asarray(tokens, dtype=np.int64)
             if arr.size == 0:
@@ -59,12 +59,14 @@ class Datastore:
             parts += [arr, np.array([_SEP])]
             starts.append(total)
             firsts.append(total + max(first, 1))
+            lengths.append(arr.size + 1)
             total += arr.size + 1
         self.documents = len(starts)
         # int32: ids of any vocabulary; the tail: continuations may read past the last document
         self.tokens = np.concatenate(parts + [np.full(depth, _SEP)]).astype(np.int32)
-        # per token: its document's start and first generated position (the separators' are never positions)
-        doc = np.maximum(np.cumsum(np.isin(np.arange(self.tokens.size), starts)) - 1, 0)
+        # per token: its document's start and first generated position (separators are never positions; the tail
+        # belongs to a sentinel document whose first generated position is past the end)
+        doc = np.concatenate([np.repeat(np.arange(len(starts)), lengths), np.full(depth, len(starts))])
         start = np.asarray(starts + [0], dtype=np.int64)[doc]
         first = np.asarray(firsts + [self.tokens.size], dtype=np.int64)[doc]
         p = np.arange(self.tokens.size)
