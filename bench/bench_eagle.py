@@ -80,6 +80,13 @@ def depth_acceptance(accepted: list[int], depth: int) -> list[float]:
     return [sum(a - 1 >= d for a in accepted) / max(len(accepted), 1) for d in range(1, depth + 1)]
 
 
+def forget_all(engines: dict) -> None:
+    """Clear every lookup proposer's history of earlier replies."""
+    for e in engines.values():
+        if isinstance(e.proposer, Lookup):
+            e.proposer.forget()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
@@ -89,6 +96,10 @@ def main() -> None:
     ap.add_argument("--lookup-data", type=Path, action="append", default=[], metavar="DATA",
                     help="with --lookup: also the lookup proposer with this dataset as its datastore (rows "
                          "lookup+NAME-policy / -full, NAME the folder's name); repeatable")
+    ap.add_argument("--lookup-history", type=int, default=0, metavar="TOKENS",
+                    help="with --lookup: also each lookup row with a history of this many tokens of the replies before it "
+                         "(rows NAME+history-policy / -full; cleared after the warm-up and before the typical pass; the "
+                         "other lookup rows have none)")
     ap.add_argument("--medusa", type=Path, help="Medusa heads trained on the same data and budget (omit: EAGLE vs plain only)")
     ap.add_argument("--eval", type=Path, help="held-out dataset folder for teacher-forced per-depth acceptance")
     ap.add_argument("--eval-tokens", type=int, default=4000)
@@ -140,14 +151,19 @@ def main() -> None:
             name = f"lookup+{data.name}"
             configs[f"{name}-policy"] = (data, EngineConfig(max_batch=1, dtype="float32", device="cpu"))
             configs[f"{name}-full"] = (data, EngineConfig(max_batch=1, dtype="float32", device="cpu", speculate_max_batch=1))
+        if args.lookup_history:  # the same rows drafting from the replies to the prompts before theirs too
+            for name in [k for k in configs if k.startswith("lookup")]:
+                base, kind = name.rsplit("-", 1)
+                configs[f"{base}+history-{kind}"] = configs[name]
     configs = {k: v for k, v in configs.items() if v[0] is not None or k == "plain"}  # drafters not given: no rows
     engines, stores = {}, {}
     for name, (folder, cfg) in configs.items():
+        history = args.lookup_history if "+history" in name else 0
         if folder == LOOKUP:
-            heads, tree = Lookup(max_nodes=args.lookup_nodes), None
+            heads, tree = Lookup(max_nodes=args.lookup_nodes, history_tokens=history), None
         elif folder in args.lookup_data:
             stores.setdefault(folder, Datastore.from_dataset(folder, model.config.vocab_size))
-            heads, tree = Lookup(max_nodes=args.lookup_nodes, datastore=stores[folder]), None
+            heads, tree = Lookup(max_nodes=args.lookup_nodes, datastore=stores[folder], history_tokens=history), None
             result.setdefault("datastores", {})[name] = stores[folder].describe()
         else:
             heads, tree = load_heads(folder, cfg) if folder is not None else (None, None)
@@ -169,6 +185,7 @@ def main() -> None:
             vllm(llm, prompts[:1], 8, 1, stop)
         else:
             engines[name].generate(prompts[:1], SamplingParams(max_tokens=8))
+    forget_all(engines)  # no prompt drafts from a warm-up reply
     runs: dict[str, list[dict]] = {n: [] for n in names}
     reference: list[list[int]] = []
     for i, p in enumerate(prompts):
@@ -194,6 +211,7 @@ def main() -> None:
         print(f"prompt {i + 1}/{len(prompts)}: " + ", ".join(
             f"{n} {runs[n][-1]['tokens'] / runs[n][-1]['seconds']:.1f} tok/s" for n in names), flush=True)
     if args.typical > 0:  # sampled outputs differ per engine; what counts is tokens/step and tok/s
+        forget_all(engines)  # nor from its own greedy reply
         for i, p in enumerate(prompts):
             sp_t = SamplingParams(max_tokens=args.max_tokens, temperature=args.typical, seed=1000 + i)
             for name in (list(engines) if i % 2 == 0 else list(engines)[::-1]):

@@ -89,6 +89,9 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--tree", default=None)
     ap.add_argument("--lookup-data", default=None, help="with --heads lookup: the drafter server's datastore (--lookup-data)")
+    ap.add_argument("--lookup-history", type=int, default=0,
+                    help="with --heads lookup: the drafter server's --lookup-history (default 0: the waves repeat the "
+                         "same prompts, whose earlier replies a history would replay; bench_eagle.py measures it)")
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--rounds", type=int, default=2, help="requests per client thread")
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -104,7 +107,8 @@ def main() -> None:
     if args.model:
         common += ["--model", args.model]
     engines = {"plain": common, "drafter": common + ["--heads", args.heads] + (["--tree", args.tree] if args.tree else [])
-               + (["--lookup-data", args.lookup_data] if args.lookup_data else [])}
+               + (["--lookup-data", args.lookup_data] if args.lookup_data else [])
+               + (["--lookup-history", str(args.lookup_history)] if args.heads == "lookup" else [])}
     # Both servers stay up and the waves alternate (plain, drafter, drafter, plain, ...), so a
     # shared machine's load drifts hit both alike; an idle server costs memory, not CPU.
     servers = {name: start(extra, Path(f"/tmp/bench_serve_{name}.log")) for name, extra in engines.items()}

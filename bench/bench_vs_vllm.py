@@ -122,12 +122,15 @@ def server_commands(args, model_dir: Path, dtype: str, max_batch: int) -> dict[s
                      "--host", "127.0.0.1", "--dtype", dtype, *vllm_extra]
     if "b" in args.servers:
         cmds["b"] = distill
+    # the lookup servers' history of earlier replies (--lookup-history): off unless asked for, because every
+    # concurrency level and the client's warm-ups send the same prompts, whose replies a history would replay
+    history = ["--lookup-history", str(args.lookup_history)]
     for h in args.drafter:
         if "c" in args.servers:
-            cmds[f"c:{h}"] = [*distill, "--heads", h]
+            cmds[f"c:{h}"] = [*distill, "--heads", h, *(history if h == "lookup" else [])]
     for data in args.lookup_data:  # the lookup proposer with a self-distilled dataset as its datastore
         if "c" in args.servers:
-            cmds[f"c:lookup+{Path(data).name}"] = [*distill, "--heads", "lookup", "--lookup-data", data]
+            cmds[f"c:lookup+{Path(data).name}"] = [*distill, "--heads", "lookup", "--lookup-data", data, *history]
     for h in args.drafter:
         if "d" in args.servers:
             cmds[f"d:{h}"] = [DISTILL, "serve", "--engine", "vllm", "--model", str(model_dir), "--heads", h,
@@ -232,6 +235,8 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="model name, folder or Hub id (default: the bundled one)")
     ap.add_argument("--drafter", action="append", default=[], metavar="H",
                     help="drafter of servers c and d: a heads folder or `lookup` (repeatable; default: lookup)")
+    ap.add_argument("--lookup-history", type=int, default=0, metavar="TOKENS",
+                    help="the lookup servers' --lookup-history (default 0: each concurrency level repeats the prompts)")
     ap.add_argument("--lookup-data", action="append", default=[], metavar="DATA",
                     help="also (c) `distill serve --heads lookup --lookup-data DATA` (repeatable)")
     ap.add_argument("--servers", default=SERVERS, help="which servers, e.g. ab or abcd (default: abcd)")

@@ -535,6 +535,7 @@ def export(
 HeadsOpt = Annotated[Optional[Path], typer.Option("--heads", help="Medusa heads or EAGLE-3 drafter folder (from `distill train-heads`), or `lookup`: draft from n-gram matches in each request's own context, nothing trained.")]
 DraftNodesOpt = Annotated[Optional[int], typer.Option("--draft-nodes", help="EAGLE drafter or lookup: node budget of the dynamic tree (default: EAGLE 24, lookup 8).")]
 LookupDataOpt = Annotated[Optional[Path], typer.Option("--lookup-data", help="With --heads lookup: a dataset this model generated (`distill generate`); the n-grams of its replies draft beside the context's (MT-Bench with the bundled model: +5-10% tokens/step from 14k tokens of data, 10-25% from 316k; BENCHMARKS.md).")]
+LookupHistoryOpt = Annotated[Optional[int], typer.Option("--lookup-history", help="With --heads lookup: tokens of the replies already produced that later requests draft from, oldest dropped first (default 262144; 0: none). Lossless; `distill bench` clears it before each pass. MT-Bench replayed in order: +10-12% tokens/step from the earlier replies (BENCHMARKS.md).")]
 TreeOpt = Annotated[Optional[str], typer.Option("--tree", help="Verification tree: tree.json path, chain[-K], sparse-N, or Cartesian 3,2,2,1 (default: the heads' tree.json, else sparse-24).")]
 
 
@@ -563,6 +564,7 @@ def serve(
     tree: TreeOpt = None,
     draft_nodes: DraftNodesOpt = None,
     lookup_data: LookupDataOpt = None,
+    lookup_history: LookupHistoryOpt = None,
     acceptance: Annotated[Optional[str], typer.Option(help="Acceptance for sampled requests: typical | rejection | greedy (temperature 0 is always greedy, lossless).")] = None,
     typical_epsilon: Annotated[Optional[float], typer.Option(help="Typical acceptance epsilon.")] = None,
     typical_delta: Annotated[Optional[float], typer.Option(help="Typical acceptance delta.")] = None,
@@ -625,6 +627,7 @@ def bench(
     typical_delta: Annotated[Optional[float], typer.Option(help="Typical acceptance delta.")] = None,
     draft_nodes: DraftNodesOpt = None,
     lookup_data: LookupDataOpt = None,
+    lookup_history: LookupHistoryOpt = None,
     vllm: Annotated[Optional[bool], typer.Option("--vllm/--no-vllm", help="Also decode the greedy prompts with bare vLLM (in this process; the same model, dtype and max tokens) and report plain and speculative tok/s against it.")] = None,
     full_tree: Annotated[Optional[bool], typer.Option("--full-tree/--policy-tree", help="Verify the whole tree every step (speculation policy off): measures the tree itself.")] = None,
     compile: Annotated[Optional[bool], typer.Option("--compile/--no-compile", help="torch.compile the engine's single-token forwards, for plain and speculative runs alike (compiled before timing).")] = None,

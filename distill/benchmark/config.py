@@ -44,6 +44,7 @@ class BenchConfig:
     tree: str | None = None
     draft_nodes: int | None = None  # EAGLE or lookup: node budget of the dynamic tree (None: the proposer's default)
     lookup_data: str | None = None  # lookup: a self-distilled dataset of this model as its datastore (engine.datastore)
+    lookup_history: int | None = None  # lookup: tokens of earlier replies it drafts from (None: the default; cleared per pass)
     vllm: bool = False  # also bare vLLM on the greedy prompts (the yardstick); needs the greedy mode
     full_tree: bool = False  # always verify the whole tree (policy off); default: the engine's policy decides per step
     compile: bool = False  # torch.compile the engine's single-token forwards (plain and speculative runs alike)
@@ -79,6 +80,9 @@ class BenchConfig:
             raise ConfigError("--vllm compares greedy decoding with bare vLLM's: add greedy to --modes")
         if self.lookup_data is not None and str(self.heads) != "lookup":
             raise ConfigError("--lookup-data is the lookup proposer's datastore: it needs --heads lookup")
+        if self.lookup_history is not None and (str(self.heads) != "lookup" or self.lookup_history < 0):
+            raise ConfigError("--lookup-history is the lookup proposer's: it needs --heads lookup and a budget >= 0 "
+                              f"tokens (got {self.lookup_history})")
         if self.limit is not None and self.limit < 1:
             raise ConfigError(f"--limit must be at least 1; got {self.limit}")
         if self.max_tokens < 1:

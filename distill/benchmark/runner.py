@@ -83,6 +83,7 @@ class BenchRunner:
                                 tree=config.tree, max_batch=1,
                                 speculate_max_batch=1 if config.full_tree else None, dtype=config.dtype, device=config.device,
                                 compile=config.compile, cuda_graphs=config.cuda_graphs, lookup_data=config.lookup_data,
+                                lookup_history=config.lookup_history,
                                 **({"draft_nodes": config.draft_nodes} if config.draft_nodes else {}))
             engine = Engine.from_pretrained(config.model, config.heads, ecfg)
             engine.warmup()  # compiles first (--compile): no run is timed with the compiler in it
@@ -134,7 +135,10 @@ class BenchRunner:
             if self.baseline is not None:
                 self._vllm(prompts[0], encoded[0])
         runs: list[Run] = []
+        forget = getattr(self.engine.proposer, "forget", None)  # the lookup proposer's history of earlier replies
         for acceptance in cfg.modes:
+            if forget is not None:  # each pass starts from none: no prompt drafts from its own warm-up or earlier reply
+                forget()
             for i, (p, ids) in enumerate(zip(prompts, encoded)):
                 order = ["plain", "medusa"]
                 if acceptance == "greedy" and self.baseline is not None:
@@ -149,6 +153,8 @@ class BenchRunner:
             nodes, source = len(tree.paths), tree.source
         elif proposer.name == "lookup":  # a tree of up to max_nodes nodes from n-gram matches in the context
             store = f" and a datastore of {proposer.datastore.describe()}" if proposer.datastore is not None else ""
+            if proposer.history is not None:
+                store += f", and the replies before it in the pass (history of {proposer.history.max_tokens:,} tokens)"
             nodes, source = proposer.max_nodes, f"lookup (n-gram matches in the context{store}, depth {proposer.depth})"
         else:  # EAGLE: a dynamic tree of up to max_nodes nodes, drafted per step
             nodes, source = proposer.max_nodes, f"{proposer.name} dynamic (depth {proposer.depth}, top-{proposer.topk})"

@@ -174,6 +174,8 @@ class EngineConfig:
     tree: str | None = None  # Medusa: tree.json path, chain[-K], sparse-N, Cartesian "3,2,2,1"; None = heads' tree.json or sparse-24
     draft_nodes: int | None = None  # EAGLE / lookup: node budget N of the dynamic tree (None: the proposer's default)
     lookup_data: str | None = None  # lookup: a self-distilled dataset of this model, indexed as its datastore
+    lookup_history: int | None = None  # lookup: tokens of this engine's earlier replies it drafts from (None: the
+    # proposer's DEFAULT_HISTORY_TOKENS; 0: none)
     draft_depth: int = DEFAULT_DEPTH  # EAGLE: depth D of the dynamic tree
     draft_topk: int = DEFAULT_TOPK  # EAGLE: K, nodes expanded per depth and children per expanded node
     sample_drafts: bool = True  # rejection mode, EAGLE: sampled rows' drafts drawn from q (multi-round speculative sampling); False: top-K point masses
@@ -204,6 +206,8 @@ class EngineConfig:
             raise ConfigError(f"step_cost_ratio must be >= 0, got {self.step_cost_ratio}")
         if self.compile and self.cuda_graphs:
             raise ConfigError("compile and cuda_graphs are two ways to run the decoding step: choose one")
+        if self.lookup_history is not None and self.lookup_history < 0:
+            raise ConfigError(f"lookup_history must be >= 0 tokens; got {self.lookup_history}")
         if min(1 if self.draft_nodes is None else self.draft_nodes, self.draft_depth, self.draft_topk) < 1:
             raise ConfigError(f"draft_nodes, draft_depth and draft_topk must be >= 1; got {self.draft_nodes}, "
                               f"{self.draft_depth}, {self.draft_topk}")
@@ -447,6 +451,8 @@ class Engine:
         if config.lookup_data is not None and not lookup:
             raise ConfigError(f"a lookup datastore ({config.lookup_data}) is for the lookup proposer: pass heads "
                               f"'{LOOKUP}' with it")
+        if config.lookup_history is not None and not lookup:
+            raise ConfigError(f"lookup_history is the lookup proposer's: pass heads '{LOOKUP}' with it")
         teacher = read_distill_meta(Path(heads)).get("teacher_dtype") if heads is not None and not lookup else None
         where = stage_dtype(resolved.path, config.device, config.dtype, teacher, what=f"the heads in {heads}")
         config = dataclasses.replace(config, device=where.device, dtype=where.dtype)
@@ -458,7 +464,9 @@ class Engine:
             if config.lookup_data is not None:
                 record = model_record(resolved, lm.get_output_embeddings().weight.shape[0], None)
                 store = Datastore.from_dataset(config.lookup_data, record["vocab_size"], record["tokenizer_sha256"])
-            mh, tree = Lookup(**({"max_nodes": config.draft_nodes} if config.draft_nodes else {}), datastore=store), None
+            options = dict({"max_nodes": config.draft_nodes} if config.draft_nodes else {},
+                           **({"history_tokens": config.lookup_history} if config.lookup_history is not None else {}))
+            mh, tree = Lookup(**options, datastore=store), None
         else:
             mh, tree = load_heads(heads, config) if heads is not None else (None, None)
         return cls(lm, tok, mh, config, model_name=resolved.name, tree=tree)

@@ -396,6 +396,9 @@ def create_app(engine, settings: AppSettings, worker_thread: bool = True) -> Fas
     metrics.proposer.labels(proposer.name if proposer is not None and settings.speculative else "none").set(1)
     store = getattr(proposer, "datastore", None)
     metrics.datastore_tokens.set(store.generated_tokens if store is not None else 0)
+    history = getattr(proposer, "history", None)
+    if history is not None and settings.speculative:  # read at each scrape: the worker thread adds replies
+        metrics.history_tokens.set_function(lambda: history.tokens)
     scheduler = Scheduler(engine, queue_size=settings.queue_size, max_batch=settings.max_batch,
                           speculative=settings.speculative, metrics=metrics)
     service = _Service(engine, settings, metrics, scheduler)

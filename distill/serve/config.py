@@ -48,6 +48,7 @@ class ServeConfig:
     tree: str | None = None  # tree.json, a named default, or a Cartesian spec "3,2,2,1"
     draft_nodes: int | None = None  # EAGLE drafter or lookup: node budget of the dynamic tree (None: the proposer's default)
     lookup_data: str | None = None  # lookup: a self-distilled dataset of this model as its datastore (engine.datastore)
+    lookup_history: int | None = None  # lookup: tokens of the server's earlier replies it drafts from (None: the default)
     acceptance: str = "typical"
     typical_epsilon: float = 0.09
     typical_delta: float = 0.3
@@ -72,6 +73,13 @@ class ServeConfig:
                 raise ConfigError("--lookup-data is the lookup proposer's datastore: it needs --heads lookup")
             if self.engine == "vllm":
                 raise ConfigError("--lookup-data is for --engine distill: vLLM's ngram method drafts from the context only")
+        if self.lookup_history is not None:
+            if str(self.heads) != "lookup":
+                raise ConfigError("--lookup-history is the lookup proposer's: it needs --heads lookup")
+            if self.engine == "vllm":
+                raise ConfigError("--lookup-history is for --engine distill: vLLM's ngram method drafts from the context only")
+            if self.lookup_history < 0:
+                raise ConfigError(f"--lookup-history must be >= 0 tokens; got {self.lookup_history}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be in 0..65535; got {self.port}")
         if self.host not in ("localhost",):

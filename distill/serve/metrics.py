@@ -65,6 +65,9 @@ class ServerMetrics:
         self.datastore_tokens = Gauge(
             "distill_lookup_datastore_tokens", "Generated tokens the lookup proposer's datastore indexes (--lookup-data; 0: none)",
             registry=r)
+        self.history_tokens = Gauge(
+            "distill_lookup_history_tokens", "Tokens of this server's earlier replies the lookup proposer drafts from "
+            "(--lookup-history; 0: none)", registry=r)
         self.rejected = Counter("distill_rejected_requests", "Requests refused with 503 because the queue was full", registry=r)
 
     def exposition(self) -> bytes:
