@@ -65,6 +65,10 @@ def test_rows_that_leave_the_batch_give_their_replies_and_later_rows_draft_from_
     new = lk.start(torch.zeros(1, 3, 1), torch.tensor([prompt]), [3], torch.tensor([40]), 16)
     prop = lk.propose(new, torch.tensor([40]), torch.tensor([3]), 3, 4)
     assert prop.tokens[0, 1:4].tolist() == [41, 42, 43]  # the earlier reply, though this context never repeats
+    sampled = lk.start(torch.zeros(1, 3, 1), torch.tensor([prompt]), [3], torch.tensor([40]), 16, greedy=[False])
+    assert lk.propose(sampled, torch.tensor([40]), torch.tensor([3]), 3, 4).tokens.shape == (1, 1)  # a sampled row: not
+    sampled.keep([], 0)  # from the history (other requests' replies would change its text); its reply still joins
+    assert lk.history.tokens == 7 + 4
     assert Lookup(history_tokens=0).history is None
     with pytest.raises(ConfigError, match=">= 0"):
         Lookup(history_tokens=-5)
@@ -87,6 +91,15 @@ def test_a_repeated_prompt_drafts_from_its_first_reply_and_decodes_the_same(hf_m
     # the second time the whole reply is in the history: a few steps of up to 7 tokens
     assert steps["with", "again"] <= MT_TOKENS // 3 < steps["with", "first"]
     assert with_history.proposer.history.tokens >= 2 * MT_TOKENS
+
+
+def test_a_seeded_sampled_request_repeats_its_sample_whatever_the_history_holds(hf_model, tokenizer, mt_prompts):
+    engine = Engine(hf_model, tokenizer, Lookup(max_nodes=8), EngineConfig(speculate_max_batch=8, acceptance="typical"))
+    params = SamplingParams(max_tokens=MT_TOKENS, temperature=1.0, seed=1234)
+    (first,), _ = engine.generate([mt_prompts[1]], params)
+    engine.generate([mt_prompts[1]], SamplingParams(max_tokens=MT_TOKENS))  # a greedy reply to the same prompt joins
+    (again,), _ = engine.generate([mt_prompts[1]], params)
+    assert engine.proposer.history.tokens >= 3 * MT_TOKENS and again.token_ids == first.token_ids
 
 
 def test_the_bench_clears_the_history_so_no_measured_run_drafts_from_its_own_warm_up(hf_model, tokenizer):

@@ -156,7 +156,8 @@ class Eagle:
         return D * per_pass / forward_weights
 
     # -- the proposer's calls --------------------------------------------------------------------
-    def start(self, features: torch.Tensor, ids: torch.Tensor, lengths: list[int], root: torch.Tensor, slots: int) -> EagleState:
+    def start(self, features: torch.Tensor, ids: torch.Tensor, lengths: list[int], root: torch.Tensor, slots: int,
+              greedy: list[bool] | None = None) -> EagleState:
         """Catch up on the prompts: features (B, P, A·H), ids (B, P) right-padded, roots (B,)."""
         B, P = ids.shape
         state = EagleState(kv.SlotCache(self.kv_shape, B, slots + self.scratch, pool=self.pool), self)

@@ -716,7 +716,8 @@ class _Batch:
         root = first.next_token  # (B,)
         for b, (s, tok) in enumerate(zip(seqs, root.tolist())):
             s.emit([tok], on_tokens, lps.get(b))
-        draft = engine.proposer.start(features, ids, lengths, root, slots) if speculative else None
+        draft = (engine.proposer.start(features, ids, lengths, root, slots, greedy=[s.generator is None for s in seqs])
+                 if speculative else None)
         stats.prefill_seconds += time.perf_counter() - t0
         stats.kv_bytes = max(stats.kv_bytes, cache.nbytes)
         return cls(engine, list(seqs), cache, lengths, root, draft)

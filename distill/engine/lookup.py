@@ -27,7 +27,11 @@ history
     its batch adds its reply (with the prompt's last ``max_ngram`` tokens before it); what
     followed the context's longest suffix in them joins the continuations like the
     datastore's, at the same weight. A server's requests then draft from its earlier answers
-    (SuffixDecoding's global tree, Oliaro et al. 2024). Lossless like every draft; a
+    (SuffixDecoding's global tree, Oliaro et al. 2024). Only greedy rows draft from it: their
+    output never depends on the drafts, while a sampled row's does (typical acceptance accepts
+    what was drafted if the model finds it typical; rejection sampling draws its seeded
+    randomness per drafted node), so other requests' replies could change a sampled row's
+    text and a seed would stop reproducing it. Sampled rows' replies still join it. A
     benchmark that decodes one prompt twice clears it between the passes
     (:meth:`Lookup.forget`).
 tree
@@ -82,10 +86,11 @@ DEFAULT_HISTORY_TOKENS = 262_144
 class _Context:
     """One row's tokens and where each n-gram (n <= max_ngram) of them was followed by another token."""
 
-    def __init__(self, tokens: list[int], max_ngram: int, first: int | None = None):
+    def __init__(self, tokens: list[int], max_ngram: int, first: int | None = None, greedy: bool = True):
         self.tokens: list[int] = []
         self.max_ngram = max_ngram
         self.first = len(tokens) if first is None else first  # where the reply starts (the prompt is context only)
+        self.greedy = greedy  # decodes greedily: its output never depends on the drafts, so it may read the history
         self.follows: dict[tuple[int, ...], list[int]] = defaultdict(list)  # n-gram -> positions right after it
         self.extend(tokens)
 
@@ -191,10 +196,12 @@ class Lookup:
     def proposal_cost(self, nodes: int, forward_weights: int) -> float:
         return 0.0
 
-    def start(self, features: torch.Tensor, ids: torch.Tensor, lengths: list[int], root: torch.Tensor, slots: int) -> LookupState:
+    def start(self, features: torch.Tensor, ids: torch.Tensor, lengths: list[int], root: torch.Tensor, slots: int,
+              greedy: list[bool] | None = None) -> LookupState:
         ids_h, root_h = ids.tolist(), root.tolist()
-        return LookupState([_Context(row[:n] + [r], self.max_ngram, first=n) for row, n, r in zip(ids_h, lengths, root_h)],
-                           self.history)
+        greedy = greedy if greedy is not None else [True] * len(ids_h)
+        return LookupState([_Context(row[:n] + [r], self.max_ngram, first=n, greedy=g)
+                            for row, n, r, g in zip(ids_h, lengths, root_h, greedy)], self.history)
 
     def forget(self) -> None:
         """Clear the history of earlier replies (a benchmark's pass over its prompts starts from none)."""
@@ -239,11 +246,11 @@ class Lookup:
             ctx.extend(row[:L] + [row[-1]])
 
     def _weighted(self, ctx: _Context) -> list[tuple[tuple[int, ...], float]]:
-        """A row's continuations with their weights: 1 each from its context; from the datastore and from the history,
-        each ``store_weight`` times the context's count (at least 1) shared among its continuations."""
+        """A row's continuations with their weights: 1 each from its context; from the datastore and (greedy rows) from
+        the history, each ``store_weight`` times the context's count (at least 1) shared among its continuations."""
         n, own = ctx.continuations(self.depth, self.min_ngram, self.occurrences)
         weighted = [(c, 1.0) for c in own]
-        for source in (self.datastore, self.history):
+        for source in (self.datastore, self.history if ctx.greedy else None):
             if source is not None:
                 _, found = source.continuations(ctx.tokens, self.store_occurrences, self.min_ngram)
                 if found:

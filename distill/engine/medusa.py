@@ -73,7 +73,8 @@ class Medusa:
         return self._buffers[nodes]
 
     # -- the proposer's calls ---------------------------------------------------------------------
-    def start(self, features: torch.Tensor, ids: torch.Tensor, lengths: list[int], root: torch.Tensor, slots: int) -> MedusaState:
+    def start(self, features: torch.Tensor, ids: torch.Tensor, lengths: list[int], root: torch.Tensor, slots: int,
+              greedy: list[bool] | None = None) -> MedusaState:
         """The hidden state at each prompt's last token: features (B, P, H)."""
         rows = torch.arange(features.shape[0], device=features.device)
         return MedusaState(features[rows, torch.tensor(lengths, device=features.device) - 1])  # (B, H)

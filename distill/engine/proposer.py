@@ -84,8 +84,10 @@ class Proposer(Protocol):
     def proposal_cost(self, nodes: int, forward_weights: int) -> float:
         """h(N): weights the proposer reads for a tree of ``nodes`` nodes / the weights one target forward reads."""
 
-    def start(self, features: torch.Tensor, ids: torch.Tensor, lengths: list[int], root: torch.Tensor, slots: int) -> DraftState:
-        """Prefill hook: features (B, P, F) of the right-padded prompts ids (B, P), their lengths, roots (B,)."""
+    def start(self, features: torch.Tensor, ids: torch.Tensor, lengths: list[int], root: torch.Tensor, slots: int,
+              greedy: list[bool] | None = None) -> DraftState:
+        """Prefill hook: features (B, P, F) of the right-padded prompts ids (B, P), their lengths, roots (B,); ``greedy``
+        per row: it decodes greedily, so its output never depends on what is drafted (None: all rows)."""
 
     def propose(self, state: DraftState, root: torch.Tensor, end: torch.Tensor, longest: int, nodes: int,
                 sampling: DraftSampling | None = None) -> Proposal:
