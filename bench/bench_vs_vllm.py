@@ -11,7 +11,9 @@ a  ``vllm serve MODEL``: ``python -m vllm.entrypoints.openai.api_server --model 
    --engine vllm`` sets them: its engine core in its own process, one core reserved for it).
 b  ``distill serve``: plain decoding.
 c  ``distill serve --heads H``: our engine with drafter H, once per ``--drafter`` (a Medusa or EAGLE-3 folder,
-   or ``lookup``: n-gram matches in the context, nothing trained; the default when no drafter is given).
+   or ``lookup``: n-gram matches in the context, nothing trained; the default when no drafter is given). The
+   lookup servers run without their history of earlier replies (each concurrency level resends the prompts);
+   ``--lookup-history N`` adds a twin of each with it (``c:lookup+history``), measured in one pass.
 d  ``distill serve --engine vllm --heads H``: vLLM with H as its speculator (``lookup``: vLLM's ``ngram``).
 
 ``distill serve`` gets ``--max-batch`` = the largest concurrency (its default, 8, would queue requests at
@@ -122,15 +124,23 @@ def server_commands(args, model_dir: Path, dtype: str, max_batch: int) -> dict[s
                      "--host", "127.0.0.1", "--dtype", dtype, *vllm_extra]
     if "b" in args.servers:
         cmds["b"] = distill
-    # the lookup servers' history of earlier replies (--lookup-history): off unless asked for, because every
-    # concurrency level and the client's warm-ups send the same prompts, whose replies a history would replay
-    history = ["--lookup-history", str(args.lookup_history)]
+    # the lookup servers' history of earlier replies (--lookup-history): off, because every concurrency level and
+    # the client's warm-ups send the same prompts, whose replies a history would replay; --lookup-history N adds a
+    # twin of each lookup server with it (main() then requires one pass over the prompts)
+    lookups = {}
     for h in args.drafter:
         if "c" in args.servers:
-            cmds[f"c:{h}"] = [*distill, "--heads", h, *(history if h == "lookup" else [])]
+            cmds[f"c:{h}"] = [*distill, "--heads", h]
+            if h == "lookup":
+                lookups[f"c:{h}"] = cmds[f"c:{h}"]
     for data in args.lookup_data:  # the lookup proposer with a self-distilled dataset as its datastore
         if "c" in args.servers:
-            cmds[f"c:lookup+{Path(data).name}"] = [*distill, "--heads", "lookup", "--lookup-data", data, *history]
+            cmds[f"c:lookup+{Path(data).name}"] = lookups[f"c:lookup+{Path(data).name}"] = [
+                *distill, "--heads", "lookup", "--lookup-data", data]
+    for key, cmd in lookups.items():
+        cmds[key] = [*cmd, "--lookup-history", "0"]
+        if args.lookup_history:
+            cmds[f"{key}+history"] = [*cmd, "--lookup-history", str(args.lookup_history)]
     for h in args.drafter:
         if "d" in args.servers:
             cmds[f"d:{h}"] = [DISTILL, "serve", "--engine", "vllm", "--model", str(model_dir), "--heads", h,
@@ -236,7 +246,9 @@ def main() -> None:
     ap.add_argument("--drafter", action="append", default=[], metavar="H",
                     help="drafter of servers c and d: a heads folder or `lookup` (repeatable; default: lookup)")
     ap.add_argument("--lookup-history", type=int, default=0, metavar="TOKENS",
-                    help="the lookup servers' --lookup-history (default 0: each concurrency level repeats the prompts)")
+                    help="also each lookup server with --lookup-history TOKENS (keys ...+history); needs one concurrency "
+                         "level and --warmups 0, and skips the client's ready-check request, so that every prompt is "
+                         "sent once (the lookup servers otherwise run with no history)")
     ap.add_argument("--lookup-data", action="append", default=[], metavar="DATA",
                     help="also (c) `distill serve --heads lookup --lookup-data DATA` (repeatable)")
     ap.add_argument("--servers", default=SERVERS, help="which servers, e.g. ab or abcd (default: abcd)")
@@ -257,6 +269,8 @@ def main() -> None:
     if not set(args.servers) <= set(SERVERS) or not args.servers:
         ap.error(f"--servers takes letters of {SERVERS}; got {args.servers!r}")
     levels = [int(c) for c in args.concurrency.split(",")]
+    if args.lookup_history and (len(levels) != 1 or args.warmups):
+        ap.error("--lookup-history measures one pass over the prompts: give one --concurrency and --warmups 0")
 
     import vllm
 
@@ -289,8 +303,11 @@ def main() -> None:
                 model_id = server.wait_ready(url, args.start_timeout)
                 print(f"[{r + 1}/{args.repeats}] {name}: up in {time.monotonic() - t0:.0f} s", flush=True)
                 for i, c in enumerate(levels):
-                    res = vllm_bench(client_argv(url, model_id, resolved.path, dataset, n, args.max_tokens, c,
-                                                 args.warmups if i == 0 else 0, args.ignore_eos))
+                    argv = client_argv(url, model_id, resolved.path, dataset, n, args.max_tokens, c,
+                                       args.warmups if i == 0 else 0, args.ignore_eos)
+                    if args.lookup_history:  # its ready check sends the first prompt once more: skipped for every server
+                        argv += ["--ready-check-timeout-sec", "0"]
+                    res = vllm_bench(argv)
                     runs[name][c].append(res)
                     print(f"[{r + 1}/{args.repeats}] {name} c={c}: {res['output_throughput']:.1f} tok/s, "
                           f"{res['failed']} failed", flush=True)

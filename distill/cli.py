@@ -535,7 +535,7 @@ def export(
 HeadsOpt = Annotated[Optional[Path], typer.Option("--heads", help="Medusa heads or EAGLE-3 drafter folder (from `distill train-heads`), or `lookup`: draft from n-gram matches in each request's own context, nothing trained.")]
 DraftNodesOpt = Annotated[Optional[int], typer.Option("--draft-nodes", help="EAGLE drafter or lookup: node budget of the dynamic tree (default: EAGLE 24, lookup 8).")]
 LookupDataOpt = Annotated[Optional[Path], typer.Option("--lookup-data", help="With --heads lookup: a dataset this model generated (`distill generate`); the n-grams of its replies draft beside the context's (MT-Bench with the bundled model: +5-10% tokens/step from 14k tokens of data, 10-25% from 316k; BENCHMARKS.md).")]
-LookupHistoryOpt = Annotated[Optional[int], typer.Option("--lookup-history", help="With --heads lookup: tokens of the replies already produced that later requests draft from, oldest dropped first (default 262144; 0: none). Lossless; `distill bench` clears it before each pass. MT-Bench replayed in order: +10-12% tokens/step from the earlier replies (BENCHMARKS.md).")]
+LookupHistoryOpt = Annotated[Optional[int], typer.Option("--lookup-history", help="With --heads lookup: tokens of the replies already produced that later requests draft from, oldest dropped first (default 262144; 0: none). Greedy requests draft from it (their output never depends on drafts; a seeded sample stays reproducible); `distill bench` clears it before each pass. MT-Bench replayed in order: +10-12% tokens/step from the earlier replies (BENCHMARKS.md).")]
 TreeOpt = Annotated[Optional[str], typer.Option("--tree", help="Verification tree: tree.json path, chain[-K], sparse-N, or Cartesian 3,2,2,1 (default: the heads' tree.json, else sparse-24).")]
 
 
