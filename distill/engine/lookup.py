@@ -179,11 +179,9 @@ class Lookup:
         if min(self.max_nodes, self.depth, self.min_ngram, self.occurrences, self.store_occurrences) < 1 \
                 or self.max_ngram < self.min_ngram:
             raise ConfigError("lookup drafting needs nodes, depth, occurrences >= 1 and 1 <= min_ngram <= max_ngram")
-        if self.history_tokens < 0:
-            raise ConfigError(f"the lookup history's budget must be >= 0 tokens; got {self.history_tokens}")
         if not self.store_weight > 0:
             raise ConfigError(f"the datastore's weight must be > 0; got {self.store_weight}")
-        self.history = History(self.history_tokens, self.max_ngram, self.depth) if self.history_tokens else None
+        self.history = History(self.history_tokens, self.max_ngram, self.depth) if self.history_tokens else None  # checks it
         self._plain = build_buffers([])
         self.accuracy: list[list[float]] = []  # no per-depth table: the policy starts from DEFAULT_TAUS
 
