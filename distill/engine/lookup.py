@@ -79,7 +79,8 @@ DEFAULT_NODES, DEFAULT_DEPTH, DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, DEFAULT_OCCU
 DEFAULT_STORE_WEIGHT, DEFAULT_STORE_OCCURRENCES = 0.5, 16
 #: Tokens of the engine's own replies the history keeps (about 1,000-2,000 chat replies; 9 MiB of index, rebuilt in
 #: ~0.16 s on a 2-core EPYC once 1/16 more has queued). Replay of the 80 MT-Bench first turns in order, 8 nodes: the
-#: context alone 1.34 -> 1.50 tokens/step (64 tokens a reply), 1.58 -> 1.74 (128) with the earlier replies (BENCHMARKS.md).
+#: context alone 1.34 -> 1.49 tokens/step (64 tokens a reply), 1.58 -> 1.74 (128) with the earlier replies
+#: (bench/replay_lookup.py; BENCHMARKS.md).
 DEFAULT_HISTORY_TOKENS = 262_144
 
 
