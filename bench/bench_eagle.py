@@ -32,6 +32,7 @@ import argparse
 import datetime as dt
 import json
 import os
+import re
 import statistics
 import time
 from pathlib import Path
@@ -117,6 +118,8 @@ def main() -> None:
     ap.add_argument("--vllm-speculative", type=json.loads, default=None, metavar="JSON",
                     help='vLLM\'s speculative_config for its row, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
                          '"prompt_lookup_max": 6, "prompt_lookup_min": 1}\' (vLLM\'s own prompt lookup)')
+    ap.add_argument("--only", default=None, metavar="REGEX",
+                    help="keep the rows whose name matches (plain always runs), e.g. 'history' for the +history rows alone")
     ap.add_argument("--out", default="bench/results/eagle.json")
     args = ap.parse_args()
 
@@ -156,6 +159,8 @@ def main() -> None:
                 base, kind = name.rsplit("-", 1)
                 configs[f"{base}+history-{kind}"] = configs[name]
     configs = {k: v for k, v in configs.items() if v[0] is not None or k == "plain"}  # drafters not given: no rows
+    if args.only:
+        configs = {k: v for k, v in configs.items() if k == "plain" or re.search(args.only, k)}
     engines, stores = {}, {}
     for name, (folder, cfg) in configs.items():
         history = args.lookup_history if "+history" in name else 0
@@ -169,6 +174,8 @@ def main() -> None:
             heads, tree = load_heads(folder, cfg) if folder is not None else (None, None)
         engines[name] = Engine(model, tok, heads, cfg, model_name=resolved.name, tree=tree)
     result["policy_nodes_at_batch_1"] = {k: e.tree_size_for(1) for k, e in engines.items() if k.endswith("policy")}
+    result["step_costs"] = {k: e.step_costs.to_dict() for k, e in engines.items() if e.step_costs is not None}  # measured at start
+    print("policy nodes at batch 1", result["policy_nodes_at_batch_1"], "step costs", result["step_costs"], flush=True)
     if args.round_robin:  # as `distill bench --limit` takes them: one category after the other
         from distill.benchmark import load_prompts
         from distill.benchmark.runner import chat_ids

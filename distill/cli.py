@@ -568,7 +568,7 @@ def serve(
     acceptance: Annotated[Optional[str], typer.Option(help="Acceptance for sampled requests: typical | rejection | greedy (temperature 0 is always greedy, lossless).")] = None,
     typical_epsilon: Annotated[Optional[float], typer.Option(help="Typical acceptance epsilon.")] = None,
     typical_delta: Annotated[Optional[float], typer.Option(help="Typical acceptance delta.")] = None,
-    step_cost_ratio: Annotated[Optional[float], typer.Option(help="Engine cost model r per extra tree token (`distill bench --sweep-tree` measures it).")] = None,
+    step_cost_ratio: Annotated[Optional[float], typer.Option(help="The policy's step cost as a line, r per extra tree token (`distill bench --sweep-tree` fits it); default: on a CPU the curve timed at start, on CUDA r = 0.002.")] = None,
     adaptive: Annotated[Optional[bool], typer.Option(
         "--adaptive/--static", help="adaptive (default): the tree size per batch size follows the acceptance and step "
         "times measured while serving, plain decoding when that is faster; static: the calibrated prediction alone.")] = None,

@@ -13,12 +13,22 @@ from distill.store.atomic import atomic_write_bytes, atomic_write_figure, atomic
 PROPOSER_NAMES = {"medusa": "Medusa", "eagle3": "EAGLE-3", "lookup": "lookup"}
 
 
+def _costs_note(costs: dict | None) -> str:
+    """The measured step-cost curve the policy priced trees with, as the header's aside."""
+    if not costs:
+        return ""
+    rows = [m for m in costs if m != "1"]
+    return (f", priced by the step costs measured at start: {' / '.join(rows)} rows "
+            f"{' / '.join(f'{costs[m]:.2f}' for m in rows)}x a plain step")
+
+
 def markdown(result: BenchResult) -> str:
     spec = PROPOSER_NAMES.get(result.tree.get("proposer"), "speculative")
     against = any(g.vllm_tokens_per_s is not None for g in result.groups)  # --vllm: bare vLLM's columns
     lines = [
         f"Model `{result.model}`, heads `{result.heads}`, tree {result.tree.get('nodes')} nodes ({result.tree.get('source')}; "
-        f"{result.tree.get('nodes_used_at_batch_1')} used at batch 1), batch 1, max_tokens {result.config['max_tokens']}, "
+        f"{result.tree.get('nodes_used_at_batch_1')} used at batch 1{_costs_note(result.tree.get('step_costs'))}), batch 1, "
+        f"max_tokens {result.config['max_tokens']}, "
         f"prompts `{result.config['prompts']}`; {result.machine}; {result.date}.",
         "",
         f"| acceptance | category | prompts | plain tok/s | {spec} tok/s | tokens/step | plain step ms | {spec} step ms | step overhead | "

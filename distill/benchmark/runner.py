@@ -164,7 +164,8 @@ class BenchRunner:
             machine=machine(str(self.engine.device)), date=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             model=self.engine.model_name, heads=str(cfg.heads),
             tree={"nodes": nodes, "source": source, "proposer": proposer.name,
-                  "nodes_used_at_batch_1": self.engine.tree_size_for(1) if hasattr(self.engine, "tree_size_for") else None},
+                  "nodes_used_at_batch_1": self.engine.tree_size_for(1) if hasattr(self.engine, "tree_size_for") else None,
+                  "step_costs": costs.to_dict() if (costs := getattr(self.engine, "step_costs", None)) is not None else None},
             groups=groups, runs=runs,
         )
 

@@ -24,66 +24,18 @@ bench`` measures the real acceleration rate next to it.
 
 from __future__ import annotations
 
-import statistics
-import time
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
 from distill.benchmark.stats import Sweep, SweepPoint
+from distill.engine.costs import time_tree_steps
 from distill.heads.tree import expected_acceptance_length, sparse_tree
-
-
-def _sync(device: torch.device) -> Callable[[], None]:
-    if device.type == "cuda":
-        return torch.cuda.synchronize
-    return lambda: None
 
 
 def max_nodes(accuracy: Sequence[Sequence[float]]) -> int:
     k, ranks = len(accuracy), len(accuracy[0])
     return sum(ranks**d for d in range(1, k + 1))
-
-
-@torch.inference_mode()
-def time_tree_steps(model, heads, trees: dict[int, list[tuple[int, ...]]], context: int, repeats: int, seed: int = 0) -> dict[int, float]:
-    """Median seconds of one decoding step per tree size (0 = plain), see the module docstring."""
-    from distill.engine.cache import KVShape, SlotCache, attention_bias, prefill_allowed, step_allowed
-    from distill.engine.tree import build_buffers
-
-    device = next(model.parameters()).device
-    dtype = next(model.parameters()).dtype
-    sync = _sync(device)
-    vocab = model.get_output_embeddings().weight.shape[0]
-    gen = torch.Generator().manual_seed(seed)
-    ctx = torch.randint(0, vocab, (1, context), generator=gen).to(device)  # (1, C)
-    buffers = {n: build_buffers(paths).to(device) for n, paths in trees.items()}
-    cache = SlotCache(KVShape.of(model), 1, context + max(b.size for b in buffers.values()))
-    slots = torch.arange(context, device=device)[None]  # (1, C)
-    cache.prepare(slots, context)
-    out = model(input_ids=ctx, position_ids=slots, attention_mask=attention_bias(prefill_allowed(context, device), dtype),
-                past_key_values=cache, use_cache=True, output_hidden_states=True, logits_to_keep=1)
-    hidden = out.hidden_states[-1][:, -1]  # (1, H)
-    end = torch.tensor([context], device=device)  # (1,)
-    times: dict[int, list[float]] = {n: [] for n in trees}
-    for rnd in range(repeats + 1):
-        for n, buf in buffers.items():
-            sync()
-            t0 = time.perf_counter()
-            if buf.nodes and heads is not None:
-                tops = [heads.head_logits(hidden, k).topk(buf.max_rank, dim=-1).indices for k in range(buf.num_heads_used)]
-                tokens = torch.cat(tops, dim=-1)[:, buf.cand_index]  # (1, T)
-            else:
-                tokens = ctx[:, -buf.size:]  # (1, T)
-            positions = context + buf.depth[None]  # (1, T)
-            cache.prepare(context + torch.arange(buf.size, device=device)[None], context + buf.size)  # the tree after the context
-            mask = attention_bias(step_allowed(end, buf.mask, context + buf.size), dtype)  # (1, 1, T, C + T)
-            model(input_ids=tokens, position_ids=positions, attention_mask=mask, past_key_values=cache, use_cache=True)
-            sync()
-            elapsed = time.perf_counter() - t0
-            if rnd:  # round 0 warms up kernels and allocators
-                times[n].append(elapsed)
-    return {n: statistics.median(ts) for n, ts in times.items()}
 
 
 def sweep_tree_sizes(

@@ -72,7 +72,8 @@ from distill.engine.datastore import Datastore
 from distill.engine.lookup import Lookup
 from distill.engine.medusa import Medusa
 from distill.engine.norms import prepare_norms
-from distill.engine.policy import DEFAULT_COST_RATIO, AdaptivePolicy, choose_tree_size
+from distill.engine.costs import measure_step_costs
+from distill.engine.policy import DEFAULT_COST_RATIO, AdaptivePolicy, StepCosts, choose_tree_size
 from distill.engine.proposer import DraftSampling, Proposal, Proposer
 from distill.engine.rotary import prepare_rotary, rotary_kernel
 from distill.engine.tree import ResolvedTree, TreeBuffers, build_buffers, resolve_tree
@@ -183,7 +184,10 @@ class EngineConfig:
     speculate_max_batch: int | None = None  # set: the full tree up to this batch size, plain above; None: the cost model decides
     dtype: str = "auto"  # auto: the heads' teacher dtype, else distill.runtime's rule
     device: str = "auto"  # auto: CUDA when available, else CPU
-    step_cost_ratio: float | None = None  # r of the policy's cost model (None: DEFAULT_COST_RATIO of the device type)
+    step_cost_ratio: float | None = None  # r of the policy's cost model, a line (None: measured_costs, else DEFAULT_COST_RATIO)
+    measured_costs: bool | None = None  # time forwards of 1, 2, 3, 5, 9, ... rows at start: the policy's step-cost curve
+    # (engine.costs; ~1-2 s on a 2-core CPU); None: on a CPU when step_cost_ratio is not given (CUDA: the line, corrected
+    # by the adaptive policy's measured step times)
     adaptive: bool = False  # correct the policy with measured acceptance and step times (policy.AdaptivePolicy)
     weight_layout: str = "auto"  # "auto": CPU float32 linears re-laid out and packed (engine.weights), RMSNorms and
     # the rotary embedding on vLLM's CPU kernels where they load (engine.norms, engine.rotary); "as-loaded": as they came
@@ -341,9 +345,15 @@ class Engine:
             self._taus = self.proposer.taus()
             forward = self._forward_weights()
             self._proposal = {n: self.proposer.proposal_cost(n, forward) for n in self._taus}
+        self.step_costs: StepCosts | None = None  # the measured curve the policy prices trees with (None: the line)
+        measure = self.config.measured_costs
+        if measure is None:
+            measure = self.device.type == "cpu" and self.config.step_cost_ratio is None
+        if self.proposer is not None and measure and self.config.speculate_max_batch is None:
+            self.step_costs = measure_step_costs(model, self.proposer.max_nodes, self.config.max_batch)
         self.policy: AdaptivePolicy | None = None
         if self.proposer is not None and self.config.adaptive and self.config.speculate_max_batch is None:
-            self.policy = AdaptivePolicy(self._taus, self._cost_ratio(), self._proposal)
+            self.policy = AdaptivePolicy(self._taus, self._cost_model(), self._proposal)
         self.max_len = context_limit(model.config, self.max_tree_size - 1)  # prompt + max_tokens, at most
         self._hidden: dict = {}  # compiled forwards: the decoder's last_hidden_state, from a hook registered once
         self._compiled = None
@@ -489,7 +499,10 @@ class Engine:
         return forward
 
     # -- policy ------------------------------------------------------------------------------
-    def _cost_ratio(self) -> float:
+    def _cost_model(self) -> float | StepCosts:
+        """The policy's step cost: the measured curve, else the line of ``step_cost_ratio`` (or the device's default r)."""
+        if self.step_costs is not None:
+            return self.step_costs
         ratio = self.config.step_cost_ratio
         if ratio is None:
             ratio = DEFAULT_COST_RATIO.get(self.device.type, DEFAULT_COST_RATIO["cuda"])
@@ -503,7 +516,7 @@ class Engine:
             return self.proposer.max_nodes if batch <= self.config.speculate_max_batch else 0
         if self.policy is not None:
             return self.policy.best(batch)
-        return choose_tree_size(batch, self._taus, self._cost_ratio(), None, self._proposal)
+        return choose_tree_size(batch, self._taus, self._cost_model(), None, self._proposal)
 
     # -- model calls -------------------------------------------------------------------------
     def _forward(self, ids, positions, bias, cache: kv.SlotCache, keep: int | torch.Tensor = 0,

@@ -4,9 +4,14 @@ Terms
 -----
 step cost ``c(m) + h``
     time of one forward over ``m`` new tokens (the whole batch's tree tokens),
-    relative to a one-token forward: ``c(m) = 1 + r·(m − 1)``. ``r`` (the step cost
-    ratio) is what each extra token costs: near 0 while a forward is bound by reading
-    the weights (small batches on a GPU), larger on a CPU, where compute dominates early.
+    relative to a one-token forward. Either measured (:class:`StepCosts`: forwards of
+    1, 2, 3, 5, 9, ... rows timed on this model and machine when the engine starts,
+    linear between the points, the last slope beyond them) or the straight line
+    ``c(m) = 1 + r·(m − 1)``. ``r`` (the step cost ratio) is what each extra token costs:
+    near 0 while a forward is bound by reading the weights (small batches on a GPU),
+    larger where compute dominates. A CPU's curve is not a line: on a 2-core EPYC a
+    forward of 9 rows costs ~1.1 one-row forwards and one of 65 rows ~3.3, as vectorized
+    products read each weight once for a few rows (BENCHMARKS.md, issue 19).
     ``h`` (proposal cost) is the heads' share: the weights the heads read (residual
     blocks and LM heads of the heads the tree uses) over the weights one forward reads;
     heads with their own LM heads on a small model cost a good part of a forward.
@@ -34,6 +39,61 @@ from typing import Sequence
 DEFAULT_COST_RATIO = {"cpu": 0.08, "cuda": 0.002}
 
 
+class StepCosts:
+    """A measured step-cost curve ``c(m)``: a forward of ``m`` rows over a one-row forward.
+
+    ``points`` maps row counts to measured ratios (1 row: 1.0). A forward of more rows does a
+    forward of fewer rows' work and more, so the measured ratios are first made non-decreasing
+    (pooled where timing noise put a dip: the isotonic fit, each pool at its mean). Between two
+    points the curve is the straight line through them; beyond the last, the slope of the last
+    two.
+    """
+
+    def __init__(self, points: dict[int, float]):
+        if 1 not in points or any(m < 1 for m in points):
+            raise ValueError(f"a step-cost curve needs the 1-row point and row counts >= 1; got {sorted(points)}")
+        rows = sorted(points)
+        values = [1.0] + [max(float(points[m]), 1.0) for m in rows[1:]]
+        pools: list[list[float]] = []  # [sum, count] of adjacent points pooled to their mean
+        for v in values:
+            pools.append([v, 1])
+            while len(pools) > 1 and pools[-2][0] / pools[-2][1] > pools[-1][0] / pools[-1][1]:
+                total, count = pools.pop()
+                pools[-1][0] += total
+                pools[-1][1] += count
+        fitted = [total / count for total, count in pools for _ in range(int(count))]
+        self.points = dict(zip(rows, fitted))
+
+    def __call__(self, rows: int) -> float:
+        ms = list(self.points)
+        if rows <= 1:
+            return 1.0
+        if rows in self.points:
+            return self.points[rows]
+        upper = next((m for m in ms if m > rows), None)
+        if upper is None:  # beyond the last point: its slope goes on
+            if len(ms) == 1:
+                return 1.0
+            a, b = ms[-2], ms[-1]
+        else:
+            a, b = ms[ms.index(upper) - 1], upper
+        slope = max((self.points[b] - self.points[a]) / (b - a), 0.0)
+        return self.points[a] + slope * (rows - a)
+
+    def to_dict(self) -> dict[str, float]:
+        return {str(m): round(c, 4) for m, c in self.points.items()}
+
+    def __repr__(self) -> str:
+        return f"StepCosts({self.points})"
+
+
+def forward_cost(rows: int, cost: float | StepCosts) -> float:
+    """``c(rows)``: the measured curve, or ``1 + r·(rows − 1)`` for a step cost ratio ``r``."""
+    if isinstance(cost, StepCosts):
+        return cost(rows)
+    return 1.0 + cost * (rows - 1)
+
+
 def candidate_sizes(nodes: int) -> list[int]:
     """The tree sizes the policy chooses among: n, n/2, n/4, ..., 1 (and 0 = plain)."""
     sizes, n = [], nodes
@@ -46,14 +106,15 @@ def candidate_sizes(nodes: int) -> list[int]:
 def choose_tree_size(
     batch: int,
     taus: dict[int, float],
-    cost_ratio: float,
+    cost_ratio: float | StepCosts,
     speculate_max_batch: int | None = None,
     proposal_cost: dict[int, float] | None = None,
 ) -> int:
     """The tree size (0 = plain decoding) with the best throughput for ``batch`` sequences.
 
     ``taus`` maps candidate tree sizes to their expected tokens per step (size 0 need not be
-    given); ``proposal_cost`` maps them to ``h`` (default 0).
+    given); ``proposal_cost`` maps them to ``h`` (default 0); ``cost_ratio`` is the cost
+    model (:func:`step_cost`).
     """
     if speculate_max_batch is not None and batch > speculate_max_batch:
         return 0
@@ -67,11 +128,14 @@ def choose_tree_size(
     return best
 
 
-def step_cost(batch: int, nodes: int, cost_ratio: float, proposal_cost: dict[int, float] | None = None) -> float:
-    """``c(B·(n + 1)) + h(n)``: one step of a tree of ``nodes`` nodes for ``batch`` sequences, relative to a one-token forward."""
+def step_cost(batch: int, nodes: int, cost_ratio: float | StepCosts, proposal_cost: dict[int, float] | None = None) -> float:
+    """``c(B·(n + 1)) + h(n)``: one step of a tree of ``nodes`` nodes for ``batch`` sequences, relative to a one-token forward.
+
+    ``cost_ratio``: the line's ``r``, or a measured :class:`StepCosts` curve.
+    """
     if nodes <= 0:
-        return 1.0 + cost_ratio * (batch - 1)
-    return 1.0 + cost_ratio * (batch * (nodes + 1) - 1) + (proposal_cost or {}).get(nodes, 0.0)
+        return forward_cost(batch, cost_ratio)
+    return forward_cost(batch * (nodes + 1), cost_ratio) + (proposal_cost or {}).get(nodes, 0.0)
 
 
 def taus_for(paths: Sequence[tuple[int, ...]], accuracy: Sequence[Sequence[float]]) -> dict[int, float]:
@@ -116,7 +180,7 @@ class AdaptivePolicy:
     def __init__(
         self,
         taus: dict[int, float],
-        cost_ratio: float,
+        cost_ratio: float | StepCosts,
         proposal_cost: dict[int, float] | None = None,
         *,
         prior: float = 8.0,

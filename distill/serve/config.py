@@ -57,7 +57,7 @@ class ServeConfig:
     shutdown_grace: float = 10.0  # seconds admitted requests get to finish after SIGTERM
     max_body_bytes: int | None = None  # request bodies over this get 413 unread; None: max(4 MiB, 64 bytes x the context)
     num_speculative_tokens: int | None = None  # vllm engine: default = the heads' num_heads
-    step_cost_ratio: float | None = None  # engine cost model r (from `distill bench --sweep-tree`); None = the device default
+    step_cost_ratio: float | None = None  # engine cost model r (from `distill bench --sweep-tree`); None: the curve measured at start on a CPU, r = 0.002 on CUDA
     adaptive: bool = True  # tree size from measured acceptance and step times (distill.engine.policy.AdaptivePolicy)
     compile: bool = False  # distill engine: torch.compile its single-token forwards (EngineConfig.compile), compiled at start
     cuda_graphs: bool | None = None  # distill engine: decoding steps as CUDA graphs (EngineConfig.cuda_graphs); None: on with CUDA

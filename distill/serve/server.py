@@ -66,6 +66,8 @@ def build_app(cfg: ServeConfig, worker_thread: bool = True):
         log.info("lookup datastore: %s", engine.proposer.datastore.describe())
     if getattr(engine.proposer, "history", None) is not None:
         log.info("lookup history: %s", engine.proposer.history.describe())
+    if engine.step_costs is not None:
+        log.info("step costs measured at start (rows: cost of a forward over a one-row one): %s", engine.step_costs.to_dict())
     if cfg.compile:
         t0 = time.perf_counter()
         engine.warmup()

@@ -1,0 +1,105 @@
+"""What a decoding step costs on this model and machine: tree steps timed, and the policy's step-cost curve.
+
+:func:`time_tree_steps` times one step per tree size the way the engine runs it: a context of
+``context`` tokens prefilled into a slot cache, then for each size a forward of the tree's
+tokens with its attention mask and per-depth positions, logits for every token, written after
+the context (the next size overwrites them). Sizes are timed round-robin after one untimed
+round, so that machine noise spreads over all of them, and the median of ``repeats`` rounds is
+kept. ``distill bench --sweep-tree`` times Medusa's trees with it, heads included.
+
+:func:`measure_step_costs` times forwards of 1, 2, 3, 5, 9, ... rows (a root and its children:
+the rows, not the shape, set a step's cost) and returns the :class:`~distill.engine.policy.StepCosts`
+curve the policy prices trees with. The engine measures it when it starts on a CPU with a
+proposer, since a CPU's curve is far from the line ``1 + r·(m − 1)`` (flat to ~9 rows while the
+products read each weight once, then steep), and the line made the policy draft 2 nodes where
+8 paid (BENCHMARKS.md, issue 14, "The policy's step costs measured").
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+from distill.engine.policy import StepCosts, candidate_sizes
+
+#: Context (tokens) before the timed steps (a prompt and part of its reply: a tree's attention grows with it), timed
+#: rounds (the median of 5), and rows timed at most (beyond them the curve goes on with its last slope).
+COST_CONTEXT, COST_REPEATS, MAX_COST_ROWS = 256, 5, 65
+
+
+def _sync(device: torch.device) -> Callable[[], None]:
+    if device.type == "cuda":
+        return torch.cuda.synchronize
+    return lambda: None
+
+
+def time_tree_steps(model, heads, trees: dict[int, list[tuple[int, ...]]], context: int, repeats: int, seed: int = 0) -> dict[int, float]:
+    """Median seconds of one decoding step per tree size (0 = plain), see the module docstring.
+
+    ``heads``: Medusa heads whose top-k proposal is timed with each tree (None: the context's
+    last tokens stand in for the tree's, nothing proposed).
+    """
+    return {n: statistics.median(ts) for n, ts in tree_step_rounds(model, heads, trees, context, repeats, seed).items()}
+
+
+@torch.inference_mode()
+def tree_step_rounds(model, heads, trees: dict[int, list[tuple[int, ...]]], context: int, repeats: int,
+                     seed: int = 0) -> dict[int, list[float]]:
+    """Seconds of one decoding step per tree size, one entry per timed round (see :func:`time_tree_steps`)."""
+    from distill.engine.cache import KVShape, SlotCache, attention_bias, prefill_allowed, step_allowed
+    from distill.engine.tree import build_buffers
+
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    sync = _sync(device)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    gen = torch.Generator().manual_seed(seed)
+    buffers = {n: build_buffers(paths).to(device) for n, paths in trees.items()}
+    context = max(context, max(b.size for b in buffers.values()))  # the tree's stand-in tokens come from it
+    ctx = torch.randint(0, vocab, (1, context), generator=gen).to(device)  # (1, C)
+    cache = SlotCache(KVShape.of(model), 1, context + max(b.size for b in buffers.values()))
+    slots = torch.arange(context, device=device)[None]  # (1, C)
+    cache.prepare(slots, context)
+    out = model(input_ids=ctx, position_ids=slots, attention_mask=attention_bias(prefill_allowed(context, device), dtype),
+                past_key_values=cache, use_cache=True, output_hidden_states=True, logits_to_keep=1)
+    hidden = out.hidden_states[-1][:, -1]  # (1, H)
+    end = torch.tensor([context], device=device)  # (1,)
+    times: dict[int, list[float]] = {n: [] for n in trees}
+    for rnd in range(repeats + 1):
+        for n, buf in buffers.items():
+            sync()
+            t0 = time.perf_counter()
+            if buf.nodes and heads is not None:
+                tops = [heads.head_logits(hidden, k).topk(buf.max_rank, dim=-1).indices for k in range(buf.num_heads_used)]
+                tokens = torch.cat(tops, dim=-1)[:, buf.cand_index]  # (1, T)
+            else:
+                tokens = ctx[:, -buf.size:]  # (1, T)
+            positions = context + buf.depth[None]  # (1, T)
+            cache.prepare(context + torch.arange(buf.size, device=device)[None], context + buf.size)  # the tree after the context
+            mask = attention_bias(step_allowed(end, buf.mask, context + buf.size), dtype)  # (1, 1, T, C + T)
+            model(input_ids=tokens, position_ids=positions, attention_mask=mask, past_key_values=cache, use_cache=True)
+            sync()
+            elapsed = time.perf_counter() - t0
+            if rnd:  # round 0 warms up kernels and allocators
+                times[n].append(elapsed)
+    return times
+
+
+def measure_step_costs(model, max_nodes: int, max_batch: int = 1, context: int = COST_CONTEXT,
+                       repeats: int = COST_REPEATS) -> StepCosts:
+    """The step-cost curve: rows n + 1 for the policy's candidate sizes up to ``max_nodes``, and 2^k + 1 rows up to
+    what a full batch of ``max_batch`` trees takes (at most :data:`MAX_COST_ROWS`).
+
+    Each size is a root with n children (a star: the mask's shape does not change the
+    products, which are what grows with the rows). A size's cost is the median over rounds
+    of its time over the plain step's time in the same round: a shared machine's speed
+    drifts between rounds, much less within one.
+    """
+    top = min(max(max_nodes + 1, max_batch * (max_nodes + 1)), MAX_COST_ROWS)
+    sizes = {n for n in candidate_sizes(max_nodes) if n} | {2**k for k in range(1, 8) if 2**k + 1 <= top}
+    trees = {0: []} | {n: [(i,) for i in range(n)] for n in sorted(sizes)}
+    rounds = tree_step_rounds(model, None, trees, context, repeats)
+    return StepCosts({n + 1: statistics.median(t / t0 for t, t0 in zip(rounds[n], rounds[0])) for n in trees})

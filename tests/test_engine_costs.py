@@ -1,0 +1,59 @@
+"""The policy's step costs measured at start: the curve's fit, the choices it changes, and the engine measuring it.
+
+A CPU forward's cost is not the line 1 + r·(m − 1): it stays near one row's cost for a few rows and then climbs
+(engine.costs). The engine times forwards of the rows its trees can take when it starts on a CPU, and the policy
+prices trees with that curve (distill.engine.policy.StepCosts).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from distill.engine import Engine, EngineConfig
+from distill.engine.costs import measure_step_costs
+from distill.engine.lookup import DEFAULT_TAUS, Lookup
+from distill.engine.policy import AdaptivePolicy, StepCosts, choose_tree_size, step_cost
+
+
+def test_the_curve_is_made_non_decreasing_and_is_linear_between_its_points_and_beyond_them():
+    c = StepCosts({1: 1.0, 2: 1.09, 3: 1.01, 5: 0.98, 9: 1.07, 17: 1.25, 33: 1.85})
+    # 1.09 / 1.01 / 0.98 (noise: a forward of more rows is never cheaper) pool to their mean, 1.0 clamped first
+    assert c.points[2] == c.points[3] == c.points[5] == pytest.approx((1.09 + 1.01 + 1.0) / 3)
+    assert c.points[9] == 1.07 and c(1) == c(0) == 1.0
+    assert c(13) == pytest.approx(1.07 + (1.25 - 1.07) / 2)  # halfway between 9 and 17 rows
+    assert c(65) == pytest.approx(1.85 + (1.85 - 1.25) / 16 * 32)  # the last slope goes on
+    assert all(c(m) <= c(m + 1) for m in range(1, 80))
+    assert StepCosts({1: 1.0, 3: 0.5}).points == {1: 1.0, 3: 1.0}
+    assert json.loads(json.dumps(c.to_dict()))["17"] == 1.25
+    with pytest.raises(ValueError, match="1-row point"):
+        StepCosts({2: 1.1})
+
+
+def test_a_flat_curve_lets_the_policy_draft_the_tree_that_the_line_priced_out():
+    taus = {n: t for n, t in DEFAULT_TAUS.items() if n <= 8}  # the lookup proposer's starting table
+    # the old CPU default, r = 0.08: an 8-node step "costs" 1.64 plain ones, so 2 nodes win (1.53 / 1.16)
+    assert choose_tree_size(1, taus, 0.08) == 2
+    flat = StepCosts({1: 1.0, 2: 1.0, 3: 1.01, 5: 1.02, 9: 1.05, 17: 1.25, 33: 1.85, 65: 3.3})  # a 2-core EPYC's shape
+    assert step_cost(1, 8, flat) == 1.05 and step_cost(2, 8, flat) == pytest.approx(1.25 + 0.6 / 16)  # 18 rows
+    assert choose_tree_size(1, taus, flat) == 8
+    sizes = [choose_tree_size(b, taus, flat) for b in (1, 2, 4, 8, 16)]
+    assert sizes == sorted(sizes, reverse=True) and sizes[-1] == 0  # bigger batches: smaller trees, then none
+    policy = AdaptivePolicy(taus, flat)  # the adaptive policy starts from the same prices
+    assert policy.best(1) == 8 and policy.model_cost(1, 4) == pytest.approx(1.02)
+
+
+def test_the_engine_measures_the_curve_on_a_cpu_unless_given_a_line(hf_model, tokenizer):
+    costs = measure_step_costs(hf_model, max_nodes=8, max_batch=4, repeats=1)
+    # rows n + 1 for the candidate sizes 8 / 4 / 2 / 1, and 2^k + 1 up to a batch of 4 nine-row trees
+    assert sorted(costs.points) == [1, 2, 3, 5, 9, 17, 33]
+    assert costs(33) > 1.2  # 33 rows cost more than one on any CPU; a measurement that could not tell would fail here
+    engine = Engine(hf_model, tokenizer, Lookup(max_nodes=8), EngineConfig(max_batch=1, dtype="float32", device="cpu"))
+    assert engine.step_costs is not None and sorted(engine.step_costs.points) == [1, 2, 3, 5, 9]
+    assert engine.tree_size_for(1) == choose_tree_size(1, engine._taus, engine.step_costs)
+    line = Engine(hf_model, tokenizer, Lookup(max_nodes=8), EngineConfig(max_batch=1, device="cpu", step_cost_ratio=0.08))
+    assert line.step_costs is None and line.tree_size_for(1) == 2  # the given line, as before
+    off = Engine(hf_model, tokenizer, Lookup(max_nodes=8), EngineConfig(max_batch=1, device="cpu", measured_costs=False))
+    assert off.step_costs is None
+    assert Engine(hf_model, tokenizer, None, EngineConfig(max_batch=1, device="cpu")).step_costs is None  # no proposer
