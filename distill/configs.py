@@ -88,3 +88,16 @@ def stage_options(stage: str, config: Path | None, sets: Sequence[str] | None, g
 def defaults(cls: type) -> dict:
     """Every field's default value (fields without one, or with a factory, are left out)."""
     return {f.name: f.default for f in fields(cls) if f.default is not MISSING}
+
+
+def check_lookup_options(heads: object, lookup_data: object, lookup_history: int | None, engine: str = "distill") -> None:
+    """``--lookup-data`` / ``--lookup-history`` (``distill serve`` and ``distill bench``): the lookup proposer's own options."""
+    for option, value in (("--lookup-data", lookup_data), ("--lookup-history", lookup_history)):
+        if value is None:
+            continue
+        if str(heads) != "lookup":
+            raise ConfigError(f"{option} is the lookup proposer's option: it needs --heads lookup")
+        if engine == "vllm":
+            raise ConfigError(f"{option} is for --engine distill: vLLM's ngram method drafts from the context only")
+    if lookup_history is not None and lookup_history < 0:
+        raise ConfigError(f"--lookup-history must be >= 0 tokens; got {lookup_history}")

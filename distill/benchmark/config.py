@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from distill.configs import check_lookup_options
 from distill.errors import ConfigError
 from distill.models import chat_template_kwargs, load_chat_template
 
@@ -78,11 +79,7 @@ class BenchConfig:
             raise ConfigError(f"--modes must be a comma-separated subset of {', '.join(MODES)}; got {', '.join(self.modes) or 'nothing'}")
         if self.vllm and "greedy" not in self.modes:
             raise ConfigError("--vllm compares greedy decoding with bare vLLM's: add greedy to --modes")
-        if self.lookup_data is not None and str(self.heads) != "lookup":
-            raise ConfigError("--lookup-data is the lookup proposer's datastore: it needs --heads lookup")
-        if self.lookup_history is not None and (str(self.heads) != "lookup" or self.lookup_history < 0):
-            raise ConfigError("--lookup-history is the lookup proposer's: it needs --heads lookup and a budget >= 0 "
-                              f"tokens (got {self.lookup_history})")
+        check_lookup_options(self.heads, self.lookup_data, self.lookup_history)
         if self.limit is not None and self.limit < 1:
             raise ConfigError(f"--limit must be at least 1; got {self.limit}")
         if self.max_tokens < 1:

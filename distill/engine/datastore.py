@@ -95,7 +95,7 @@ class Datastore:
         """The generated spans of a self-distilled dataset's shards (``input_ids``, ``loss_mask``); ``tokenizer_sha256``:
         the serving model's (``distill.models.model_record``), checked against the one the dataset records."""
         from distill.data.dataset import Dataset
-        from distill.store.shards import iter_rows
+        from distill.store.shards import iter_token_rows
 
         recorded = (Dataset.open(data).meta.get("model") or {})
         made_with = recorded.get("tokenizer_sha256")
@@ -104,14 +104,7 @@ class Datastore:
                               "model served: its n-grams would never match; use a dataset this model generated")
 
         def documents():
-            for row in iter_rows(data, columns=["input_ids", "loss_mask"], batch_size=256):
-                ids = np.asarray(row["input_ids"], dtype=np.int64)
-                mask = np.asarray(row["loss_mask"], dtype=bool)
-                if ids.shape != mask.shape:
-                    raise ConfigError(f"{data}: a row's input_ids and loss_mask differ in length")
-                if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
-                    raise ConfigError(f"{data} holds token ids outside the model's {vocab_size}-token vocabulary: "
-                                      "its datastore needs the model that generated it")
+            for ids, mask in iter_token_rows(data, vocab_size, "its datastore"):
                 edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8), [0]])))
                 for a, b in zip(edges[::2], edges[1::2]):
                     lo = max(0, a - max_ngram)

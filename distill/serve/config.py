@@ -5,6 +5,7 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import asdict, dataclass
 
+from distill.configs import check_lookup_options
 from distill.errors import ConfigError
 from distill.models import chat_template_kwargs
 from distill.runtime import canonical_dtype
@@ -68,18 +69,7 @@ class ServeConfig:
             raise ConfigError(f"--engine must be one of {', '.join(ENGINES)}; got '{self.engine}'")
         if self.acceptance not in ACCEPTANCE:
             raise ConfigError(f"--acceptance must be one of {', '.join(ACCEPTANCE)}; got '{self.acceptance}'")
-        if self.lookup_data is not None:
-            if str(self.heads) != "lookup":
-                raise ConfigError("--lookup-data is the lookup proposer's datastore: it needs --heads lookup")
-            if self.engine == "vllm":
-                raise ConfigError("--lookup-data is for --engine distill: vLLM's ngram method drafts from the context only")
-        if self.lookup_history is not None:
-            if str(self.heads) != "lookup":
-                raise ConfigError("--lookup-history is the lookup proposer's: it needs --heads lookup")
-            if self.engine == "vllm":
-                raise ConfigError("--lookup-history is for --engine distill: vLLM's ngram method drafts from the context only")
-            if self.lookup_history < 0:
-                raise ConfigError(f"--lookup-history must be >= 0 tokens; got {self.lookup_history}")
+        check_lookup_options(self.heads, self.lookup_data, self.lookup_history, self.engine)
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be in 0..65535; got {self.port}")
         if self.host not in ("localhost",):

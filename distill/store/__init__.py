@@ -6,6 +6,7 @@ from distill.store.shards import (
     ShardInfo,
     ShardStore,
     iter_rows,
+    iter_token_rows,
     load_manifest,
     read_shard_meta,
     shard_files,
@@ -15,5 +16,5 @@ from distill.store.teacher import TeacherEncoding, decode_row_dense, decode_topk
 
 __all__ = [
     "MANIFEST", "REJECTS", "ShardInfo", "ShardStore", "TeacherEncoding", "decode_row_dense", "decode_topk",
-    "encode_topk", "iter_rows", "manifest_encoding", "load_manifest", "read_shard_meta", "shard_files", "shard_schema",
+    "encode_topk", "iter_rows", "iter_token_rows", "manifest_encoding", "load_manifest", "read_shard_meta", "shard_files", "shard_schema",
 ]

@@ -419,3 +419,25 @@ def iter_rows(root: Folder | Path | str, columns: list[str] | None = None, batch
         if s["file"]:
             for batch in folder.parquet(s["file"]).iter_batches(batch_size=batch_size, columns=columns):
                 yield from batch.to_pylist()
+
+
+def iter_token_rows(root: Folder | Path | str, vocab_size: int, needs: str) -> Iterator[tuple[Any, Any]]:
+    """Each row's ``(input_ids, loss_mask)`` as numpy arrays (int64, bool), checked against a ``vocab_size`` vocabulary.
+
+    A row whose ids fall outside it raises :class:`~distill.errors.ConfigError` saying what
+    ``needs`` the model that generated the data (e.g. "its datastore"): the usual cause is
+    another model's dataset.
+    """
+    import numpy as np
+
+    from distill.errors import ConfigError
+
+    for row in iter_rows(root, columns=["input_ids", "loss_mask"], batch_size=256):
+        ids = np.asarray(row["input_ids"], dtype=np.int64)
+        mask = np.asarray(row["loss_mask"], dtype=bool)
+        if ids.shape != mask.shape:
+            raise ConfigError(f"{root}: a row's input_ids and loss_mask differ in length")
+        if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+            raise ConfigError(f"{root} holds token ids outside the model's {vocab_size}-token vocabulary: "
+                              f"{needs} needs the model that generated it")
+        yield ids, mask

@@ -27,7 +27,7 @@ import torch
 
 from distill.errors import ConfigError
 from distill.heads.vocab import DraftVocab
-from distill.store import iter_rows
+from distill.store import iter_token_rows
 
 AUTO_COVERAGE = 0.99
 
@@ -57,11 +57,8 @@ class DraftVocabReport:
 def generated_token_counts(data: Path | str, vocab_size: int) -> np.ndarray:
     """How often each token id was generated in a dataset: (V,) int64."""
     counts = np.zeros(vocab_size, dtype=np.int64)
-    for row in iter_rows(data, columns=["input_ids", "loss_mask"], batch_size=256):
-        ids = np.asarray(row["input_ids"], dtype=np.int64)[np.asarray(row["loss_mask"], dtype=bool)]
-        if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
-            raise ConfigError(f"{data} holds token ids outside the model's {vocab_size}-token vocabulary: pass the --model that made it")
-        counts += np.bincount(ids, minlength=vocab_size)
+    for ids, mask in iter_token_rows(data, vocab_size, "a draft vocabulary from it (--model)"):
+        counts += np.bincount(ids[mask], minlength=vocab_size)
     return counts
 
 
