@@ -186,7 +186,7 @@ class EngineConfig:
     device: str = "auto"  # auto: CUDA when available, else CPU
     step_cost_ratio: float | None = None  # r of the policy's cost model, a line (None: measured_costs, else DEFAULT_COST_RATIO)
     measured_costs: bool | None = None  # time forwards of 1, 2, 3, 5, 9, ... rows at start: the policy's step-cost curve
-    # (engine.costs; ~1-2 s on a 2-core CPU); None: on a CPU when step_cost_ratio is not given (CUDA: the line, corrected
+    # (engine.costs; ~1.5-3 s on a 2-core CPU); None: on a CPU when step_cost_ratio is not given (CUDA: the line, corrected
     # by the adaptive policy's measured step times)
     adaptive: bool = False  # correct the policy with measured acceptance and step times (policy.AdaptivePolicy)
     weight_layout: str = "auto"  # "auto": CPU float32 linears re-laid out and packed (engine.weights), RMSNorms and
