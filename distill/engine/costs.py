@@ -12,7 +12,7 @@ the rows, not the shape, set a step's cost) and returns the :class:`~distill.eng
 curve the policy prices trees with. The engine measures it when it starts on a CPU with a
 proposer, since a CPU's curve is far from the line ``1 + r·(m − 1)`` (flat to ~9 rows while the
 products read each weight once, then steep), and the line made the policy draft 2 nodes where
-8 paid (BENCHMARKS.md, issue 14, "The policy's step costs measured").
+4-8 paid (BENCHMARKS.md, issue 14, "The policy's step costs measured").
 """
 
 from __future__ import annotations
