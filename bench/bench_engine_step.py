@@ -377,7 +377,7 @@ def report(runs: dict) -> str:
         row(f"{setting}: ours / vLLM (median of rounds)", lambda r, i=i: f"**{r['plain'][i]['ratio_median']:.2f}x** "
             f"({min(x['ratio'] for x in r['plain'][i]['rounds']):.2f}-{max(x['ratio'] for x in r['plain'][i]['rounds']):.2f})")
     row("linears with vLLM's CPU matmul / all", lambda r: f"{r['linear_prep']['packed_vllm']} / "
-        f"{r['linear_prep']['single_packed'] + r['linear_prep']['single_weight']}")
+        f"{sum(v for k, v in r['linear_prep'].items() if k.startswith('single_'))}")
     nodes = sorted({int(n) for r in runs.values() for n in r.get("step_cost", {}).get("step_ms", {})})
     for n in nodes:
         row(f"step ms, {n} nodes" if n else "step ms, plain", lambda r, n=n: f"{r['step_cost']['step_ms'][str(n)]:.1f}")

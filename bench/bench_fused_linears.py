@@ -52,8 +52,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/fused_linears.json")
     args = ap.parse_args()
     def only(kind: str):  # the probe's single-row choice pinned to the packed copy, so only the compared thing differs
-        weights.probe = lambda ws, copies: {k: (0.5 if k.startswith(kind) else 1.0)
-                                            for k in ["weight@1"] + [f"{c}@{r}" for c in copies for r in (1, weights.PACK_ROWS)]}
+        weights.probe = lambda ws, copies: {k: (0.5 if k == f"{kind}@1" else 1.0) for k in weights.probe_keys(copies)}
 
     def loaded_kind() -> str:  # vLLM's matmul where it loads, else torch's copies, pinned for every engine compared
         kind = weights.VLLM if weights.vllm_kernels() == "" else weights.ONEDNN

@@ -236,7 +236,7 @@ def test_compiled_single_token_forwards_decode_as_eager(model_dir, tokenizer, pr
 
     On the bundled model's first 2 layers: compiling all 30 took 100 s of the suite (4 layers: 39 s, 2: 31 s), and what is checked (the
     compiled single-token path, the eager fallbacks around it) does not depend on the depth."""
-    from distill.engine.weights import DualLinear
+    from distill.engine.weights import PACKED, WEIGHT, DualLinear
 
     reference_model = first_layers(model_dir, 2)
     reference = Engine(reference_model, tokenizer, None, EngineConfig())
@@ -244,7 +244,7 @@ def test_compiled_single_token_forwards_decode_as_eager(model_dir, tokenizer, pr
         if type(m) is DualLinear:
             # single rows as the compiled graph multiplies them (vLLM's matmul where the weight has it, else MKL on the
             # weight): only the compiler differs
-            m.single_packed = m.vllm is not None
+            m.single = PACKED if m.vllm is not None else WEIGHT
     plain_reference = [reference.generate([p], [SamplingParams(max_tokens=NEW_TOKENS)])[0][0] for p in prompts[:2]]
     assert all(len(r.token_ids) > 4 for r in plain_reference)
     model = first_layers(model_dir, 2)  # its own: compile hooks its decoder

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from distill.engine import weights
-from distill.engine.weights import (ONEDNN, PACK_ROWS, VLLM, DualLinear, VllmMatmul, is_output_major, prepare_linears,
-                                    vllm_kernels, wants_output_major)
+from distill.engine.weights import (ONEDNN, PACK_ROWS, PACKED, PAD_ROWS, PADDED, VLLM, WEIGHT, DualLinear, VllmMatmul,
+                                    is_output_major, prepare_linears, probe_keys, vllm_kernels, wants_output_major)
 
 needs_vllm = pytest.mark.skipif(vllm_kernels() != "", reason=f"vLLM's CPU matmul unavailable: {vllm_kernels()}")
 
@@ -53,23 +53,22 @@ def test_preparing_keeps_parameters_values_and_outputs():
     linear = 2 * (16 * 16 + 8 * 16 + 8 * 16 + 16 * 16 + 3 * 32 * 16)
     assert sizes["relaid_bytes"] == 4 * (2 * (2 * 16 * 16 + 2 * 32 * 16) + 64 * 16)  # the tied LM head once
     assert sizes["packed_bytes"] == 4 * (linear + 64 * 16)
-    assert sizes["single_packed"] + sizes["single_weight"] == 2 * 7 + 1  # every linear got a single-row kernel
+    assert sizes["single_weight"] + sizes["single_packed"] + sizes["single_padded"] == 2 * 7 + 1  # every linear got a kernel
     assert torch.allclose(before_many, after_many, atol=1e-5) and torch.allclose(before_one, after_one, atol=1e-5)
-    for single_packed in (False, True):  # either single-row kernel gives the same logits
+    for single in (WEIGHT, PACKED, PADDED):  # every single-row kernel gives the same logits
         for m in model.modules():
             if type(m) is DualLinear:
-                m.single_packed = single_packed
+                m.single = single
         with torch.inference_mode():
             assert torch.allclose(before_one, model(ids[:1, :1]).logits, atol=1e-5)
-    assert prepare_linears(model) == {"relaid_bytes": 0, "packed_bytes": 0, "packed_vllm": 0, "single_packed": 0,
-                                      "single_weight": 0, "fused_groups": 0, "fused_linears": 0}
+    assert prepare_linears(model) == {"relaid_bytes": 0, "packed_bytes": 0, "packed_vllm": 0, "single_weight": 0,
+                                      "single_packed": 0, "single_padded": 0, "fused_groups": 0, "fused_linears": 0}
 
 
 def onednn_only(monkeypatch):
     """No vLLM matmul (torch's oneDNN copy is the packed kind), and MKL the fastest single-row kernel."""
     monkeypatch.setattr(weights, "vllm_kernels", lambda: "not in this test")
-    monkeypatch.setattr(weights, "probe", lambda ws, copies: {k: (0.5 if k.startswith(ONEDNN) else 1.0) for k in
-                                                              ["weight@1"] + [f"{c}@{r}" for c in copies for r in (1, PACK_ROWS)]})
+    monkeypatch.setattr(weights, "probe", lambda ws, copies: {k: (0.5 if k.startswith(ONEDNN) else 1.0) for k in probe_keys(copies)})
 
 
 def test_multi_row_products_use_the_packed_copy_and_single_rows_the_kernel_the_probe_chose(monkeypatch):
@@ -82,43 +81,57 @@ def test_multi_row_products_use_the_packed_copy_and_single_rows_the_kernel_the_p
     real = torch.ops.mkldnn._linear_pointwise
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(a[0].shape) or real(*a), raising=False)
     x = torch.randn(3, 16)
-    layer.single_packed = False
+    layer.single = WEIGHT
     with torch.inference_mode():
         assert torch.allclose(layer(x), x @ layer.weight.T + layer.bias, atol=1e-5)
         layer(x[:1])
     assert calls == [torch.Size([3, 16])]  # the single row went to F.linear
-    layer.single_packed = True
+    layer.single = PACKED
     with torch.inference_mode():
         assert torch.allclose(layer(x[:1]), x[:1] @ layer.weight.T + layer.bias, atol=1e-5)
     assert calls == [torch.Size([3, 16]), torch.Size([1, 16])]  # now to the packed copy
+    layer.single = PADDED
+    with torch.inference_mode():
+        one = x[None, :1]  # (batch 1, 1 token, in): the shape of a plain step's hidden state
+        out = layer(one)
+    assert out.shape == (1, 1, 32) and torch.allclose(out, one @ layer.weight.T + layer.bias, atol=1e-5)
+    assert calls[-1] == torch.Size([PAD_ROWS, 16])  # the row repeated, the first row of the product kept
+    with torch.inference_mode():
+        few = layer(x[:2])  # fewer rows than PAD_ROWS: padded too
+    assert torch.allclose(few, x[:2] @ layer.weight.T + layer.bias, atol=1e-5) and calls[-1] == torch.Size([PAD_ROWS, 16])
+    with torch.inference_mode():
+        layer(torch.randn(PAD_ROWS + 1, 16))
+    assert calls[-1] == torch.Size([PAD_ROWS + 1, 16])  # more rows: as they are
+    made = len(calls)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     with torch.inference_mode():
         layer(x[:1])  # a compiled single-row forward multiplies the weight (the packed copy is opaque to the compiler)
-    assert len(calls) == 2
+    assert len(calls) == made
     monkeypatch.undo()
     with torch.enable_grad():
         layer(x).sum().backward()  # training goes through F.linear, with gradients
-    assert layer.weight.grad is not None and len(calls) == 2
+    assert layer.weight.grad is not None and len(calls) == made
 
 
-@pytest.mark.parametrize("packed_faster", [True, False])
-def test_the_probe_gives_each_weight_shape_the_faster_single_row_kernel(monkeypatch, packed_faster):
+@pytest.mark.parametrize("fastest, lm_fastest", [(PACKED, WEIGHT), (WEIGHT, PADDED), (PADDED, PACKED)])
+def test_the_probe_gives_each_weight_shape_the_fastest_single_row_kernel(monkeypatch, fastest, lm_fastest):
     model = tiny_llama(tied=True)
     probed = []
 
     def probe(unique, copies):  # a stand-in for the timed probe: which kernel wins is the test's choice, per shape
         probed.append(tuple(unique[0].shape))
         assert all(len(c) == len(unique) for c in copies.values())  # one packed copy per distinct weight and kind
-        packed_wins = packed_faster != (unique[0].shape[0] == 64)  # the LM head (64 rows) gets the other kernel
-        times = {f"{k}@{r}": 1.0 for k in copies for r in (1, PACK_ROWS)}
-        return {"weight@1": 2.0 if packed_wins else 0.5, **times}
+        (kind,) = copies
+        wins = lm_fastest if unique[0].shape[0] == 64 else fastest  # the LM head (64 rows) gets another kernel
+        key = {WEIGHT: "weight@1", PACKED: f"{kind}@1", PADDED: f"{kind}@1pad"}[wins]
+        return {k: (0.5 if k == key else 1.0) for k in probe_keys(copies)}
 
     monkeypatch.setattr(weights, "probe", probe)
     sizes = prepare_linears(model)
     lm = model.get_output_embeddings()
     others = [m for m in model.modules() if type(m) is DualLinear and m is not lm]
-    assert all(m.single_packed is packed_faster for m in others) and lm.single_packed is not packed_faster
-    assert sizes["single_packed"] == (len(others) if packed_faster else 1)
+    assert all(m.single == fastest for m in others) and lm.single == lm_fastest
+    assert sizes[f"single_{fastest}"] == len(others) and sizes[f"single_{lm_fastest}"] == 1
     assert sorted(probed) == sorted({tuple(m.weight.shape) for m in others} | {(64, 16)})  # each shape probed once
 
 
@@ -135,7 +148,7 @@ def test_vllms_matmul_is_the_packed_kind_of_every_weight_where_it_loads_whatever
 
     def probe(unique, copies):  # torch's copy would win every shape: the probe sees only the kind in use
         seen.append(set(copies))
-        return {"weight@1": 9.0, **{f"{k}@{r}": 1.0 for k in copies for r in (1, PACK_ROWS)}}
+        return {k: (9.0 if k == "weight@1" else 1.0 + k.endswith("pad")) for k in probe_keys(copies)}
 
     if not available:
         monkeypatch.setattr(weights, "vllm_kernels", lambda: "not in this test")
@@ -144,7 +157,7 @@ def test_vllms_matmul_is_the_packed_kind_of_every_weight_where_it_loads_whatever
     monkeypatch.undo()
     prepared = [m for m in model.modules() if type(m) is DualLinear]
     assert seen and all(s == {kind} for s in seen)  # the other kind is never packed
-    assert all(m.kind == kind and m.single_packed for m in prepared)
+    assert all(m.kind == kind and m.single == PACKED for m in prepared)
     assert all((m.vllm is None) == (kind == ONEDNN) and (m.packed is None) == (kind == VLLM) for m in prepared)
     assert sizes["packed_vllm"] == (len(prepared) if kind == VLLM else 0)
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight  # still tied
@@ -162,8 +175,7 @@ def test_vllms_matmul_is_the_packed_kind_of_every_weight_where_it_loads_whatever
 def test_the_compiler_traces_vllms_matmul_in_one_graph(monkeypatch):
     """torch.compile of a prepared linear with vLLM's copy: one graph (fullgraph), vLLM's operator in it, the same product."""
     layer = nn.Linear(16, 32)
-    monkeypatch.setattr(weights, "probe", lambda ws, copies: {"weight@1": 1.0, **{f"{k}@{r}": (0.1 if k == VLLM else 0.2)
-                                                                                  for k in copies for r in (1, PACK_ROWS)}})
+    monkeypatch.setattr(weights, "probe", lambda ws, copies: {k: (0.1 if k == f"{VLLM}@1" else 1.0) for k in probe_keys(copies)})
     prepare_linears(layer)
     monkeypatch.undo()
     assert layer.kind == VLLM
@@ -216,7 +228,7 @@ def test_the_probe_times_every_kernel_on_real_weights():
     if vllm_kernels() == "":
         copies[VLLM] = [VllmMatmul(w) for w in ws]
     times = weights.probe(ws, copies)
-    assert set(times) == {"weight@1"} | {f"{k}@{r}" for k in copies for r in (1, PACK_ROWS)}
+    assert list(times) == probe_keys(copies)
     assert all(0 < t < 1 for t in times.values())
 
 
@@ -248,8 +260,7 @@ def test_a_weight_changed_after_packing_is_an_error_not_a_stale_product(monkeypa
     if kind == ONEDNN:
         monkeypatch.setattr(weights, "vllm_kernels", lambda: "not in this test")
     layer = nn.Linear(16, 32)
-    monkeypatch.setattr(weights, "probe", lambda ws, copies: {"weight@1": 1.0, **{f"{k}@{r}": (0.1 if k == kind else 0.2)
-                                                                                  for k in copies for r in (1, PACK_ROWS)}})
+    monkeypatch.setattr(weights, "probe", lambda ws, copies: {k: (0.1 if k == f"{kind}@1" else 1.0) for k in probe_keys(copies)})
     prepare_linears(layer)
     assert layer.kind == kind
     with torch.no_grad():
@@ -317,7 +328,7 @@ def test_groups_whose_outputs_differ_are_undone():
     assert len(calls) == 2 and sizes["fused_groups"] == 0 and sizes["fused_linears"] == 0
     assert all(m.fused is None and (m.packed is not None or m.vllm is not None)
                for m in model.modules() if type(m) is DualLinear)
-    assert sizes["single_packed"] + sizes["single_weight"] == 2 * 7 + 1
+    assert sizes["single_weight"] + sizes["single_packed"] + sizes["single_padded"] == 2 * 7 + 1
 
 
 def test_a_tied_or_twice_called_linear_is_never_fused():

@@ -35,13 +35,27 @@ single rows: measured, not assumed
     output-major weight beats torch's packed copy at one row (the LM head: 4.4 vs 7.6 ms,
     AMD EPYC family 25 model 17), but MKL's single-row product runs on one thread however many
     torch has, while oneDNN's uses them all (two threads, same CPU: the LM head 4.5 ms MKL vs
-    3.5 ms packed). So :func:`prepare_linears` times the kernels once per weight shape, over all
-    the model's weights of that shape (so they stream from memory as in a forward), at the
-    thread count it runs with (:func:`probe`): the packed copy at 1 and ``PACK_ROWS`` rows, MKL
-    at one row. The packed kind is not the probe's to choose: vLLM's wherever it loads, for every
-    weight (:func:`choose_kernels` says why), and each weight multiplies single rows with MKL or
-    its packed copy, whichever the probe found faster (``single_packed``). The probe costs a few passes of the linears (a fraction of a second for the
-    bundled model). The rule applies to float32 weights on CPU only.
+    3.5 ms packed). And oneDNN's matmul can be slower at one row than at a few: on the same CPU
+    vLLM's matmul multiplied the bundled model's MLP gate/up weights (30 of 3072x576) in 10.0-10.1
+    ms a pass at one row and in 8.3-8.4 ms with that row repeated to ``PAD_ROWS`` = 5 rows (the
+    LM head 4.2-4.3 vs 3.5-3.6 ms), while the attention output (576x576) went the other way (1.5-1.7
+    vs 1.7-1.8 ms); 2 rows were slower than one for every shape, 8 about even. A whole one-row
+    forward with every single-row product padded to 5 rows took 0.93x the time (paired, 40
+    alternating rounds). So :func:`prepare_linears` times three single-row kernels once per
+    weight shape, over all the model's weights of that shape (so they stream from memory as in a
+    forward), at the thread count it runs with (:func:`probe`): MKL on the weight (``weight``),
+    the packed copy (``packed``), the packed copy with the row repeated to ``PAD_ROWS`` rows and
+    the first row of the product kept (``padded``: a product's rows are independent, so the first
+    is the row's own product; here bit-identical to the one-row product, and 16 of 16 greedy
+    MT-Bench replies the same tokens). Each weight multiplies single rows
+    with whichever was fastest (``DualLinear.single``). Where that is ``padded``, products of 2 to
+    ``PAD_ROWS`` - 1 rows are padded to ``PAD_ROWS`` too: per shape 2 rows cost 1.17-1.28x one row
+    unpadded, so a padded product that beats one row beats them more (a whole 2-row forward, the
+    verification of a one-node tree: 0.88x with every product under 5 rows padded; 3 and 4 rows
+    0.99x). The packed kind is not the probe's to
+    choose: vLLM's wherever it loads, for every weight (:func:`choose_kernels` says why). The
+    probe costs a few passes of the linears (a fraction of a second for the bundled model). The
+    rule applies to float32 weights on CPU only.
 a padded prefill
     a batch's prompts are right-padded to the longest, and every linear multiplies every padded
     position although only the prompts' tokens matter (the padding's keys are never attended by a
@@ -92,11 +106,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-#: Rows the packed copies are packed for (oneDNN picks its blocking for this M; 8 served M = 1..65 well), and
-#: the multi-row size the probe times.
+#: Rows torch's packed copies are packed for (oneDNN picks its blocking for this M; 8 served M = 1..65 well).
 PACK_ROWS = 8
-#: Timed rounds per kernel in the probe (the fastest round counts, so a noisy round does not decide).
-PROBE_ROUNDS = 3
+#: Rows a single row is repeated to for the ``padded`` single-row kernel (module docstring: 5 measured fastest of 2-8).
+PAD_ROWS = 5
+#: Timed rounds per kernel in the probe, the kernels taking turns within a round (the fastest round counts, so a
+#: noisy round does not decide).
+PROBE_ROUNDS = 5
+#: Single-row kernels (module docstring, "single rows"): MKL on the weight, the packed copy, the packed copy padded.
+WEIGHT, PACKED, PADDED = "weight", "packed", "padded"
 #: Packed kinds (module docstring).
 ONEDNN, VLLM = "onednn", "vllm"
 #: Row counts each vLLM handler keeps a primitive for (vLLM's own default).
@@ -289,7 +307,7 @@ class DualLinear(nn.Linear):
     packed: torch.Tensor | None  # kind "onednn": (out, in) oneDNN-packed by torch, opaque
     vllm: VllmMatmul | None  # kind "vllm": vLLM's handler
     packed_version: int  # the weight's version counter when packed
-    single_packed: bool = False  # single rows multiply with the packed copy too (the probe found it faster)
+    single: str = WEIGHT  # how single rows multiply: WEIGHT, PACKED or PADDED (the probe's choice, module docstring)
     fused: "FusedLinears | None" = None  # a group of linears fed one input: the group multiplies for this one
     fused_index: int = 0  # this module's place in its group
 
@@ -308,12 +326,21 @@ class DualLinear(nn.Linear):
             # the compiler traces vLLM's matmul (an operator with a shape function, registered with the library) but not
             # torch's opaque packed copy (hiding that in a custom op measured 0.80x eager): MKL on the weight then
             return F.linear(x, self.weight, self.bias) if self.vllm is None else self.vllm(x, self.bias)
-        if x.numel() == x.shape[-1] and not self.single_packed:  # a single row where MKL on the weight is faster
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if rows == 1 and self.single == WEIGHT:  # a single row where MKL on the weight is faster
             return F.linear(x, self.weight, self.bias)
+        if 0 < rows < PAD_ROWS and self.single == PADDED:  # a few rows where a padded product is faster
+            return self._padded_product(x, rows)
         rows = VALID_ROWS.get()
         if rows is not None and rows.covers(x):  # a padded prefill: the prompts' rows only
             return rows.scatter(self._packed_product(rows.select(x)), x.shape[:-1])
         return self._packed_product(x)
+
+    def _padded_product(self, x: torch.Tensor, rows: int) -> torch.Tensor:
+        """The product of ``rows`` < ``PAD_ROWS`` rows, multiplied as ``PAD_ROWS`` (the first row repeated), the padding's rows dropped."""
+        flat = x.reshape(rows, -1)
+        product = self._packed_product(torch.cat([flat, flat[:1].expand(PAD_ROWS - rows, -1)]))
+        return product[:rows].reshape(*x.shape[:-1], -1)
 
     def _packed_product(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight._version != self.packed_version:
@@ -331,7 +358,8 @@ def prepare_linears(model: nn.Module, example: Callable[[], torch.Tensor] | None
     it feeds one input are fused (module docstring). Then :func:`choose_kernels` for the modules
     prepared here. Returns the bytes re-laid out, the bytes of the packed copies, how many
     prepared modules keep vLLM's packed copy (``packed_vllm``), how many multiply single rows
-    with the packed copy (``single_packed``) and with the weight (``single_weight``), and the
+    with the weight, the packed copy and the padded copy (``single_weight``, ``single_packed``,
+    ``single_padded``), and the
     fused groups and their members (``fused_groups``, ``fused_linears``).
     """
     relaid, packed = 0, 0
@@ -376,9 +404,8 @@ def prepare_linears(model: nn.Module, example: Callable[[], torch.Tensor] | None
             choose_kernels([m for g in groups for m in g])
             fused = []
         prepared = [m for m in prepared if m.fused is None] + [f.module for f in fused]
-    single = sum(m.single_packed for m in prepared)
     return {"relaid_bytes": relaid, "packed_bytes": packed, "packed_vllm": sum(m.kind == VLLM for m in prepared),
-            "single_packed": single, "single_weight": len(prepared) - single,
+            **{f"single_{k}": sum(m.single == k for m in prepared) for k in (WEIGHT, PACKED, PADDED)},
             "fused_groups": len(fused), "fused_linears": sum(len(f.members) for f in fused)}
 
 
@@ -483,37 +510,46 @@ def _fuse(members: list[DualLinear]) -> FusedLinears:
     return group
 
 
-def _seconds(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+def probe_keys(kinds) -> list[str]:
+    """The keys of :func:`probe`'s answer for packed ``kinds``: ``"weight@1"``, then ``"<kind>@1"`` and ``"<kind>@1pad"`` each."""
+    return ["weight@1"] + [f"{kind}@1{pad}" for kind in kinds for pad in ("", "pad")]
 
 
 @torch.no_grad()
 def probe(weights: list[torch.Tensor], copies: dict[str, list]) -> dict[str, float]:
-    """Seconds to multiply by every weight of one shape, per kernel: ``"weight"`` (MKL) at one row, each packed kind at 1 and ``PACK_ROWS`` rows.
+    """Seconds to multiply one row by every weight of one shape, per single-row kernel (module docstring, "single rows").
 
-    ``copies`` maps a packed kind to the weights' packed copies (in order). One untimed warm-up
-    pass of each, then ``PROBE_ROUNDS`` rounds; the fastest round counts. Keys: ``"weight@1"``,
-    ``"<kind>@1"``, ``"<kind>@<PACK_ROWS>"``.
+    ``copies`` maps a packed kind to the weights' packed copies (in order). Keys
+    (:func:`probe_keys`): ``"weight@1"`` (MKL on the weight), ``"<kind>@1"`` (the packed copy),
+    ``"<kind>@1pad"`` (the packed copy, the row repeated to ``PAD_ROWS`` rows). One untimed
+    warm-up pass of each, then ``PROBE_ROUNDS`` rounds in which the kernels take turns (in turn
+    reversed every other round, so a slow spell of the machine does not fall on one kernel); the
+    fastest round of each counts.
     """
     kernels = {"weight": lambda x, w, c: F.linear(x, w),
                ONEDNN: lambda x, w, c: torch.ops.mkldnn._linear_pointwise(x, c, None, "none", [], ""),
                VLLM: lambda x, w, c: c(x, None)}
+    one = torch.randn(1, weights[0].shape[1], dtype=weights[0].dtype)
     runs = {"weight@1": (kernels["weight"], 1, weights)}
     for kind, packed in copies.items():
-        for rows in (1, PACK_ROWS):
-            runs[f"{kind}@{rows}"] = (kernels[kind], rows, packed)
-    out = {}
-    for name, (kernel, rows, packed) in runs.items():
-        x = torch.randn(rows, weights[0].shape[1], dtype=weights[0].dtype)
+        runs[f"{kind}@1"] = (kernels[kind], 1, packed)
+        runs[f"{kind}@1pad"] = (kernels[kind], PAD_ROWS, packed)
 
-        def one_pass():
-            for w, c in zip(weights, packed):
-                kernel(x, w, c)
+    def one_pass(name):
+        kernel, rows, packed = runs[name]
+        start = time.perf_counter()
+        for w, c in zip(weights, packed):
+            x = one if rows == 1 else one.expand(rows, -1).contiguous()  # the padding's copy is part of its cost
+            kernel(x, w, c)
+        return time.perf_counter() - start
 
-        one_pass()
-        out[name] = min(_seconds(one_pass) for _ in range(PROBE_ROUNDS))
+    names = list(runs)
+    for name in names:
+        one_pass(name)
+    out = {name: float("inf") for name in names}
+    for r in range(PROBE_ROUNDS):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            out[name] = min(out[name], one_pass(name))
     return out
 
 
@@ -527,7 +563,7 @@ def choose_kernels(modules: list[DualLinear]) -> None:
     torch's copies cost 3.4-4.3 ms more a forward than vLLM's at 1, 8 and 17 rows (the bundled
     model, AMD EPYC family 25 model 17, 2 threads; vLLM's handler has less per-call overhead on
     the same oneDNN kernels). The probe then decides single rows only: MKL on the weight or the
-    packed copy, per shape, whichever was faster.
+    packed copy or the packed copy padded (``single``), per shape, whichever was fastest.
     """
     groups: dict[tuple[int, ...], list[DualLinear]] = defaultdict(list)
     for m in modules:
@@ -546,10 +582,12 @@ def choose_kernels(modules: list[DualLinear]) -> None:
         if copies is None:
             copies = _copies(ONEDNN, unique)
         times = probe(unique, {this: copies})
+        single = {WEIGHT: times["weight@1"], PACKED: times[f"{this}@1"], PADDED: times[f"{this}@1pad"]}
+        fastest = min(single, key=single.get)
         by_weight = {id(w): c for w, c in zip(unique, copies)}
         for m in members:
             m.packed, m.vllm = (None, by_weight[id(m.weight)]) if this == VLLM else (by_weight[id(m.weight)], None)
-            m.single_packed = times[f"{this}@1"] < times["weight@1"]
+            m.single = fastest
 
 
 def _copies(kind: str, weights: list[torch.Tensor]) -> list:
@@ -558,5 +596,5 @@ def _copies(kind: str, weights: list[torch.Tensor]) -> list:
     return [torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS) for w in weights]
 
 
-__all__ = ["ONEDNN", "PACK_ROWS", "VLLM", "DualLinear", "FusedLinears", "VllmMatmul", "choose_kernels", "shared_input_groups", "is_output_major", "prepare_linears",
+__all__ = ["ONEDNN", "PACK_ROWS", "PACKED", "PAD_ROWS", "PADDED", "VLLM", "WEIGHT", "DualLinear", "FusedLinears", "VllmMatmul", "choose_kernels", "shared_input_groups", "is_output_major", "prepare_linears", "probe_keys",
            "load_vllm_kernels", "vllm_kernels", "wants_output_major"]
