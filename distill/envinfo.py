@@ -120,13 +120,14 @@ def collect(model: str | None = None) -> EnvReport:
             server = runtime.vllm_cpu_env(offline=False)
             stages["serve --engine vllm"] = {"device": device, "dtype": pick.dtype, "why": pick.reason,
                                              "env": " ".join(f"{k}={v}" for k, v in server.items())}
-    from distill.engine.weights import vllm_kernels
+    from distill.engine.weights import PAD_ROWS, vllm_kernels
 
     why_not = vllm_kernels()
     kind = "vLLM's CPU matmul (packed copies)" if not why_not else "torch's oneDNN packed copies"
     swaps = [name for name, op in (("RMS norms", "rms_norm"), ("the rotary embedding", "rotary_embedding"))
              if not why_not and hasattr(torch.ops._C, op)]  # distill.engine.norms / .rotary, where a model's modules check out
-    cpu_linears = (f"{kind}, or MKL on the weights for single rows, per weight shape as a probe at start finds faster"
+    cpu_linears = (f"{kind}; single rows by MKL on the weight, the packed copy, or the packed copy padded to "
+                   f"{PAD_ROWS} rows (then 2-{PAD_ROWS - 1} rows too), per weight shape as a probe at start finds fastest"
                    + (f" (vLLM's CPU matmul unavailable: {why_not})" if why_not else "")
                    + (f"; {' and '.join(swaps)} on vLLM's CPU kernels where they reproduce the model's" if swaps else ""))
     threads: dict[str, str | int | None] = {"torch.get_num_threads()": torch.get_num_threads()}
