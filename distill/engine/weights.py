@@ -326,11 +326,11 @@ class DualLinear(nn.Linear):
             # the compiler traces vLLM's matmul (an operator with a shape function, registered with the library) but not
             # torch's opaque packed copy (hiding that in a custom op measured 0.80x eager): MKL on the weight then
             return F.linear(x, self.weight, self.bias) if self.vllm is None else self.vllm(x, self.bias)
-        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if rows == 1 and self.single == WEIGHT:  # a single row where MKL on the weight is faster
+        count = x.numel() // x.shape[-1] if x.shape[-1] else 0  # the product's rows
+        if count == 1 and self.single == WEIGHT:  # a single row where MKL on the weight is faster
             return F.linear(x, self.weight, self.bias)
-        if 0 < rows < PAD_ROWS and self.single == PADDED:  # a few rows where a padded product is faster
-            return self._padded_product(x, rows)
+        if 0 < count < PAD_ROWS and self.single == PADDED:  # a few rows where a padded product is faster
+            return self._padded_product(x, count)
         rows = VALID_ROWS.get()
         if rows is not None and rows.covers(x):  # a padded prefill: the prompts' rows only
             return rows.scatter(self._packed_product(rows.select(x)), x.shape[:-1])
@@ -522,9 +522,9 @@ def probe(weights: list[torch.Tensor], copies: dict[str, list]) -> dict[str, flo
     ``copies`` maps a packed kind to the weights' packed copies (in order). Keys
     (:func:`probe_keys`): ``"weight@1"`` (MKL on the weight), ``"<kind>@1"`` (the packed copy),
     ``"<kind>@1pad"`` (the packed copy, the row repeated to ``PAD_ROWS`` rows). One untimed
-    warm-up pass of each, then ``PROBE_ROUNDS`` rounds in which the kernels take turns (in turn
-    reversed every other round, so a slow spell of the machine does not fall on one kernel); the
-    fastest round of each counts.
+    warm-up pass of each, then ``PROBE_ROUNDS`` rounds in which the kernels take turns (their
+    order reversed every other round, so a slow spell of the machine does not fall on one kernel);
+    the fastest round of each counts.
     """
     kernels = {"weight": lambda x, w, c: F.linear(x, w),
                ONEDNN: lambda x, w, c: torch.ops.mkldnn._linear_pointwise(x, c, None, "none", [], ""),
