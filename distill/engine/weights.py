@@ -338,9 +338,7 @@ class DualLinear(nn.Linear):
 
     def _padded_product(self, x: torch.Tensor, rows: int) -> torch.Tensor:
         """The product of ``rows`` < ``PAD_ROWS`` rows, multiplied as ``PAD_ROWS`` (the first row repeated), the padding's rows dropped."""
-        flat = x.reshape(rows, -1)
-        product = self._packed_product(torch.cat([flat, flat[:1].expand(PAD_ROWS - rows, -1)]))
-        return product[:rows].reshape(*x.shape[:-1], -1)
+        return self._packed_product(padded_rows(x.reshape(rows, -1)))[:rows].reshape(*x.shape[:-1], -1)
 
     def _packed_product(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight._version != self.packed_version:
@@ -510,6 +508,12 @@ def _fuse(members: list[DualLinear]) -> FusedLinears:
     return group
 
 
+def padded_rows(flat: torch.Tensor) -> torch.Tensor:
+    """``flat`` (rows < ``PAD_ROWS``, width) with its first row repeated after it up to ``PAD_ROWS`` rows: finite values,
+    and the first rows of the product are ``flat``'s own."""
+    return torch.cat([flat, flat[:1].expand(PAD_ROWS - flat.shape[0], -1)])
+
+
 def probe_keys(kinds) -> list[str]:
     """The keys of :func:`probe`'s answer for packed ``kinds``: ``"weight@1"``, then ``"<kind>@1"`` and ``"<kind>@1pad"`` each."""
     return ["weight@1"] + [f"{kind}@1{pad}" for kind in kinds for pad in ("", "pad")]
@@ -530,17 +534,16 @@ def probe(weights: list[torch.Tensor], copies: dict[str, list]) -> dict[str, flo
                ONEDNN: lambda x, w, c: torch.ops.mkldnn._linear_pointwise(x, c, None, "none", [], ""),
                VLLM: lambda x, w, c: c(x, None)}
     one = torch.randn(1, weights[0].shape[1], dtype=weights[0].dtype)
-    runs = {"weight@1": (kernels["weight"], 1, weights)}
+    runs = {"weight@1": (kernels["weight"], False, weights)}
     for kind, packed in copies.items():
-        runs[f"{kind}@1"] = (kernels[kind], 1, packed)
-        runs[f"{kind}@1pad"] = (kernels[kind], PAD_ROWS, packed)
+        runs[f"{kind}@1"] = (kernels[kind], False, packed)
+        runs[f"{kind}@1pad"] = (kernels[kind], True, packed)
 
     def one_pass(name):
-        kernel, rows, packed = runs[name]
+        kernel, pad, packed = runs[name]
         start = time.perf_counter()
         for w, c in zip(weights, packed):
-            x = one if rows == 1 else one.expand(rows, -1).contiguous()  # the padding's copy is part of its cost
-            kernel(x, w, c)
+            kernel(padded_rows(one) if pad else one, w, c)  # the padding's copy is part of its cost, as in a forward
         return time.perf_counter() - start
 
     names = list(runs)
