@@ -24,6 +24,10 @@ wall-clock at batch 1
     rows ``NAME@typical`` measured against plain decoding sampled the same way;
     ``--vllm-speculative JSON`` gives that vLLM a speculative config (its ``ngram`` prompt lookup,
     the counterpart of ``--lookup``).
+the union (``--union``, with ``--eagle`` and ``--lookup``)
+    rows ``eagle+NAME-policy / -full`` for every lookup row NAME: the EAGLE drafter's dynamic tree
+    and that lookup proposer's tree merged per row every step (:mod:`distill.engine.union`), the
+    full tree holding both full trees.
 """
 
 from __future__ import annotations
@@ -82,9 +86,9 @@ def depth_acceptance(accepted: list[int], depth: int) -> list[float]:
 
 
 def forget_all(engines: dict) -> None:
-    """Clear every lookup proposer's history of earlier replies."""
+    """Clear every lookup proposer's history of earlier replies (alone or in a union)."""
     for e in engines.values():
-        if isinstance(e.proposer, Lookup):
+        if hasattr(e.proposer, "forget"):
             e.proposer.forget()
 
 
@@ -101,6 +105,8 @@ def main() -> None:
                     help="with --lookup: also each lookup row with a history of this many tokens of the replies before it "
                          "(rows NAME+history-policy / -full; cleared after the warm-up and before the typical pass; the "
                          "other lookup rows have none)")
+    ap.add_argument("--union", action="store_true",
+                    help="with --eagle and --lookup: also every lookup row merged with the EAGLE drafter (rows eagle+NAME-*)")
     ap.add_argument("--medusa", type=Path, help="Medusa heads trained on the same data and budget (omit: EAGLE vs plain only)")
     ap.add_argument("--eval", type=Path, help="held-out dataset folder for teacher-forced per-depth acceptance")
     ap.add_argument("--eval-tokens", type=int, default=4000)
@@ -158,12 +164,18 @@ def main() -> None:
             for name in [k for k in configs if k.startswith("lookup")]:
                 base, kind = name.rsplit("-", 1)
                 configs[f"{base}+history-{kind}"] = configs[name]
+    if args.union and args.eagle and args.lookup:  # the drafter's tree and each lookup row's, merged
+        for name in [k for k in configs if k.startswith("lookup")]:
+            base = configs[name][1]
+            configs[f"eagle+{name}"] = (configs[name][0], EngineConfig(
+                max_batch=1, dtype="float32", device="cpu", speculate_max_batch=base.speculate_max_batch, **eagle_tree))
     configs = {k: v for k, v in configs.items() if v[0] is not None or k == "plain"}  # drafters not given: no rows
     if args.only:
         configs = {k: v for k, v in configs.items() if k == "plain" or re.search(args.only, k)}
     engines, stores = {}, {}
     for name, (folder, cfg) in configs.items():
         history = args.lookup_history if "+history" in name else 0
+        union = name.startswith("eagle+")
         if folder == LOOKUP:
             heads, tree = Lookup(max_nodes=args.lookup_nodes, history_tokens=history), None
         elif folder in args.lookup_data:
@@ -172,7 +184,10 @@ def main() -> None:
             result.setdefault("datastores", {})[name] = stores[folder].describe()
         else:
             heads, tree = load_heads(folder, cfg) if folder is not None else (None, None)
-        engines[name] = Engine(model, tok, heads, cfg, model_name=resolved.name, tree=tree)
+        lookup = None
+        if union:  # the lookup built above joins the drafter's proposer
+            lookup, (heads, tree) = heads, load_heads(args.eagle, cfg)
+        engines[name] = Engine(model, tok, heads, cfg, model_name=resolved.name, tree=tree, lookup=lookup)
     result["policy_nodes_at_batch_1"] = {k: e.tree_size_for(1) for k, e in engines.items() if k.endswith("policy")}
     result["step_costs"] = {k: e.step_costs.to_dict() for k, e in engines.items() if e.step_costs is not None}  # measured at start
     print("policy nodes at batch 1", result["policy_nodes_at_batch_1"], "step costs", result["step_costs"], flush=True)

@@ -536,6 +536,8 @@ HeadsOpt = Annotated[Optional[Path], typer.Option("--heads", help="Medusa heads 
 DraftNodesOpt = Annotated[Optional[int], typer.Option("--draft-nodes", help="EAGLE drafter or lookup: node budget of the dynamic tree (default: EAGLE 24, lookup 8).")]
 LookupDataOpt = Annotated[Optional[Path], typer.Option("--lookup-data", help="With --heads lookup: a dataset this model generated (`distill generate`); the n-grams of its replies draft beside the context's (MT-Bench with the bundled model: +5-10% tokens/step from 14k tokens of data, 10-25% from 316k; BENCHMARKS.md).")]
 LookupHistoryOpt = Annotated[Optional[int], typer.Option("--lookup-history", help="With --heads lookup: tokens of the replies already produced that later requests draft from, oldest dropped first (default 262144; 0: none). Greedy requests draft from it (their output never depends on drafts; a seeded sample stays reproducible); `distill bench` clears it before each pass. MT-Bench replayed in order: +10-12% tokens/step from the earlier replies (BENCHMARKS.md).")]
+LookupOpt = Annotated[Optional[bool], typer.Option("--lookup/--no-lookup", help="With --heads FOLDER (Medusa heads or an EAGLE-3 drafter): merge the lookup proposer's tree (n-gram matches in the context, --lookup-data, the earlier replies) into theirs every step; one verification forward holds both. --lookup-data and --lookup-history then apply to it.")]
+LookupNodesOpt = Annotated[Optional[int], typer.Option("--lookup-nodes", help="The lookup proposer's node budget, with --heads lookup or --lookup (default: --draft-nodes with --heads lookup, else 8).")]
 TreeOpt = Annotated[Optional[str], typer.Option("--tree", help="Verification tree: tree.json path, chain[-K], sparse-N, or Cartesian 3,2,2,1 (default: the heads' tree.json, else sparse-24).")]
 
 
@@ -565,6 +567,8 @@ def serve(
     draft_nodes: DraftNodesOpt = None,
     lookup_data: LookupDataOpt = None,
     lookup_history: LookupHistoryOpt = None,
+    lookup: LookupOpt = None,
+    lookup_nodes: LookupNodesOpt = None,
     acceptance: Annotated[Optional[str], typer.Option(help="Acceptance for sampled requests: typical | rejection | greedy (temperature 0 is always greedy, lossless).")] = None,
     typical_epsilon: Annotated[Optional[float], typer.Option(help="Typical acceptance epsilon.")] = None,
     typical_delta: Annotated[Optional[float], typer.Option(help="Typical acceptance delta.")] = None,
@@ -628,6 +632,8 @@ def bench(
     draft_nodes: DraftNodesOpt = None,
     lookup_data: LookupDataOpt = None,
     lookup_history: LookupHistoryOpt = None,
+    lookup: LookupOpt = None,
+    lookup_nodes: LookupNodesOpt = None,
     vllm: Annotated[Optional[bool], typer.Option("--vllm/--no-vllm", help="Also decode the greedy prompts with bare vLLM (in this process; the same model, dtype and max tokens) and report plain and speculative tok/s against it.")] = None,
     full_tree: Annotated[Optional[bool], typer.Option("--full-tree/--policy-tree", help="Verify the whole tree every step (speculation policy off): measures the tree itself.")] = None,
     compile: Annotated[Optional[bool], typer.Option("--compile/--no-compile", help="torch.compile the engine's single-token forwards, for plain and speculative runs alike (compiled before timing).")] = None,

@@ -90,14 +90,25 @@ def defaults(cls: type) -> dict:
     return {f.name: f.default for f in fields(cls) if f.default is not MISSING}
 
 
-def check_lookup_options(heads: object, lookup_data: object, lookup_history: int | None, engine: str = "distill") -> None:
-    """``--lookup-data`` / ``--lookup-history`` (``distill serve`` and ``distill bench``): the lookup proposer's own options."""
-    for option, value in (("--lookup-data", lookup_data), ("--lookup-history", lookup_history)):
+def check_lookup_options(heads: object, lookup_data: object, lookup_history: int | None, engine: str = "distill",
+                         lookup: bool = False, lookup_nodes: int | None = None) -> None:
+    """``--lookup-data`` / ``--lookup-history`` / ``--lookup-nodes`` / ``--lookup`` (``distill serve`` and ``distill bench``): the lookup
+    proposer's own options; ``--lookup`` merges its trees with the heads' or drafter's (``--heads FOLDER``)."""
+    if lookup:
+        if heads is None or str(heads) == "lookup":
+            raise ConfigError("--lookup merges the lookup proposer's trees with trained heads' or an EAGLE drafter's: "
+                              "give their folder with --heads (or --heads lookup alone)")
+        if engine == "vllm":
+            raise ConfigError("--lookup is for --engine distill: vLLM drafts with one method at a time")
+    for option, value in (("--lookup-data", lookup_data), ("--lookup-history", lookup_history), ("--lookup-nodes", lookup_nodes)):
         if value is None:
             continue
-        if str(heads) != "lookup":
-            raise ConfigError(f"{option} is the lookup proposer's option: it needs --heads lookup")
+        if str(heads) != "lookup" and not lookup:
+            raise ConfigError(f"{option} is the lookup proposer's option: it needs --heads lookup (or --lookup)")
         if engine == "vllm":
-            raise ConfigError(f"{option} is for --engine distill: vLLM's ngram method drafts from the context only")
+            raise ConfigError(f"{option} is for --engine distill: vLLM's ngram method drafts one chain from the context only "
+                              "(--num-speculative-tokens sets its length)")
+    if lookup_nodes is not None and lookup_nodes < 1:
+        raise ConfigError(f"--lookup-nodes must be >= 1; got {lookup_nodes}")
     if lookup_history is not None and lookup_history < 0:
         raise ConfigError(f"--lookup-history must be >= 0 tokens; got {lookup_history}")

@@ -164,7 +164,12 @@ def test_tiny_greedy_eagle_equals_plain_greedy_batched_and_joining(tiny):
     assert max(a for r in batched for a in r.accepted) >= 3  # the trees were accepted deep
     one = [engine.generate([p], sp)[0][0].token_ids for p in prompts]
     assert one == plain
-    # continuous batching: rows join and leave a running batch (draft state moved with them)
+    joining_rows_decode_as_plain(engine, prompts, plain)
+
+
+def joining_rows_decode_as_plain(engine, prompts, plain) -> None:
+    """Continuous batching: rows join a running batch three at a time and leave as they finish (the draft state moves
+    with them); each row's tokens equal its plain greedy ones."""
     run = engine.running_batch()
     done = {}
     for k in range(0, len(prompts), 3):

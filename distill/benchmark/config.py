@@ -46,6 +46,8 @@ class BenchConfig:
     draft_nodes: int | None = None  # EAGLE or lookup: node budget of the dynamic tree (None: the proposer's default)
     lookup_data: str | None = None  # lookup: a self-distilled dataset of this model as its datastore (engine.datastore)
     lookup_history: int | None = None  # lookup: tokens of earlier replies it drafts from (None: the default; cleared per pass)
+    lookup: bool = False  # with heads FOLDER: the lookup proposer's trees merged into the heads' or drafter's (engine.union)
+    lookup_nodes: int | None = None  # the lookup proposer's node budget, alone or merged (None: --draft-nodes / its default)
     vllm: bool = False  # also bare vLLM on the greedy prompts (the yardstick); needs the greedy mode
     full_tree: bool = False  # always verify the whole tree (policy off); default: the engine's policy decides per step
     compile: bool = False  # torch.compile the engine's single-token forwards (plain and speculative runs alike)
@@ -79,7 +81,7 @@ class BenchConfig:
             raise ConfigError(f"--modes must be a comma-separated subset of {', '.join(MODES)}; got {', '.join(self.modes) or 'nothing'}")
         if self.vllm and "greedy" not in self.modes:
             raise ConfigError("--vllm compares greedy decoding with bare vLLM's: add greedy to --modes")
-        check_lookup_options(self.heads, self.lookup_data, self.lookup_history)
+        check_lookup_options(self.heads, self.lookup_data, self.lookup_history, lookup=self.lookup, lookup_nodes=self.lookup_nodes)
         if self.limit is not None and self.limit < 1:
             raise ConfigError(f"--limit must be at least 1; got {self.limit}")
         if self.max_tokens < 1:

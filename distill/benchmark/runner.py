@@ -69,6 +69,23 @@ def chat_ids(tokenizer, messages, chat_template: str | None = None, template_kwa
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+def describe_proposer(proposer) -> str:
+    """What drafts, in words, for the results (the tree's source): Medusa's tree, EAGLE's dynamic tree, the lookup's
+    sources, or each part of a union."""
+    from distill.engine.union import Union
+
+    if isinstance(proposer, Union):
+        return " + ".join(describe_proposer(p) for p in proposer.parts) + " (their trees merged per row)"
+    if proposer.name == "medusa":
+        return f"medusa tree of {proposer.max_nodes} nodes ({proposer.tree.source})"
+    if proposer.name == "lookup":  # a tree of up to max_nodes nodes from n-gram matches in the context
+        store = f" and a datastore of {proposer.datastore.describe()}" if proposer.datastore is not None else ""
+        if proposer.history is not None:
+            store += f", and the replies before it in the pass (history of {proposer.history.max_tokens:,} tokens)"
+        return f"lookup (n-gram matches in the context{store}, depth {proposer.depth}, up to {proposer.max_nodes} nodes)"
+    return f"{proposer.name} dynamic (up to {proposer.max_nodes} nodes, depth {proposer.depth}, top-{proposer.topk})"
+
+
 class BenchRunner:
     """Loads the engine once; :meth:`run` measures every prompt in every mode, :meth:`sweep` the tree sizes."""
 
@@ -83,7 +100,7 @@ class BenchRunner:
                                 tree=config.tree, max_batch=1,
                                 speculate_max_batch=1 if config.full_tree else None, dtype=config.dtype, device=config.device,
                                 compile=config.compile, cuda_graphs=config.cuda_graphs, lookup_data=config.lookup_data,
-                                lookup_history=config.lookup_history,
+                                lookup_history=config.lookup_history, lookup=config.lookup, lookup_nodes=config.lookup_nodes,
                                 **({"draft_nodes": config.draft_nodes} if config.draft_nodes else {}))
             engine = Engine.from_pretrained(config.model, config.heads, ecfg)
             engine.warmup()  # compiles first (--compile): no run is timed with the compiler in it
@@ -148,16 +165,8 @@ class BenchRunner:
                     runs.append(self._vllm(p, ids) if mode == "vllm" else self._one(p, ids, acceptance, mode == "medusa", cfg.seed + i))
                 self.progress(f"{acceptance} {i + 1}/{len(prompts)} {p.id}")
         groups = summarize(runs)
-        tree, proposer = self.engine.tree, self.engine.proposer
-        if tree is not None:
-            nodes, source = len(tree.paths), tree.source
-        elif proposer.name == "lookup":  # a tree of up to max_nodes nodes from n-gram matches in the context
-            store = f" and a datastore of {proposer.datastore.describe()}" if proposer.datastore is not None else ""
-            if proposer.history is not None:
-                store += f", and the replies before it in the pass (history of {proposer.history.max_tokens:,} tokens)"
-            nodes, source = proposer.max_nodes, f"lookup (n-gram matches in the context{store}, depth {proposer.depth})"
-        else:  # EAGLE: a dynamic tree of up to max_nodes nodes, drafted per step
-            nodes, source = proposer.max_nodes, f"{proposer.name} dynamic (depth {proposer.depth}, top-{proposer.topk})"
+        proposer = self.engine.proposer
+        nodes, source = proposer.max_nodes, describe_proposer(proposer)
         return BenchResult(
             config=dict(cfg.to_dict(), device=str(self.engine.device), dtype=str(self.engine.dtype).removeprefix("torch."),
                         cuda_graphs=self.engine.graphs is not None),

@@ -70,6 +70,7 @@ from distill.engine.eagle import DEFAULT_DEPTH, DEFAULT_NODES, DEFAULT_TOPK, Eag
 from distill.engine.graphs import Graphs, cache_key
 from distill.engine.datastore import Datastore
 from distill.engine.lookup import Lookup
+from distill.engine.union import Union
 from distill.engine.medusa import Medusa
 from distill.engine.norms import prepare_norms
 from distill.engine.costs import measure_step_costs
@@ -177,6 +178,10 @@ class EngineConfig:
     lookup_data: str | None = None  # lookup: a self-distilled dataset of this model, indexed as its datastore
     lookup_history: int | None = None  # lookup: tokens of this engine's earlier replies it drafts from (None: the
     # proposer's DEFAULT_HISTORY_TOKENS; 0: none)
+    lookup: bool = False  # with Medusa heads or an EAGLE drafter: the lookup proposer's tree merged into theirs every step
+    # (engine.union; draft_nodes stays the drafter's)
+    lookup_nodes: int | None = None  # the lookup proposer's node budget, alone or merged (None: draft_nodes with heads
+    # "lookup", else its DEFAULT_NODES)
     draft_depth: int = DEFAULT_DEPTH  # EAGLE: depth D of the dynamic tree
     draft_topk: int = DEFAULT_TOPK  # EAGLE: K, nodes expanded per depth and children per expanded node
     sample_drafts: bool = True  # rejection mode, EAGLE: sampled rows' drafts drawn from q (multi-round speculative sampling); False: top-K point masses
@@ -212,6 +217,8 @@ class EngineConfig:
             raise ConfigError("compile and cuda_graphs are two ways to run the decoding step: choose one")
         if self.lookup_history is not None and self.lookup_history < 0:
             raise ConfigError(f"lookup_history must be >= 0 tokens; got {self.lookup_history}")
+        if self.lookup_nodes is not None and self.lookup_nodes < 1:
+            raise ConfigError(f"lookup_nodes must be >= 1; got {self.lookup_nodes}")
         if min(1 if self.draft_nodes is None else self.draft_nodes, self.draft_depth, self.draft_topk) < 1:
             raise ConfigError(f"draft_nodes, draft_depth and draft_topk must be >= 1; got {self.draft_nodes}, "
                               f"{self.draft_depth}, {self.draft_topk}")
@@ -317,8 +324,10 @@ class Engine:
         config: EngineConfig | None = None,
         model_name: str = "",
         tree: ResolvedTree | None = None,
+        lookup: Lookup | None = None,
     ):
-        """``tree``: Medusa's resolved tree; for an EAGLE drafter, its calibrated accuracy only (no paths)."""
+        """``tree``: Medusa's resolved tree; for an EAGLE drafter, its calibrated accuracy only (no paths). ``lookup``:
+        a lookup proposer whose trees are merged with the heads' or drafter's (:class:`~distill.engine.union.Union`)."""
         self.config = config or EngineConfig()
         self.model = model.eval()
         # the model's linear layers, prepared in place (values unchanged) where the rule says they multiply faster
@@ -340,8 +349,12 @@ class Engine:
         self.proposer: Proposer | None = None
         self._taus: dict[int, float] = {}
         self._proposal: dict[int, float] = {}
+        if lookup is not None and (heads is None or isinstance(heads, Lookup)):
+            raise ConfigError("a lookup proposer merges with Medusa heads or an EAGLE drafter: pass it as heads alone")
         if heads is not None:  # a Lookup drafts from the context: nothing to check against the model
             self.proposer = heads if isinstance(heads, Lookup) else self._proposer(heads, tree)
+            if lookup is not None:
+                self.proposer = Union([lookup, self.proposer])
             self._taus = self.proposer.taus()
             forward = self._forward_weights()
             self._proposal = {n: self.proposer.proposal_cost(n, forward) for n in self._taus}
@@ -376,7 +389,7 @@ class Engine:
         """
         self.graphs = graphs
         self.kv_pool = kv.SlotPool(self.kv_shape) if graphs is not None else None
-        if isinstance(self.proposer, Eagle):
+        if isinstance(self.proposer, (Eagle, Union)):
             self.proposer.use_graphs(graphs)
 
     def _keep_hidden(self, module, args, output) -> None:
@@ -429,16 +442,22 @@ class Engine:
         return Medusa(heads, tree or resolve_tree(self.config.tree, hc.num_heads), self.device)
 
     @property
+    def trained(self) -> Medusa | Eagle | None:
+        """The proposer of the Medusa heads or EAGLE drafter, alone or merged with the lookup's (None: neither)."""
+        parts = self.proposer.parts if isinstance(self.proposer, Union) else [self.proposer]
+        return next((p for p in parts if isinstance(p, (Medusa, Eagle))), None)
+
+    @property
     def heads(self) -> MedusaHeads | EagleDrafter | None:
-        """The Medusa heads or the EAGLE drafter (None: plain decoding only, or the lookup proposer)."""
-        if self.proposer is None or isinstance(self.proposer, Lookup):
-            return None
-        return self.proposer.heads if isinstance(self.proposer, Medusa) else self.proposer.drafter
+        """The Medusa heads or the EAGLE drafter (None: plain decoding only, or the lookup proposer alone)."""
+        p = self.trained
+        return None if p is None else p.heads if isinstance(p, Medusa) else p.drafter
 
     @property
     def tree(self) -> ResolvedTree | None:
         """Medusa's static tree (None for EAGLE, whose tree is drafted per step, and without heads)."""
-        return self.proposer.tree if isinstance(self.proposer, Medusa) else None
+        p = self.trained
+        return p.tree if isinstance(p, Medusa) else None
 
     @property
     def max_tree_size(self) -> int:
@@ -458,10 +477,13 @@ class Engine:
         config = config or EngineConfig()
         resolved = resolve_model(model)
         lookup = heads == LOOKUP
-        if config.lookup_data is not None and not lookup:
+        if config.lookup and (heads is None or lookup):
+            raise ConfigError(f"lookup merges the lookup proposer's trees with trained heads' or a drafter's: pass their "
+                              f"folder as heads (or heads '{LOOKUP}' alone)")
+        if config.lookup_data is not None and not (lookup or config.lookup):
             raise ConfigError(f"a lookup datastore ({config.lookup_data}) is for the lookup proposer: pass heads "
                               f"'{LOOKUP}' with it")
-        if config.lookup_history is not None and not lookup:
+        if config.lookup_history is not None and not (lookup or config.lookup):
             raise ConfigError(f"lookup_history is the lookup proposer's: pass heads '{LOOKUP}' with it")
         teacher = read_distill_meta(Path(heads)).get("teacher_dtype") if heads is not None and not lookup else None
         where = stage_dtype(resolved.path, config.device, config.dtype, teacher, what=f"the heads in {heads}")
@@ -469,17 +491,21 @@ class Engine:
         device = torch.device(config.device)
         lm = AutoModelForCausalLM.from_pretrained(resolved.path, dtype=config.torch_dtype).to(device).eval()
         tok = AutoTokenizer.from_pretrained(resolved.path)
-        if lookup:
+        lk = None
+        if lookup or config.lookup:
             store = None
             if config.lookup_data is not None:
                 record = model_record(resolved, lm.get_output_embeddings().weight.shape[0], None)
                 store = Datastore.from_dataset(config.lookup_data, record["vocab_size"], record["tokenizer_sha256"])
-            options = dict({"max_nodes": config.draft_nodes} if config.draft_nodes else {},
+            nodes = config.lookup_nodes or (config.draft_nodes if lookup else None)
+            options = dict({"max_nodes": nodes} if nodes else {},
                            **({"history_tokens": config.lookup_history} if config.lookup_history is not None else {}))
-            mh, tree = Lookup(**options, datastore=store), None
+            lk = Lookup(**options, datastore=store)
+        if lookup:
+            mh, tree, lk = lk, None, None
         else:
             mh, tree = load_heads(heads, config) if heads is not None else (None, None)
-        return cls(lm, tok, mh, config, model_name=resolved.name, tree=tree)
+        return cls(lm, tok, mh, config, model_name=resolved.name, tree=tree, lookup=lk)
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()

@@ -58,7 +58,7 @@ proposal cost
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -66,8 +66,8 @@ import torch
 from distill.engine.acceptance import Acceptance
 from distill.engine.datastore import Datastore, History
 from distill.engine.policy import candidate_sizes
-from distill.engine.proposer import Proposal
-from distill.engine.tree import build_buffers, row_buffers
+from distill.engine.proposer import Proposal, host_proposal
+from distill.engine.tree import build_buffers
 from distill.errors import ConfigError
 
 #: Tokens per step of this proposer for a budget of n nodes, measured on the bundled SmolLM2-135M-Instruct: greedy
@@ -212,30 +212,7 @@ class Lookup:
         """Each row's tree from its context (point masses whatever ``sampling`` says)."""
         n = min(nodes, self.max_nodes)
         trees = [_tree(self._weighted(ctx), n) for ctx in state.rows] if n >= 1 else [[] for _ in state.rows]
-        T = 1 + max(map(len, trees))
-        dev = root.device
-        if T == 1:
-            return Proposal(root[:, None], self._plain_on(dev))
-        parent, tokens, depth = [], [], []
-        for tree in trees:
-            par_b, tok_b, dep_b = [-1], [0], [0]
-            for p, tok in tree:  # parents come first: a node's depth is its parent's + 1
-                par_b.append(p)
-                tok_b.append(tok)
-                dep_b.append(dep_b[p] + 1)
-            taken = {tok for p, tok in tree if p == 0}  # filler: children of the root with tokens no sibling carries
-            tok_b += [x for x in range(T + len(taken)) if x not in taken][: T - len(par_b)]
-            par_b += [0] * (T - len(par_b))
-            dep_b += [1] * (T - len(dep_b))
-            parent.append(par_b)
-            tokens.append(tok_b)
-            depth.append(dep_b)
-        max_children = max(max(Counter(row[1:]).values()) for row in parent)
-        par = torch.tensor(parent, dtype=torch.long, device=dev)
-        dep = torch.tensor(depth, dtype=torch.long, device=dev)
-        tok = torch.tensor(tokens, dtype=torch.long, device=dev)
-        tok[:, 0] = root
-        return Proposal(tok, row_buffers(par, dep, int(dep.max()), max_children))
+        return host_proposal(root, trees, self._plain_on(root.device))
 
     def commit(self, state: LookupState, proposal: Proposal, features: torch.Tensor, acc: Acceptance, ends: list[int],
                lengths: list[int]) -> None:

@@ -38,13 +38,14 @@ also after plain steps (nodes = 0) so that a drafter's state follows every commi
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from distill.engine.acceptance import Acceptance
-from distill.engine.tree import TreeBuffers
+from distill.engine.tree import TreeBuffers, build_buffers, row_buffers
 
 
 @dataclass
@@ -103,4 +104,36 @@ class Proposer(Protocol):
         the step and accepted nodes per row (host)."""
 
 
-__all__ = ["DraftSampling", "DraftState", "Proposal", "Proposer"]
+def host_proposal(root: torch.Tensor, trees: list[list[tuple[int, int]]], plain: TreeBuffers | None = None) -> Proposal:
+    """The proposal of per-row trees drafted on the host: ``trees[b]`` lists (parent position, token) per node, parents
+    first (position 0 is the root). Rows with fewer nodes than the largest tree are padded to its size with filler
+    children of the root carrying tokens no sibling carries (lowest ids first): point-mass candidates like any other,
+    so acceptance stays exact and the batch keeps one tree size. No row drafting anything: a plain step (``plain``: the
+    empty tree's buffers on root's device, kept by the caller; built when None)."""
+    T = 1 + max(map(len, trees), default=0)
+    dev = root.device
+    if T == 1:
+        return Proposal(root[:, None], plain if plain is not None else build_buffers([]).to(dev))
+    parent, tokens, depth = [], [], []
+    for tree in trees:
+        par_b, tok_b, dep_b = [-1], [0], [0]
+        for p, tok in tree:  # parents come first: a node's depth is its parent's + 1
+            par_b.append(p)
+            tok_b.append(tok)
+            dep_b.append(dep_b[p] + 1)
+        taken = {tok for p, tok in tree if p == 0}
+        tok_b += [x for x in range(T + len(taken)) if x not in taken][: T - len(par_b)]
+        par_b += [0] * (T - len(par_b))
+        dep_b += [1] * (T - len(dep_b))
+        parent.append(par_b)
+        tokens.append(tok_b)
+        depth.append(dep_b)
+    max_children = max(max(Counter(row[1:]).values()) for row in parent)
+    par = torch.tensor(parent, dtype=torch.long, device=dev)
+    dep = torch.tensor(depth, dtype=torch.long, device=dev)
+    tok = torch.tensor(tokens, dtype=torch.long, device=dev)
+    tok[:, 0] = root
+    return Proposal(tok, row_buffers(par, dep, int(dep.max()), max_children))
+
+
+__all__ = ["DraftSampling", "DraftState", "Proposal", "Proposer", "host_proposal"]

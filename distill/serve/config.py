@@ -50,6 +50,8 @@ class ServeConfig:
     draft_nodes: int | None = None  # EAGLE drafter or lookup: node budget of the dynamic tree (None: the proposer's default)
     lookup_data: str | None = None  # lookup: a self-distilled dataset of this model as its datastore (engine.datastore)
     lookup_history: int | None = None  # lookup: tokens of the server's earlier replies it drafts from (None: the default)
+    lookup: bool = False  # with --heads FOLDER: the lookup proposer's trees merged into the heads' or drafter's (engine.union)
+    lookup_nodes: int | None = None  # the lookup proposer's node budget, alone or merged (None: --draft-nodes / its default)
     acceptance: str = "typical"
     typical_epsilon: float = 0.09
     typical_delta: float = 0.3
@@ -69,7 +71,7 @@ class ServeConfig:
             raise ConfigError(f"--engine must be one of {', '.join(ENGINES)}; got '{self.engine}'")
         if self.acceptance not in ACCEPTANCE:
             raise ConfigError(f"--acceptance must be one of {', '.join(ACCEPTANCE)}; got '{self.acceptance}'")
-        check_lookup_options(self.heads, self.lookup_data, self.lookup_history, self.engine)
+        check_lookup_options(self.heads, self.lookup_data, self.lookup_history, self.engine, self.lookup, self.lookup_nodes)
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be in 0..65535; got {self.port}")
         if self.host not in ("localhost",):

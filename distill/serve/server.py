@@ -59,7 +59,7 @@ def build_app(cfg: ServeConfig, worker_thread: bool = True):
         acceptance=cfg.acceptance, typical_epsilon=cfg.typical_epsilon, typical_delta=cfg.typical_delta,
         tree=cfg.tree, max_batch=cfg.engine_batch, dtype=cfg.dtype, device=cfg.device, step_cost_ratio=cfg.step_cost_ratio,
         adaptive=cfg.adaptive, compile=cfg.compile, cuda_graphs=cfg.cuda_graphs, lookup_data=cfg.lookup_data,
-        lookup_history=cfg.lookup_history, **({"draft_nodes": cfg.draft_nodes} if cfg.draft_nodes else {}),
+        lookup_history=cfg.lookup_history, lookup=cfg.lookup, lookup_nodes=cfg.lookup_nodes, **({"draft_nodes": cfg.draft_nodes} if cfg.draft_nodes else {}),
     )
     engine = Engine.from_pretrained(cfg.model, cfg.heads, engine_cfg)
     if getattr(engine.proposer, "datastore", None) is not None:
