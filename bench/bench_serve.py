@@ -88,9 +88,12 @@ def main() -> None:
     ap.add_argument("--heads", required=True)
     ap.add_argument("--model", default=None)
     ap.add_argument("--tree", default=None)
-    ap.add_argument("--lookup-data", default=None, help="with --heads lookup: the drafter server's datastore (--lookup-data)")
+    ap.add_argument("--lookup", action="store_true", help="with --heads FOLDER: the drafter server merges the lookup proposer's "
+                    "trees into the drafter's (--lookup)")
+    ap.add_argument("--lookup-nodes", type=int, default=None, help="the drafter server's --lookup-nodes")
+    ap.add_argument("--lookup-data", default=None, help="with --heads lookup or --lookup: the drafter server's datastore (--lookup-data)")
     ap.add_argument("--lookup-history", type=int, default=0,
-                    help="with --heads lookup: the drafter server's --lookup-history (default 0: the waves repeat the "
+                    help="with --heads lookup or --lookup: the drafter server's --lookup-history (default 0: the waves repeat the "
                          "same prompts, whose earlier replies a history would replay; bench_eagle.py measures it)")
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--rounds", type=int, default=2, help="requests per client thread")
@@ -108,7 +111,9 @@ def main() -> None:
         common += ["--model", args.model]
     engines = {"plain": common, "drafter": common + ["--heads", args.heads] + (["--tree", args.tree] if args.tree else [])
                + (["--lookup-data", args.lookup_data] if args.lookup_data else [])
-               + (["--lookup-history", str(args.lookup_history)] if args.heads == "lookup" else [])}
+               + (["--lookup"] if args.lookup else [])
+               + (["--lookup-nodes", str(args.lookup_nodes)] if args.lookup_nodes else [])
+               + (["--lookup-history", str(args.lookup_history)] if args.heads == "lookup" or args.lookup else [])}
     # Both servers stay up and the waves alternate (plain, drafter, drafter, plain, ...), so a
     # shared machine's load drifts hit both alike; an idle server costs memory, not CPU.
     servers = {name: start(extra, Path(f"/tmp/bench_serve_{name}.log")) for name, extra in engines.items()}

@@ -169,3 +169,14 @@ def test_bench_cli_runs_a_trained_drafter_with_the_lookup_merged_in(tmp_path_fac
     assert doc["tree"]["proposer"] == "lookup+eagle3" and doc["tree"]["nodes"] == 12  # the lookup's 4 and the drafter's 8
     assert "datastore" in doc["tree"]["source"] and "eagle3 dynamic" in doc["tree"]["source"]
     assert doc["config"]["lookup"] is True and {g["identical"] for g in doc["groups"]} == {1}
+
+
+def test_greedy_union_with_medusa_heads_equals_plain_greedy_on_mt_bench(hf_model, tokenizer, mt_prompts, mt_plain):
+    from test_engine_decoding import make_heads
+
+    heads = make_heads(hf_model, random_w1=True, seed=3)
+    engine = Engine(hf_model, tokenizer, heads, EngineConfig(tree="sparse-8", speculate_max_batch=8), lookup=Lookup(max_nodes=8))
+    assert engine.proposer.name == "lookup+medusa" and engine.heads is heads and len(engine.tree.paths) == 8
+    results, stats = engine.generate(mt_prompts, SamplingParams(max_tokens=MT_TOKENS))  # batch 3: Medusa's shared tree per row
+    assert [r.token_ids for r in results] == mt_plain
+    assert stats.tree_nodes > 8
