@@ -52,6 +52,7 @@ from distill.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from distill.engine.engine import LOOKUP, load_heads  # noqa: E402
 from distill.engine.datastore import Datastore  # noqa: E402
 from distill.engine.lookup import Lookup  # noqa: E402
+from distill.engine.union import Union  # noqa: E402
 from distill.store.atomic import atomic_write_bytes  # noqa: E402
 
 
@@ -259,6 +260,10 @@ def main() -> None:
                        mean_nodes=statistics.mean(n for r in rs for n in r["nodes_per_step"]))
         summary[name] = row
     result["summary"] = summary
+    result["unions"] = {k: {"acceptance_ratios": e.proposer.acceptance_ratios, "revision": e.proposer.revision,
+                            "shares": {str(n): list(ks) for n, ks in e.proposer.shares.items()},
+                            "policy_nodes_at_batch_1": e.tree_size_for(1)}
+                        for k, e in engines.items() if isinstance(e.proposer, Union)}  # where the measured acceptance left them
     result["runs"] = runs
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(Path(args.out), (json.dumps(result, indent=1) + "\n").encode())

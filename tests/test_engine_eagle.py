@@ -183,6 +183,26 @@ def joining_rows_decode_as_plain(engine, prompts, plain) -> None:
         assert done[k].token_ids == plain[k][: 8 + 2 * (k - k % 3)]
 
 
+def generate_watching_drafts(engine: Engine, eagle: Eagle, prompts, params):
+    """Generate, keeping each tree ``eagle`` drafts with its root's draft log-probabilities, and counting the drafter's
+    passes: (token ids per prompt, [(tree tokens, logp)], passes, stats)."""
+    drafts, passes = [], []
+
+    def spy(state, *args, **kwargs):
+        out = Eagle.propose(eagle, state, *args, **kwargs)  # catches up on the deferred steps first
+        drafts.append((out.tokens.clone(), state.logp.clone()))
+        return out
+
+    eagle.propose = spy
+    hook = eagle.drafter.register_forward_hook(lambda *a: passes.append(1))
+    try:
+        results, stats = engine.generate(prompts, params)
+    finally:
+        hook.remove()
+        del eagle.propose
+    return [r.token_ids for r in results], drafts, len(passes), stats
+
+
 @pytest.mark.usefixtures("one_torch_thread")
 def test_plain_steps_defer_the_drafters_catch_up_and_the_drafts_stay_the_same(tiny, monkeypatch):
     g = torch.Generator().manual_seed(5)
@@ -193,18 +213,8 @@ def test_plain_steps_defer_the_drafters_catch_up_and_the_drafts_stay_the_same(ti
         monkeypatch.setattr(eagle_module, "DEFER_STEPS", defer_steps)
         engine = tiny_engine(tiny)
         engine.config.speculate_max_batch = 1  # plain steps while 2 or 3 rows decode, trees once one is left
-        eagle, drafts, passes = engine.proposer, [], []
-
-        def spy(state, *args, **kwargs):
-            out = Eagle.propose(eagle, state, *args, **kwargs)  # catches up on the deferred steps first
-            drafts.append((out.tokens.clone(), state.logp.clone()))
-            return out
-
-        eagle.propose = spy
-        hook = eagle.drafter.register_forward_hook(lambda *a: passes.append(1))
-        results, _ = engine.generate(prompts, params)
-        hook.remove()
-        return [r.token_ids for r in results], drafts, len(passes)
+        tokens, drafts, passes, _ = generate_watching_drafts(engine, engine.proposer, prompts, params)
+        return tokens, drafts, passes
 
     tokens, drafts, passes = run(eagle_module.DEFER_STEPS)
     tokens_each, drafts_each, passes_each = run(1)  # a catch-up after every step, as before deferring

@@ -18,19 +18,40 @@ from distill.engine import Engine, EngineConfig, SamplingParams
 from distill.engine.eagle import Eagle
 from distill.engine.lookup import Lookup
 from distill.engine.proposer import host_proposal
-from distill.engine.union import Union, merge, paths, shares
+from distill.engine.union import REALLOCATE_EVERY, Union, allocate, merge, paths, union_tau
 from distill.errors import ConfigError
-from test_engine_eagle import build_tiny, bundled_drafter, joining_rows_decode_as_plain
+from test_engine_eagle import build_tiny, bundled_drafter, generate_watching_drafts, joining_rows_decode_as_plain
 from test_engine_sampling import ALPHA, CONT, SAMPLES, chi2_pvalue, exact_distribution
 
 
-def test_a_budget_is_shared_in_proportion_each_part_at_least_one_node_none_past_its_full_tree():
-    assert shares(32, [8, 24]) == [8, 24] and shares(100, [8, 24]) == [8, 24]  # the full tree: every part's own
-    assert shares(16, [8, 24]) == [4, 12] and shares(4, [8, 24]) == [1, 3]
-    assert shares(2, [8, 24]) == [1, 1] and shares(1, [8, 24]) == [1, 0] and shares(0, [8, 24]) == [0, 0]
-    for n in range(0, 40):
-        s = shares(n, [8, 24])
-        assert sum(s) == min(n, 32) and s[0] <= 8 and s[1] <= 24
+def test_the_union_s_expected_tokens_model_independent_geometric_parts():
+    assert union_tau([]) == 1.0 and union_tau([1.0, 1.0]) == 1.0
+    for t in (1.2, 1.87, 2.43, 4.0):  # one part: its own expectation (1 + q / (1 - q) = t)
+        assert union_tau([t]) == pytest.approx(t, rel=1e-6)
+        assert union_tau([t, 1.0]) == pytest.approx(t, rel=1e-6)  # a part that accepts nothing adds nothing
+    both = union_tau([2.426, 1.615])  # the lookup's and an EAGLE-3 drafter's full trees on MT-Bench (measured 2.73)
+    assert both == pytest.approx(2.753, abs=2e-3)
+    assert 2.426 < both < 2.426 + 0.615  # more than the better part, less than both parts' drafts summed
+    assert union_tau([1.5, 1.5, 1.5]) > union_tau([1.5, 1.5]) > 1.5
+
+
+def test_a_budget_goes_where_it_buys_the_most_tokens_per_unit_of_cost():
+    lookup = {32: 1.87, 16: 1.85, 8: 1.82, 4: 1.71, 2: 1.53, 1: 1.35}
+    drafter = {24: 1.87, 12: 1.75, 6: 1.62, 3: 1.51, 1: 1.33}
+    sizes = [32, 24]
+    assert allocate(56, [lookup, drafter], sizes) == (32, 24) and allocate(99, [lookup, drafter], sizes) == (32, 24)
+    assert allocate(0, [lookup, drafter], sizes) == (0, 0)
+    assert allocate(1, [lookup, drafter], sizes) == (1, 0)  # the better single node
+    free = {n: allocate(n, [lookup, drafter], sizes) for n in (2, 4, 8, 16, 32)}
+    assert free[2] == (1, 1) and free[4] == (2, 1) and free[8] == (4, 3) and free[32] == (8, 24)
+    assert all(k in (0, *t) for ks in free.values() for k, t in zip(ks, (lookup, drafter)))
+    # a drafter whose passes cost a fifth of a forward each: small budgets go to the free lookup alone
+    costly = [lambda k: 0.0, lambda k: 0.2 * {24: 5, 12: 4, 6: 3, 3: 2, 1: 1}[k]]
+    priced = {n: allocate(n, [lookup, drafter], sizes, costly) for n in (1, 2, 4, 8, 32)}
+    assert priced[1] == (1, 0) and priced[2] == (2, 0) and priced[4] == (4, 0) and priced[8] == (8, 0)
+    assert priced[32] == (32, 0)
+    cheap = [lambda k: 0.0, lambda k: 0.01]
+    assert allocate(4, [lookup, drafter], sizes, cheap) == (2, 1)  # cheap passes: both parts again
 
 
 def test_the_merged_tree_keeps_every_part_s_paths_once_parents_first():
@@ -79,6 +100,69 @@ def test_tiny_greedy_union_equals_plain_greedy_batched_and_joining(tiny):
     one = [engine.generate([p], sp)[0][0].token_ids for p in prompts]
     assert one == plain
     joining_rows_decode_as_plain(engine, prompts, plain)  # both parts' states move with the rows
+
+
+def test_the_engine_s_union_prices_each_size_by_its_parts_shares(tiny):
+    union = tiny_union(tiny).proposer
+    lookup, drafter = union.parts
+    assert union.forward_weights and union.shares[10] == (4, 6) and union.share(99) == (4, 6)  # the full tree
+    assert set(union.taus()) == {10, 5, 2, 1} | set(lookup.taus()) | set(drafter.taus())
+    for n, ks in union.shares.items():
+        assert sum(ks) <= n and all(k in (0, *p.taus()) for k, p in zip(ks, union.parts))
+        assert union.taus()[n] == pytest.approx(union_tau([p.taus()[k] for k, p in zip(ks, union.parts) if k]))
+        cost = sum(p.proposal_cost(k, union.forward_weights) for k, p in zip(ks, union.parts) if k)
+        assert union.proposal_cost(n, union.forward_weights) == pytest.approx(cost)
+    assert union.share(3) == union.shares[2] and union.share(0) == (0, 0)
+
+
+def test_measured_acceptance_moves_the_budget_to_the_part_that_earns_it(tiny):
+    union = Union([Lookup(max_nodes=4, depth=3), Lookup(max_nodes=4, depth=3)])  # two equal tables: shared alike
+    assert union.shares[2] == (1, 1) and union.acceptance_ratios == [1.0, 1.0] and union.revision == 0
+    rows = REALLOCATE_EVERY
+    for _ in range(3):  # the first part's paths hold the accepted drafts, the second's never do
+        drafted = [(0, 4, [{(5,), (5, 6), (5, 6, 1)}] * rows), (1, 4, [{(7,), (7, 2)}] * rows)]
+        union._credit(drafted, [[5, 6, 1]] * rows, [3] * rows)
+    first, second = union.acceptance_ratios
+    assert first > 1.5 and second < 0.3 and union.revision >= 1
+    assert union.shares[2] == (2, 0) and union.shares[4] == (4, 0) and union.shares[8] == (4, 4)  # full: both
+    assert union.taus()[4] == pytest.approx(union.part_taus()[0][4])
+    # the engine prices its sizes again when the revision moves: the policy's table is the union's new one
+    model, drafter = tiny
+    engine = Engine(model, None, drafter, EngineConfig(max_batch=2, draft_nodes=6, draft_depth=3, draft_topk=2, adaptive=True),
+                    model_name="tiny", lookup=Lookup(max_nodes=4, depth=3))
+    u = engine.proposer
+    u._credit([(0, 4, [{(5,), (5, 6)}] * rows)], [[5, 6]] * rows, [2] * rows)
+    assert u.revision == 1 and engine.policy.taus != u.taus()
+    engine.generate([[1, 2, 3, 1, 2, 3]], SamplingParams(max_tokens=4))
+    assert engine._revision == u.revision and engine.policy.taus == u.taus() == engine._taus
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_steps_the_drafter_has_no_share_of_defer_its_catch_up_and_its_drafts_stay_the_same(tiny, monkeypatch):
+    """Union steps of the lookup alone commit different lengths per row; the drafter catches up on them in one pass."""
+    from itertools import cycle
+
+    from distill.engine import eagle as eagle_module
+
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 8, (n,), generator=g).tolist() for n in (4, 9, 6)]
+    params = [SamplingParams(max_tokens=n) for n in (12, 20, 28)]
+
+    def run(defer_steps):
+        monkeypatch.setattr(eagle_module, "DEFER_STEPS", defer_steps)
+        engine = tiny_union(tiny)
+        turns = cycle([(4, 0), (4, 0), (4, 0), (4, 6)])  # three steps of the lookup alone, then both
+        engine.proposer.share = lambda nodes: next(turns)
+        return generate_watching_drafts(engine, engine.proposer.parts[1], prompts, params)
+
+    tokens, drafts, passes, stats = run(eagle_module.DEFER_STEPS)
+    tokens_each, drafts_each, passes_each, _ = run(1)  # a catch-up after every step
+    plain = [tiny_union(tiny).generate([p], sp, speculative=False)[0][0].token_ids for p, sp in zip(prompts, params)]
+    assert tokens == tokens_each == plain and len(drafts) == len(drafts_each) > 2
+    assert len({a for step in stats.accepted_per_step for a in step}) > 1  # rows committed different lengths
+    for (tree, logp), (tree_each, logp_each) in zip(drafts, drafts_each):
+        assert torch.equal(tree, tree_each) and torch.allclose(logp, logp_each, atol=1e-5)
+    assert passes_each - passes >= 4  # the lookup's steps: caught up in one pass before the drafter's next tree
 
 
 @pytest.mark.usefixtures("one_torch_thread")

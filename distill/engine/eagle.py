@@ -35,13 +35,15 @@ sampled tree (rejection sampling of sampled rows)
     own draws, which multi-round speculative sampling with q needs to stay lossless
     (:func:`~distill.engine.acceptance.rejection_accept` with ``draft``).
 deferred catch-up
-    a plain step (the policy chose no tree) commits one token per row; its catch-up is kept
-    (the next token and the feature) instead of run, and the kept steps are caught up in one
-    drafter pass before the next draft, before rows leave or join, or after
-    :data:`DEFER_STEPS` steps. Rows then commit the same tokens at consecutive positions, so
-    one pass over them is the same computation as one pass per step, and a server whose
-    batches run plain steps (the policy finds no tree pays at that batch) does not read the
-    drafter's weights every step.
+    a step the drafter did not draft for (a plain step: the policy chose no tree; or a
+    union's step whose budget went to the other parts) has its catch-up kept (the committed
+    tokens' next tokens and features) instead of run, and the kept steps are caught up in
+    one drafter pass before the next draft, before rows leave or join, after
+    :data:`DEFER_STEPS` steps, or before the rows' padding in that pass would outgrow the
+    scratch slots. Rows commit their tokens at consecutive positions, so one pass over them
+    is the same computation as one pass per step, and a server whose batches run plain steps
+    (the policy finds no tree pays at that batch) does not read the drafter's weights every
+    step.
 proposal cost ``h(N)``
     weights the drafter reads per step, D passes (the catch-up and D - 1 expansions) of its
     layer, fc and draft LM head, over the weights of one target forward.
@@ -67,7 +69,7 @@ DEFAULT_NODES, DEFAULT_DEPTH, DEFAULT_TOPK = 24, 5, 8
 #: the target's token given a correct prefix, top-1 0.6 at every depth (EAGLE reports 0.6-0.8 on 7B chat models),
 #: halving per rank. Used only by the policy's expected tokens per step.
 DEFAULT_TOP1, DEFAULT_RANK_DECAY = 0.6, 0.5
-#: Plain steps whose catch-up waits for one pass at most (module docstring: deferred catch-up).
+#: Steps whose catch-up waits for one pass at most (module docstring: deferred catch-up).
 DEFER_STEPS = 32
 
 
@@ -84,9 +86,12 @@ class EagleState:
         self.eagle = eagle
         self.feature: torch.Tensor | None = None  # (B, H): the drafter output at the last committed position
         self.logp: torch.Tensor | None = None  # (B, Vd) float32: its draft log-probabilities (the depth-1 draft)
-        self.deferred: list[tuple[torch.Tensor, torch.Tensor]] = []  # plain steps not caught up: (B, 1) next, (B, 1, A·H)
+        # steps not caught up: next tokens (B, Q), features (B, Q, A·H), committed per row (B,) (None: Q, every row)
+        self.deferred: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
         self.deferred_start: torch.Tensor | None = None  # (B,): the first deferred step's position per row
         self.deferred_window = 0  # host: the longest row's committed length at the first deferred step
+        self.deferred_padding = 0  # host: Σ (Q - 1) of the deferred steps, what a row's padding can reach
+        self.proposed = False  # this step's tree is (partly) the drafter's: its catch-up runs now
 
     def keep(self, rows: list[int], used: int) -> None:
         self.eagle.catch_up_deferred(self)
@@ -171,36 +176,63 @@ class Eagle:
                lengths: list[int]) -> None:
         """Catch up on the root and the accepted nodes with the verification's features (B, T, A·H).
 
-        A plain step's catch-up is deferred (module docstring).
+        A step the drafter did not draft for has its catch-up deferred (module docstring).
         """
+        proposed, state.proposed = state.proposed, False
         if proposal.buffers.nodes == 0:  # one token per row, at position ends[b]; the next token is the new root
-            if not state.deferred:
-                state.deferred_start = torch.tensor(ends, dtype=torch.long, device=features.device)
-                state.deferred_window = max(ends)
-            state.deferred.append((acc.next_token[:, None], features[:, :1]))
-            if len(state.deferred) >= DEFER_STEPS:
-                self.catch_up_deferred(state)
+            nxt, feats, count = acc.next_token[:, None], features[:, :1], None
+        else:
+            Q = max(lengths) + 1
+            path = acc.path[:, :Q]  # (B, Q): root, a_1..a_L, then don't-care
+            committed = proposal.tokens.gather(1, path)  # (B, Q)
+            nxt = torch.cat([committed[:, 1:], committed[:, :1]], dim=1)  # the token after each committed one
+            nxt.scatter_(1, acc.length[:, None], acc.next_token[:, None])  # after a_L: the next token (the new root)
+            feats = features.gather(1, path[:, :, None].expand(-1, -1, features.shape[-1]))  # (B, Q, A·H)
+            count = acc.length + 1
+        if proposed:
+            self.catch_up_deferred(state)
+            start = torch.tensor(ends, dtype=torch.long, device=nxt.device)
+            self._catch_up(state, nxt, feats, start, count if count is not None else torch.ones_like(start),
+                           max(ends) + nxt.shape[1])
             return
-        self.catch_up_deferred(state)
-        Q = max(lengths) + 1
-        path = acc.path[:, :Q]  # (B, Q): root, a_1..a_L, then don't-care
-        committed = proposal.tokens.gather(1, path)  # (B, Q)
-        nxt = torch.cat([committed[:, 1:], committed[:, :1]], dim=1)  # the token after each committed one
-        nxt.scatter_(1, acc.length[:, None], acc.next_token[:, None])  # after a_L: the next token (the new root)
-        feats = features.gather(1, path[:, :, None].expand(-1, -1, features.shape[-1]))  # (B, Q, A·H)
-        start = torch.tensor(ends, dtype=torch.long, device=path.device)
-        self._catch_up(state, nxt, feats, start, acc.length + 1, max(ends) + Q)
+        if state.deferred and state.deferred_padding + nxt.shape[1] - 1 > self.scratch:
+            self.catch_up_deferred(state)  # the rows' padding in one pass would outgrow the scratch slots
+        if not state.deferred:
+            state.deferred_start = torch.tensor(ends, dtype=torch.long, device=features.device)
+            state.deferred_window = max(ends)
+            state.deferred_padding = 0
+        state.deferred.append((nxt, feats, count))
+        state.deferred_padding += nxt.shape[1] - 1
+        if len(state.deferred) >= DEFER_STEPS:
+            self.catch_up_deferred(state)
 
     def catch_up_deferred(self, state: EagleState) -> None:
-        """One drafter pass over the plain steps whose catch-up was deferred (none: nothing to do)."""
+        """One drafter pass over the steps whose catch-up was deferred (none: nothing to do): each row's committed
+        tokens of those steps, one after the other, padded to the longest row's."""
         if not state.deferred:
             return
-        nxt = torch.cat([n for n, _ in state.deferred], dim=1)  # (B, P)
-        feats = torch.cat([f for _, f in state.deferred], dim=1)  # (B, P, A·H)
-        P = nxt.shape[1]
-        state.deferred = []
-        count = torch.full((nxt.shape[0],), P, dtype=torch.long, device=nxt.device)
-        self._catch_up(state, nxt, feats, state.deferred_start, count, state.deferred_window + P)
+        steps, state.deferred = state.deferred, []
+        B, dev = steps[0][0].shape[0], steps[0][0].device
+        if all(c is None for _, _, c in steps):  # every row committed every step's Q tokens: columns side by side
+            nxt = torch.cat([n for n, _, _ in steps], dim=1)  # (B, P)
+            feats = torch.cat([f for _, f, _ in steps], dim=1)  # (B, P, A·H)
+            count = torch.full((B,), nxt.shape[1], dtype=torch.long, device=dev)
+        else:
+            counts = [c if c is not None else torch.full((B,), n.shape[1], dtype=torch.long, device=dev) for n, _, c in steps]
+            width = sum(n.shape[1] for n, _, _ in steps)  # column `width`: where the rows' padding lands, then dropped
+            nxt = torch.zeros(B, width + 1, dtype=torch.long, device=dev)
+            feats = torch.zeros(B, width + 1, steps[0][1].shape[-1], dtype=steps[0][1].dtype, device=dev)
+            offset = torch.zeros(B, dtype=torch.long, device=dev)
+            for (n, f, _), c in zip(steps, counts):
+                j = torch.arange(n.shape[1], device=dev)[None]  # (1, Q)
+                at = torch.where(j < c[:, None], offset[:, None] + j, width)  # (B, Q): each row's next positions
+                nxt.scatter_(1, at, n)
+                feats.scatter_(1, at[:, :, None].expand(-1, -1, f.shape[-1]), f)
+                offset = offset + c
+            count = offset
+            P = int(count.max())
+            nxt, feats = nxt[:, :P], feats[:, :P]
+        self._catch_up(state, nxt, feats, state.deferred_start, count, state.deferred_window + nxt.shape[1])
 
     def _catch_up(self, state: EagleState, nxt: torch.Tensor, features: torch.Tensor, start: torch.Tensor,
                   count: torch.Tensor, window: int, graphed: bool = True) -> None:
@@ -247,6 +279,7 @@ class Eagle:
         ``sampling`` given: the sampled tree (module docstring), with each node's draft distribution.
         """
         self.catch_up_deferred(state)
+        state.proposed = True
         N, D, K = self.shape(nodes)
         B, dev = root.shape[0], root.device
         S = (D - 1) * K  # scratch slots used

@@ -348,16 +348,15 @@ class Engine:
         self._plain = build_buffers([]).to(self.device)
         self.proposer: Proposer | None = None
         self._taus: dict[int, float] = {}
+        self._revision = 0  # the proposer's revision the tables were read at
         self._proposal: dict[int, float] = {}
         if lookup is not None and (heads is None or isinstance(heads, Lookup)):
             raise ConfigError("a lookup proposer merges with Medusa heads or an EAGLE drafter: pass it as heads alone")
         if heads is not None:  # a Lookup drafts from the context: nothing to check against the model
             self.proposer = heads if isinstance(heads, Lookup) else self._proposer(heads, tree)
             if lookup is not None:
-                self.proposer = Union([lookup, self.proposer])
-            self._taus = self.proposer.taus()
-            forward = self._forward_weights()
-            self._proposal = {n: self.proposer.proposal_cost(n, forward) for n in self._taus}
+                self.proposer = Union([lookup, self.proposer], forward_weights=self._forward_weights())
+            self._price()
         self.step_costs: StepCosts | None = None  # the measured curve the policy prices trees with (None: the line)
         measure = self.config.measured_costs
         if measure is None:
@@ -515,6 +514,16 @@ class Engine:
             elif isinstance(src, (list, tuple)):
                 ids.update(int(x) for x in src)
         return ids
+
+    def _price(self) -> None:
+        """The policy's tables from the proposer: expected tokens and proposal cost per tree size (again when a union's
+        measured acceptance moved its shares: ``revision``)."""
+        self._revision = getattr(self.proposer, "revision", 0)
+        self._taus = self.proposer.taus()
+        forward = self._forward_weights()
+        self._proposal = {n: self.proposer.proposal_cost(n, forward) for n in self._taus}
+        if getattr(self, "policy", None) is not None:
+            self.policy.retable(self._taus, self._proposal)
 
     def _forward_weights(self) -> int:
         """Weights one forward reads: every parameter once, an untied input embedding not at all (it is looked up)."""
@@ -847,6 +856,8 @@ class _Batch:
         if speculative:
             with record_function("distill.commit"):
                 e.proposer.commit(self.draft, proposal, features, acc, self.ends, lengths_acc)
+            if getattr(e.proposer, "revision", 0) != e._revision:  # a union moved its shares: price the sizes again
+                e._price()
         stats.steps += 1
         stats.tree_nodes = max(stats.tree_nodes, buf.nodes)
         stats.tree_nodes_per_step.append(buf.nodes)

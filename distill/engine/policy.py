@@ -197,11 +197,20 @@ class AdaptivePolicy:
         self.probe_every = probe_every
         self.min_gain = min_gain
         self._decay = 0.5 ** (1.0 / halflife)
+        self._prior = prior
         self._accepted = prior  # Σ accepted candidates (decayed), pseudo-tokens included
         self._predicted = prior  # Σ (τ(n) − 1) of the same steps
         self._cost: dict[tuple[int, int], float] = {}  # (batch, nodes) -> EMA step seconds
         self._seen: dict[tuple[int, int], int] = {}  # steps observed per pair (the first is skipped)
         self._steps: dict[int, int] = {}  # steps decided per batch size (probe clock)
+
+    def retable(self, taus: dict[int, float], proposal_cost: dict[int, float] | None = None) -> None:
+        """New calibrated tables (a union's shares moved with its parts' measured acceptance): ρ starts again from the
+        prior, as it measured against the old table; the measured step times stay (each size's moves on)."""
+        self.taus = dict(taus)
+        self.proposal_cost = dict(proposal_cost or {})
+        self.sizes = sorted({0, *self.taus})
+        self._accepted = self._predicted = self._prior
 
     # -- predictions ---------------------------------------------------------------------------
     @property
