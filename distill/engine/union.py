@@ -35,7 +35,7 @@ expected tokens per step
     probability ``q^d``, ``q = m / (1 + m)``, and the union at least ``d`` unless every part
     falls short: ``τ = 1 + Σ_d (1 − Π (1 − q_i^d))`` (:func:`union_tau`). Measured on MT-Bench
     (the lookup's 32 nodes 2.43 tokens/step, an EAGLE-3 drafter's 24 nodes 1.62) it predicts
-    2.76 for the union, which measured 2.73 (BENCHMARKS.md, issue 14).
+    2.75 for the union, which measured 2.73 (BENCHMARKS.md, issue 14).
 proposal cost
     the parts' costs at their shares, summed.
 measured acceptance
@@ -167,7 +167,6 @@ class Union:
         part_taus = [p.taus() for p in parts]
         costs = [(lambda k, p=p: p.proposal_cost(k, forward_weights)) for p in parts] if forward_weights else None
         keys = {n for n in candidate_sizes(self.max_nodes) if n} | {k for t in part_taus for k in t if k}
-        #: per tree size the policy may choose: each part's share (module docstring: budget)
         self._keys, self._sizes, self._costs = sorted(keys), sizes, costs
         self._part_taus = part_taus  # each part's own table; the measured ratios scale it
         self._credited = [PRIOR] * len(parts)  # Σ drafts each part would have had accepted (decayed, prior included)
