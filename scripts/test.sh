@@ -14,5 +14,5 @@ workers="${DISTILL_TEST_WORKERS:-$(( cores >= 2 ? 2 : 0 ))}"
 threads=$(( workers > 0 ? cores / workers : cores ))
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( threads > 0 ? threads : 1 ))}" VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-2}"
 xdist=()
-if [ "$workers" -gt 0 ]; then xdist=(-n "$workers" --dist loadgroup); fi
+if [ "$workers" -gt 0 ]; then xdist=(-n "$workers" --dist loadgroup --no-loadscope-reorder); fi  # tests/conftest.py orders
 exec "${DISTILL_VENV:-.venv}/bin/python" -m pytest -q --durations=30 "${xdist[@]}" "$@"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -132,22 +133,46 @@ def hf_model(model_dir):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
+def built_once(tmp_path_factory, name: str, build) -> Path:
+    """``build(folder)`` once per test run, the folder shared read-only by every pytest-xdist worker.
+
+    The first worker to ask builds it under a file lock in the run's common temp folder; the
+    other finds it there (or waits for it) instead of building its own copy. A build that
+    fails leaves no mark: the next to ask builds it again.
+    """
+    from filelock import FileLock
+
+    if not os.environ.get("PYTEST_XDIST_WORKER"):  # one process: a folder of its own
+        out = tmp_path_factory.mktemp(name) / name
+        build(out)
+        return out
+    root = tmp_path_factory.getbasetemp().parent / f"built-once-{name}"
+    with FileLock(f"{root}.lock"):
+        if not (root / ".built").exists():
+            shutil.rmtree(root, ignore_errors=True)
+            build(root / name)
+            (root / ".built").touch()
+    return root / name
+
+
 @pytest.fixture(scope="session")
-def real_shards(tmp_path_factory, vllm_backend) -> Path:
+def real_shards(tmp_path_factory, request) -> Path:
     """A small self-distilled dataset made by the real generator and engine, shared read-only.
 
     16 ShareGPT conversations (multi-turn replay, temperature 0.7, up to 64 new
     tokens a turn, teacher k=20) in shards of 6 rows: 3 shards. Tests that modify
-    a dataset copy it first (``shutil.copytree``).
+    a dataset copy it first (``shutil.copytree``). Made once per run (:func:`built_once`:
+    ~40 s of one core here), by the session's vLLM engine of the worker that made it.
     """
     from distill.generate import GenerateConfig, Generator
 
-    out = tmp_path_factory.mktemp("real-shards") / "sharegpt"
-    cfg = GenerateConfig(seed="sharegpt", out=str(out), limit=16, shard_size=6, max_new_tokens=64, temperature=0.7,
-                         dtype="float32", sampling_seed=0)
-    summary = Generator(cfg, backend=vllm_backend).run()
-    assert summary.generated == 16 and summary.balanced
-    return out
+    def build(out: Path) -> None:
+        cfg = GenerateConfig(seed="sharegpt", out=str(out), limit=16, shard_size=6, max_new_tokens=64, temperature=0.7,
+                             dtype="float32", sampling_seed=0)
+        summary = Generator(cfg, backend=request.getfixturevalue("vllm_backend")).run()
+        assert summary.generated == 16 and summary.balanced
+
+    return built_once(tmp_path_factory, "sharegpt", build)
 
 
 @pytest.fixture()
@@ -259,13 +284,14 @@ TRAINED_HEADS_OPTIONS = dict(heads=2, share_lm_head=True, max_len=64, batch_size
 
 @pytest.fixture(scope="session")
 def trained_heads(tmp_path_factory, real_shards) -> Path:
-    """Medusa-1 heads (K=2, shared LM head) trained for 12 steps on ``real_shards``; read-only."""
+    """Medusa-1 heads (K=2, shared LM head) trained for 12 steps on ``real_shards``; read-only, made once per run."""
     from distill.train import TrainConfig, train
 
-    out = tmp_path_factory.mktemp("trained-heads") / "heads"
-    summary = train(TrainConfig(data=str(real_shards), out=str(out), **TRAINED_HEADS_OPTIONS))
-    assert summary.steps == TRAINED_HEADS_OPTIONS["steps"] and not summary.stopped_early
-    return out
+    def build(out: Path) -> None:
+        summary = train(TrainConfig(data=str(real_shards), out=str(out), **TRAINED_HEADS_OPTIONS))
+        assert summary.steps == TRAINED_HEADS_OPTIONS["steps"] and not summary.stopped_early
+
+    return built_once(tmp_path_factory, "heads", build)
 
 
 # -- a real vLLM OpenAI server (the openai backend's tests) ------------------------------------
@@ -334,11 +360,21 @@ _SERVER = pytest.StashKey[VLLMServer]()
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(session, config, items):
     """For `-n 2` (scripts/test.sh): the README walkthrough, a quarter of the suite on its own, starts first so the
-    other worker runs everything else beside it; the session vLLM server's users share one worker (one server)."""
+    other worker runs everything else beside it; the session vLLM server's users share one worker (one server), and
+    so do a module's tests that use a module-scoped fixture (a server, an engine: built once, not once per worker).
+    scripts/test.sh keeps this order (``--no-loadscope-reorder``)."""
     items.sort(key=lambda item: item.nodeid.split("::")[0] != "tests/test_readme.py")  # stable: the rest keep their order
     for item in items:
         if "vllm_server" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group("vllm_server"))
+        elif _uses_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
+def _uses_module_fixture(item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    defs = getattr(info, "name2fixturedefs", {}) if info is not None else {}
+    return any(d[-1].scope in ("module", "class") for d in defs.values() if d)
 
 
 def pytest_runtest_teardown(item, nextitem):

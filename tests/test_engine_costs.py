@@ -2,7 +2,8 @@
 
 A CPU forward's cost is not the line 1 + r·(m − 1): it stays near one row's cost for a few rows and then climbs
 (engine.costs). The engine times forwards of the rows its trees can take when it starts on a CPU, and the policy
-prices trees with that curve (distill.engine.policy.StepCosts).
+prices trees with that curve (distill.engine.policy.StepCosts). The curve is kept per machine, model shapes and
+kernels ($DISTILL_HOME/step-costs) and timed again only where one of them changed.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import json
 import pytest
 
 from distill.engine import Engine, EngineConfig
-from distill.engine.costs import measure_step_costs
+import distill.engine.costs as costs_module
+from distill.engine.costs import cost_key, measure_step_costs, step_costs
 from distill.engine.lookup import DEFAULT_TAUS, Lookup
 from distill.engine.policy import AdaptivePolicy, StepCosts, choose_tree_size, step_cost
 
@@ -57,3 +59,39 @@ def test_the_engine_measures_the_curve_on_a_cpu_unless_given_a_line(hf_model, to
     off = Engine(hf_model, tokenizer, Lookup(max_nodes=8), EngineConfig(max_batch=1, device="cpu", measured_costs=False))
     assert off.step_costs is None
     assert Engine(hf_model, tokenizer, None, EngineConfig(max_batch=1, device="cpu")).step_costs is None  # no proposer
+
+
+def test_a_curve_is_timed_once_per_machine_model_and_rows_and_read_back_after(hf_model, tokenizer, tmp_path, monkeypatch):
+    cache = tmp_path / "step-costs"
+    first = step_costs(hf_model, max_nodes=2, max_batch=1, setup={"kernels": "a"}, cache=cache, repeats=1)
+    assert first.source is None and sorted(first.points) == [1, 2, 3]  # timed now
+    kept = list(cache.glob("*.json"))
+    assert len(kept) == 1 and json.loads(kept[0].read_text())["key"] == json.loads(json.dumps(
+        cost_key(hf_model, 2, 1, {"kernels": "a"}, repeats=1)))
+
+    timed = []
+    real = costs_module.tree_step_rounds
+    monkeypatch.setattr(costs_module, "tree_step_rounds", lambda *a, **k: timed.append(1) or real(*a, **k))
+    again = step_costs(hf_model, max_nodes=2, max_batch=1, setup={"kernels": "a"}, cache=cache, repeats=1)
+    assert not timed and again.source == str(kept[0]) and again.points == first.points  # read back, nothing timed
+    # another kernel set-up, more rows (a larger batch) or more threads: another machine for the curve, timed anew
+    assert step_costs(hf_model, 2, 1, {"kernels": "b"}, cache=cache, repeats=1).source is None and len(timed) == 1
+    assert step_costs(hf_model, 2, 4, {"kernels": "a"}, cache=cache, repeats=1).source is None and len(timed) == 2
+    assert cost_key(hf_model, 2, 1)["rows"] == [1, 2, 3] and cost_key(hf_model, 2, 4)["rows"] == [1, 2, 3, 5, 9]
+    assert len(list(cache.glob("*.json"))) == 3
+    # a damaged file is timed again and replaced, not an error
+    kept[0].write_text("{not json")
+    assert step_costs(hf_model, 2, 1, {"kernels": "a"}, cache=cache, repeats=1).source is None and len(timed) == 3
+    assert step_costs(hf_model, 2, 1, {"kernels": "a"}, cache=cache, repeats=1).source == str(kept[0]) and len(timed) == 3
+    assert step_costs(hf_model, 2, 1, cache=None, repeats=1).source is None and len(timed) == 4  # no folder: always timed
+
+    # the engine keeps its curve in $DISTILL_HOME/step-costs: a second engine on this machine reads it
+    monkeypatch.setenv("DISTILL_HOME", str(tmp_path / "home"))
+    config = EngineConfig(max_batch=1, dtype="float32", device="cpu")
+    one = Engine(hf_model, tokenizer, Lookup(max_nodes=4), config)
+    two = Engine(hf_model, tokenizer, Lookup(max_nodes=4), config)
+    assert one.step_costs.source is None and two.step_costs.source.startswith(str(tmp_path / "home" / "step-costs"))
+    assert two.step_costs.points == one.step_costs.points and len(timed) == 5
+    fresh = Engine(hf_model, tokenizer, Lookup(max_nodes=4), EngineConfig(max_batch=1, dtype="float32", device="cpu",
+                                                                            cached_costs=False))
+    assert fresh.step_costs.source is None and len(timed) == 6

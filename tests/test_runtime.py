@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 
 import pytest
@@ -117,10 +118,19 @@ def test_vllm_on_cpu_runs_its_engine_core_in_process_offline_only():
     assert runtime.configure_vllm("cuda", offline=True) == {}  # GPUs keep vLLM's defaults
 
 
-def test_distill_env_names_the_cpu_and_each_stage_dtype():
-    r = subprocess.run([DISTILL, "env"], capture_output=True, text=True, timeout=300)
+def test_distill_env_names_the_cpu_and_each_stage_dtype(tmp_path):
+    from distill.models import distill_home, resolve_model
+
+    resolve_model(None)  # converted in the suite's home, which this one links to
+    home = tmp_path / "home"
+    (home / "step-costs").mkdir(parents=True)
+    (home / "models").symlink_to(distill_home() / "models", target_is_directory=True)
+    for name in ("a.json", "b.json"):  # the engine's kept step-cost curves are counted
+        (home / "step-costs" / name).write_text("{}")
+    r = subprocess.run([DISTILL, "env"], capture_output=True, text=True, timeout=300, env=dict(os.environ, DISTILL_HOME=str(home)))
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
+    assert f"- DISTILL_HOME: {home} (2 step-cost curves kept in step-costs/" in r.stdout
     cpu = runtime.cpu_info()
     assert any(line.startswith("- CPU: ") and cpu.model in line for line in lines)
     # the bundled model is float32: every stage picks float32, on any CPU (and on a GPU)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -62,11 +63,11 @@ def heads_dir(tmp_path_factory, model_dir) -> Path:
 
 
 class Server:
-    def __init__(self, args: list[str], log: Path):
+    def __init__(self, args: list[str], log: Path, log_level: str = "warning"):
         self.port = free_port()
         self.log = log
         env = dict(os.environ, OMP_NUM_THREADS="2", TOKENIZERS_PARALLELISM="false")
-        self.proc = subprocess.Popen([DISTILL, "serve", "--port", str(self.port), "--log-level", "warning", *args],
+        self.proc = subprocess.Popen([DISTILL, "serve", "--port", str(self.port), "--log-level", log_level, *args],
                                      stdout=subprocess.DEVNULL, stderr=open(log, "wb"), env=env)
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -328,7 +329,7 @@ def tiny_queue_server(tmp_path_factory, real_shards):
     """The lookup proposer (``--heads lookup``: nothing trained; a self-distilled dataset as its datastore) behind a
     queue of one."""
     srv = Server(["--heads", "lookup", "--lookup-data", str(real_shards), "--max-batch", "1", "--queue-size", "1",
-                  "--max-tokens", "24", "--static"], tmp_path_factory.mktemp("log") / "serve-small.log")
+                  "--max-tokens", "24", "--static"], tmp_path_factory.mktemp("log") / "serve-small.log", log_level="info")
     yield srv
     srv.stop()
 
@@ -354,6 +355,11 @@ def test_full_queue_answers_503_and_the_admitted_requests_succeed(tiny_queue_ser
             assert r == plain(chat(QUESTIONS[i % len(QUESTIONS)]), max_tokens=24)[0]
     text = httpx.get(f"{tiny_queue_server.url}/metrics").text
     assert 'distill_proposer{proposer="lookup"} 1.0' in text
+    started = tiny_queue_server.log.read_text()  # its start-up lines, at --log-level info
+    assert "distill serve: smollm2-135m-instruct (speculative decoding, proposer lookup) on http://127.0.0.1:" in started
+    assert "distill serve: lookup datastore: " in started and "distill serve: lookup history: " in started
+    assert re.search(r"distill serve: step costs (measured at start|kept from an earlier start in \S+step-costs\S+\.json) "
+                     r"\(rows: cost of a forward over a one-row one\): \{'1': 1\.0, '2': ", started), started[-2000:]
     indexed = sum(int(sum(r["loss_mask"])) for r in iter_rows(real_shards, columns=["loss_mask"]))
     assert f"distill_lookup_datastore_tokens {float(indexed)}" in text  # --lookup-data: every generated token indexed
     # the history (on by default): each answered request's reply and the 6 prompt tokens before it

@@ -174,7 +174,8 @@ class BenchRunner:
             model=self.engine.model_name, heads=str(cfg.heads),
             tree={"nodes": nodes, "source": source, "proposer": proposer.name,
                   "nodes_used_at_batch_1": self.engine.tree_size_for(1) if hasattr(self.engine, "tree_size_for") else None,
-                  "step_costs": costs.to_dict() if (costs := getattr(self.engine, "step_costs", None)) is not None else None},
+                  "step_costs": costs.to_dict() if (costs := getattr(self.engine, "step_costs", None)) is not None else None,
+                  "step_costs_kept_in": costs.source if costs is not None else None},  # None: timed at this start
             groups=groups, runs=runs,
         )
 

@@ -13,12 +13,23 @@ curve the policy prices trees with. The engine measures it when it starts on a C
 proposer, since a CPU's curve is far from the line ``1 + r·(m − 1)`` (flat to ~9 rows while the
 products read each weight once, then steep), and the line made the policy draft 2 nodes where
 4-8 paid (BENCHMARKS.md, issue 14, "The policy's step costs measured").
+
+:func:`step_costs` is what the engine calls: the curve is a property of the machine, the model's
+shapes and how its forwards run, not of one run, so it is kept under ``$DISTILL_HOME/step-costs``
+(one JSON file per :func:`cost_key`) and timed again only where the key changes, as compilers
+keep their autotuning results. Timing it took 3-4 s of every start with a proposer (2-core AMD
+EPYC Zen 4, 2 threads; 30-36 s for a batch of 4 trees of 24 nodes on one thread beside another
+process): ``distill serve`` and ``distill bench`` start that much sooner the second time.
+Delete the folder (or pass ``cached_costs=False``) to time it again.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import statistics
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -98,8 +109,84 @@ def measure_step_costs(model, max_nodes: int, max_batch: int = 1, context: int =
     of its time over the plain step's time in the same round: a shared machine's speed
     drifts between rounds, much less within one.
     """
-    top = min(max(max_nodes + 1, max_batch * (max_nodes + 1)), MAX_COST_ROWS)
-    sizes = {n for n in candidate_sizes(max_nodes) if n} | {2**k for k in range(1, 8) if 2**k + 1 <= top}
-    trees = {0: []} | {n: [(i,) for i in range(n)] for n in sorted(sizes)}
+    trees = cost_trees(max_nodes, max_batch)
     rounds = tree_step_rounds(model, None, trees, context, repeats)
     return StepCosts({n + 1: statistics.median(t / t0 for t, t0 in zip(rounds[n], rounds[0])) for n in trees})
+
+
+def cost_trees(max_nodes: int, max_batch: int) -> dict[int, list[tuple[int, ...]]]:
+    """The stars :func:`measure_step_costs` times, by node count (0: the plain step)."""
+    top = min(max(max_nodes + 1, max_batch * (max_nodes + 1)), MAX_COST_ROWS)
+    sizes = {n for n in candidate_sizes(max_nodes) if n} | {2**k for k in range(1, 8) if 2**k + 1 <= top}
+    return {0: []} | {n: [(i,) for i in range(n)] for n in sorted(sizes)}
+
+
+#: Bumped when what :func:`measure_step_costs` times changes: every kept curve is then timed again.
+COST_CACHE_VERSION = 1
+
+
+def cost_key(model, max_nodes: int, max_batch: int, setup: dict | None = None, context: int = COST_CONTEXT,
+             repeats: int = COST_REPEATS) -> dict:
+    """What a measured curve depends on: the machine (CPU model or GPU name, torch's threads), torch, the model's
+    shapes and dtype, how its forwards run (``setup``: the engine's prepared kernels, compilation) and the rows
+    timed. The weights' values are not in it: a forward costs the same whatever they are."""
+    from distill.runtime import cpu_info
+
+    param = next(model.parameters())
+    config = {k: v for k, v in model.config.to_dict().items()
+              if not k.startswith("_") and k not in ("transformers_version", "name_or_path", "architectures")}
+    device = torch.cuda.get_device_name(param.device) if param.device.type == "cuda" else cpu_info().model
+    return {"version": COST_CACHE_VERSION, "device": f"{param.device.type}: {device}", "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "dtype": str(param.dtype), "model": config, "setup": setup or {},
+            "rows": sorted(n + 1 for n in cost_trees(max_nodes, max_batch)), "context": context, "repeats": repeats}
+
+
+def forward_setup(model) -> dict[str, int]:
+    """How ``model``'s forwards run, read from its modules as they are now (a model prepared by an earlier engine
+    reads the same): its linears by kernel (torch's, oneDNN's or vLLM's packed copy; fused with others or not) and
+    the modules whose forward was swapped for a kernel (engine.norms). Not the single-row kernels: each is whichever
+    timed fastest at start, and they flip on noise."""
+    from collections import Counter
+
+    from torch import nn
+
+    from distill.engine.weights import DualLinear
+
+    kinds: Counter[str] = Counter()
+    for m in model.modules():
+        if isinstance(m, DualLinear):
+            kinds[f"linear {m.kind}{' fused' if m.fused is not None else ''}"] += 1
+        elif isinstance(m, nn.Linear):
+            kinds["linear torch"] += 1
+        elif "forward" in vars(m):
+            kinds[f"{type(m).__name__} swapped"] += 1
+    return dict(sorted(kinds.items()))
+
+
+def step_costs(model, max_nodes: int, max_batch: int = 1, setup: dict | None = None, cache: Path | None = None,
+               context: int = COST_CONTEXT, repeats: int = COST_REPEATS) -> StepCosts:
+    """:func:`measure_step_costs`, kept in ``cache`` (a folder; None: timed every call) under its :func:`cost_key`.
+
+    A kept file that cannot be read, or whose key differs (a hash collision), is timed again and
+    replaced (written whole or not at all: concurrent engines may both time it, either file is right).
+    """
+    if cache is None:
+        return measure_step_costs(model, max_nodes, max_batch, context, repeats)
+    key = cost_key(model, max_nodes, max_batch, setup, context, repeats)
+    blob = json.dumps(key, sort_keys=True, default=str)
+    path = Path(cache) / f"{hashlib.sha256(blob.encode()).hexdigest()[:24]}.json"
+    try:
+        doc = json.loads(path.read_text())
+        if json.dumps(doc["key"], sort_keys=True, default=str) == blob:
+            return StepCosts({int(m): float(c) for m, c in doc["points"].items()}, source=str(path))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass  # absent or unreadable: timed below
+    costs = measure_step_costs(model, max_nodes, max_batch, context, repeats)
+    from distill.store.atomic import atomic_write_json
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(path, {"key": json.loads(blob), "points": {str(m): c for m, c in costs.points.items()}})
+    except OSError:
+        pass  # a read-only home: the curve is used, only not kept
+    return costs

@@ -73,7 +73,7 @@ from distill.engine.lookup import Lookup
 from distill.engine.union import Union
 from distill.engine.medusa import Medusa
 from distill.engine.norms import prepare_norms
-from distill.engine.costs import measure_step_costs
+from distill.engine.costs import forward_setup, step_costs
 from distill.engine.policy import DEFAULT_COST_RATIO, AdaptivePolicy, StepCosts, choose_tree_size
 from distill.engine.proposer import DraftSampling, Proposal, Proposer
 from distill.engine.rotary import prepare_rotary, rotary_kernel
@@ -83,7 +83,7 @@ from distill.errors import ConfigError, ModelError
 from distill.heads.eagle import EagleDrafter, is_eagle3_folder
 from distill.heads.model import MedusaHeads, read_distill_meta
 from distill.heads.tree import load_tree
-from distill.models import context_limit
+from distill.models import context_limit, distill_home
 from distill.runtime import canonical_dtype, stage_dtype, torch_dtype
 
 ACCEPTANCE_MODES = ("greedy", "typical", "rejection")
@@ -193,6 +193,8 @@ class EngineConfig:
     measured_costs: bool | None = None  # time forwards of 1, 2, 3, 5, 9, ... rows at start: the policy's step-cost curve
     # (engine.costs; ~1.5-3 s on a 2-core CPU); None: on a CPU when step_cost_ratio is not given (CUDA: the line, corrected
     # by the adaptive policy's measured step times)
+    cached_costs: bool = True  # a curve timed before for the same machine, model shapes and kernels is reused
+    # ($DISTILL_HOME/step-costs, engine.costs.step_costs); False: timed at every start
     adaptive: bool = False  # correct the policy with measured acceptance and step times (policy.AdaptivePolicy)
     weight_layout: str = "auto"  # "auto": CPU float32 linears re-laid out and packed (engine.weights), RMSNorms and
     # the rotary embedding on vLLM's CPU kernels where they load (engine.norms, engine.rotary); "as-loaded": as they came
@@ -362,7 +364,9 @@ class Engine:
         if measure is None:
             measure = self.device.type == "cpu" and self.config.step_cost_ratio is None
         if self.proposer is not None and measure and self.config.speculate_max_batch is None:
-            self.step_costs = measure_step_costs(model, self.proposer.max_nodes, self.config.max_batch)
+            setup = forward_setup(model) | {"rotary": self._rotary, "compile": self.config.compile}
+            self.step_costs = step_costs(model, self.proposer.max_nodes, self.config.max_batch, setup,
+                                         distill_home() / "step-costs" if self.config.cached_costs else None)
         self.policy: AdaptivePolicy | None = None
         if self.proposer is not None and self.config.adaptive and self.config.speculate_max_batch is None:
             self.policy = AdaptivePolicy(self._taus, self._cost_model(), self._proposal)

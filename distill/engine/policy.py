@@ -46,10 +46,11 @@ class StepCosts:
     forward of fewer rows' work and more, so the measured ratios are first made non-decreasing
     (pooled where timing noise put a dip: the isotonic fit, each pool at its mean). Between two
     points the curve is the straight line through them; beyond the last, the slope of the last
-    two.
+    two. ``source``: the file it was read from, when it was kept from an earlier run (None: timed now).
     """
 
-    def __init__(self, points: dict[int, float]):
+    def __init__(self, points: dict[int, float], source: str | None = None):
+        self.source = source
         if 1 not in points or any(m < 1 for m in points):
             raise ValueError(f"a step-cost curve needs the 1-row point and row counts >= 1; got {sorted(points)}")
         rows = sorted(points)

@@ -67,7 +67,8 @@ def build_app(cfg: ServeConfig, worker_thread: bool = True):
     if getattr(engine.proposer, "history", None) is not None:
         log.info("lookup history: %s", engine.proposer.history.describe())
     if engine.step_costs is not None:
-        log.info("step costs measured at start (rows: cost of a forward over a one-row one): %s", engine.step_costs.to_dict())
+        when = f"kept from an earlier start in {engine.step_costs.source}" if engine.step_costs.source else "measured at start"
+        log.info("step costs %s (rows: cost of a forward over a one-row one): %s", when, engine.step_costs.to_dict())
     if cfg.compile:
         t0 = time.perf_counter()
         engine.warmup()
@@ -112,6 +113,18 @@ def generation_config(source: str, model_path: Path) -> dict:
         raise ConfigError(f"--generation-config {source}: no generation_config.json there (auto: the model's; vllm: none)") from None
 
 
+def _log_to_stderr(level: str) -> None:
+    """The server's own start-up lines (the datastore, the history, the step costs) on stderr at ``level``, as
+    uvicorn's are; once per process."""
+    logger = logging.getLogger("distill")
+    if not any(getattr(h, "distill_serve", False) for h in logger.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("distill serve: %(message)s"))
+        handler.distill_serve = True
+        logger.addHandler(handler)
+    logger.setLevel(level.upper())
+
+
 def serve(cfg: ServeConfig, log_level: str = "info") -> None:
     """Run until SIGTERM / Ctrl-C and the drain after it (``--engine vllm`` replaces this process with vLLM's server)."""
     warning = bind_warning(cfg)
@@ -122,9 +135,11 @@ def serve(cfg: ServeConfig, log_level: str = "info") -> None:
         return
     import uvicorn
 
+    _log_to_stderr(log_level)
     app, settings = build_app(cfg, worker_thread=False)
     scheduler = app.state.scheduler
-    mode = "Medusa speculative decoding" if settings.speculative else "plain decoding"
+    proposer = getattr(scheduler.engine, "proposer", None) if settings.speculative else None
+    mode = f"speculative decoding, proposer {proposer.name}" if proposer is not None else "plain decoding"
     print(f"distill serve: {settings.model_name} ({mode}) on http://{cfg.host}:{cfg.port}/v1", file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(
         app, host=cfg.host, port=cfg.port, log_level=log_level, timeout_graceful_shutdown=RESPONSE_GRACE_S,
