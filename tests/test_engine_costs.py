@@ -74,7 +74,7 @@ def test_a_curve_is_timed_once_per_machine_model_and_rows_and_read_back_after(hf
     monkeypatch.setattr(costs_module, "tree_step_rounds", lambda *a, **k: timed.append(1) or real(*a, **k))
     again = step_costs(hf_model, max_nodes=2, max_batch=1, setup={"kernels": "a"}, cache=cache, repeats=1)
     assert not timed and again.source == str(kept[0]) and again.points == first.points  # read back, nothing timed
-    # another kernel set-up, more rows (a larger batch) or more threads: another machine for the curve, timed anew
+    # another kernel set-up or more rows (a larger batch): another key, timed anew
     assert step_costs(hf_model, 2, 1, {"kernels": "b"}, cache=cache, repeats=1).source is None and len(timed) == 1
     assert step_costs(hf_model, 2, 4, {"kernels": "a"}, cache=cache, repeats=1).source is None and len(timed) == 2
     assert cost_key(hf_model, 2, 1)["rows"] == [1, 2, 3] and cost_key(hf_model, 2, 4)["rows"] == [1, 2, 3, 5, 9]
