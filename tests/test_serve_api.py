@@ -366,7 +366,7 @@ def test_full_queue_answers_503_and_the_admitted_requests_succeed(tiny_queue_ser
     indexed = sum(int(sum(r["loss_mask"])) for r in iter_rows(real_shards, columns=["loss_mask"]))
     assert f"distill_lookup_datastore_tokens {float(indexed)}" in text  # --lookup-data: every generated token indexed
     # the history (on by default): each answered request's reply and the 6 prompt tokens before it
-    held = float(text.split("\ndistill_lookup_history_tokens ")[1].split()[0]) - held_before
+    held = scrape(tiny_queue_server)["distill_lookup_history_tokens"] - held_before
     assert len(answered) * (6 + 1) <= held <= len(answered) * (6 + 24 + 8), (held_before, held, results)
     # vLLM's admission counter: the refusals by the sequence limit, none by a token limit (the queue has none)
     assert f'vllm:admission_rejections_total{{model_name="smollm2-135m-instruct",reason="max_num_queued_reqs"}} {len(refused)}.0' in text
