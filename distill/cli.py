@@ -461,9 +461,11 @@ def train_heads(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
 ) -> None:
     """Train Medusa heads (Medusa-1 or Medusa-2) or an EAGLE-3 drafter on self-distilled shards; write a vLLM-loadable folder."""
-    from distill.train import TrainConfig, train
+    from distill.train.config import TrainConfig
 
     cfg = TrainConfig.from_dict(stage_options("train", config, set_, _given(ctx, TrainConfig)))
+    from distill.train import train  # the trainer and torch: once the options are whole
+
     s = train(cfg, progress=not quiet and (sys.stderr.isatty() or bool(os.environ.get("DISTILL_PROGRESS"))))
     if int(os.environ.get("RANK", "0")) != 0:  # under `accelerate launch`: the main process reports
         return
@@ -500,10 +502,8 @@ def calibrate(
     device: Annotated[Optional[str], typer.Option(help="auto (default: CUDA when available, else CPU) | cpu | cuda | cuda:N.")] = None,
 ) -> None:
     """Measure per-head top-i accuracy on held-out data and write the best sparse tree (tree.json)."""
-    from distill.train.calibrate import CalibrateConfig
-    from distill.train.calibrate import calibrate as run_calibrate
-
     from distill.configs import config_from_options, stage_section
+    from distill.train.config import CalibrateConfig
 
     options = stage_options("calibrate", config, set_, _given(ctx, CalibrateConfig))
     if not options.get("heads") and config is not None:
@@ -512,7 +512,10 @@ def calibrate(
         raise ConfigError("--heads is required: the folder written by `distill train-heads`")
     if not options.get("data"):
         raise ConfigError("--data is required: a held-out dataset folder (see `distill data split`)")
-    r = run_calibrate(config_from_options(CalibrateConfig, options, "calibrate"))
+    cfg = config_from_options(CalibrateConfig, options, "calibrate")
+    from distill.train.calibrate import calibrate as run_calibrate  # torch: once the options are whole
+
+    r = run_calibrate(cfg)
     typer.echo(f"{r.out}/tree.json: {r.nodes} nodes, expected acceptance length {r.expected_acceptance_length:.3f}"
                + (f" (best Cartesian {r.cartesian['spec']}: {r.cartesian['expected_acceptance_length']:.3f})" if r.cartesian else ""))
     typer.echo("  top-1 per head: " + " ".join(f"{a:.3f}" for a in r.top1) + f" over {min(r.positions):,}+ positions")
@@ -651,8 +654,7 @@ def bench(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress lines.")] = False,
 ) -> None:
     """Plain vs speculative (Medusa, EAGLE or lookup) decoding on the same prompts: tokens/step, step overhead, tokens/s and speedup per category; with --vllm against bare vLLM too."""
-    from distill.benchmark import BenchConfig, run_bench
-    from distill.benchmark.report import markdown
+    from distill.benchmark.config import BenchConfig
     from distill.configs import config_from_options, stage_section
 
     options = stage_options("bench", config, set_, _given(ctx, BenchConfig))
@@ -661,6 +663,9 @@ def bench(
     if not options.get("heads"):
         raise ConfigError("--heads is required: the folder written by `distill train-heads`")
     cfg = config_from_options(BenchConfig, options, "bench")
+    from distill.benchmark import run_bench  # the engine and torch: once the options are whole
+    from distill.benchmark.report import markdown
+
     result, paths = run_bench(cfg, progress=None if quiet else (lambda msg: console.print(f"[dim]bench[/dim] {msg}")))
     typer.echo(markdown(result))
     typer.echo("wrote " + ", ".join(str(p) for p in paths.values()))
@@ -699,7 +704,7 @@ def run_pipeline(
 STAGE_CONFIGS = {
     "generate": ("distill.generate.config", "GenerateConfig"),
     "train-heads": ("distill.train.config", "TrainConfig"),
-    "calibrate": ("distill.train.calibrate", "CalibrateConfig"),
+    "calibrate": ("distill.train.config", "CalibrateConfig"),
     "bench": ("distill.benchmark.config", "BenchConfig"),
     "serve": ("distill.serve.config", "ServeConfig"),
 }

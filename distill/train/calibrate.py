@@ -30,10 +30,11 @@ import torch
 from distill.errors import ConfigError
 from distill.heads.eagle import EagleDrafter, is_eagle3_folder
 from distill.heads.model import MedusaHeads, read_distill_meta
-from distill.runtime import canonical_dtype, stage_dtype
+from distill.runtime import stage_dtype
 from distill.heads.tree import cartesian_tree, expected_acceptance_length, save_tree, sparse_tree
 from distill.store.atomic import atomic_write_figure, atomic_write_json
 from distill.train.data import iter_batches
+from distill.train.config import CalibrateConfig  # noqa: F401 - its home is the torch-free config module
 from distill.train.losses import hard_ce, shifted_targets
 
 CALIBRATION_FILE = "calibration.json"
@@ -95,31 +96,6 @@ def head_accuracy(backbone, heads: MedusaHeads, data: Path | str, max_len: int =
         if max_tokens and acc.tokens >= max_tokens:
             break
     return acc
-
-
-@dataclass
-class CalibrateConfig:
-    heads: str
-    data: str
-    out: str | None = None  # default: the heads folder
-    model: str | None = None  # default: the base model recorded with the heads (merged backbone for Medusa-2)
-    nodes: int = 63
-    ranks: int = 10
-    max_len: int = 512
-    batch_size: int = 4
-    max_tokens: int = 0
-    plots: bool = True
-    dtype: str = "auto"  # auto: the heads' teacher dtype (distill.runtime.stage_dtype)
-    device: str = "auto"
-
-    def __post_init__(self) -> None:
-        self.dtype = canonical_dtype(self.dtype)
-        if self.nodes < 1:
-            raise ConfigError(f"--nodes must be >= 1; got {self.nodes}")
-        if not 1 <= self.ranks <= 10:
-            raise ConfigError(f"--ranks must be between 1 and 10; got {self.ranks}")
-        if self.max_len < 3 or self.batch_size < 1 or self.max_tokens < 0:
-            raise ConfigError("--max-len must be >= 3, --batch-size >= 1, --max-tokens >= 0")
 
 
 @dataclass

@@ -1,4 +1,6 @@
-"""The one config of ``distill train-heads`` (stored with the heads it produced)."""
+"""The configs of ``distill train-heads`` (stored with the heads it produced) and ``distill calibrate``.
+
+Torch-free, like every stage's config module: ``--help`` and option errors never wait for torch."""
 
 from __future__ import annotations
 
@@ -6,8 +8,7 @@ from dataclasses import asdict, dataclass
 
 from distill.configs import config_from_options
 from distill.errors import ConfigError
-from distill.heads.eagle import parse_aux_layers_spec
-from distill.train.draft_vocab import parse_draft_vocab
+from distill.runtime import canonical_dtype
 
 ARCHS = ("medusa", "eagle3")
 MODES = ("medusa1", "medusa2")
@@ -123,6 +124,9 @@ class TrainConfig:
 
     def _check_arch_options(self) -> None:
         """Canonical forms of the EAGLE-3 options; an option of the other architecture set away from its default is an error."""
+        from distill.heads.eagle import parse_aux_layers_spec  # torch: imported when a config is built, not for --help
+        from distill.train.draft_vocab import parse_draft_vocab
+
         self.draft_vocab = parse_draft_vocab(self.draft_vocab)
         self.aux_layers = parse_aux_layers_spec(self.aux_layers)
         if self.arch == "medusa":
@@ -145,3 +149,28 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, data: dict) -> "TrainConfig":
         return config_from_options(cls, data, "train")
+
+
+@dataclass
+class CalibrateConfig:
+    heads: str
+    data: str
+    out: str | None = None  # default: the heads folder
+    model: str | None = None  # default: the base model recorded with the heads (merged backbone for Medusa-2)
+    nodes: int = 63
+    ranks: int = 10
+    max_len: int = 512
+    batch_size: int = 4
+    max_tokens: int = 0
+    plots: bool = True
+    dtype: str = "auto"  # auto: the heads' teacher dtype (distill.runtime.stage_dtype)
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        self.dtype = canonical_dtype(self.dtype)
+        if self.nodes < 1:
+            raise ConfigError(f"--nodes must be >= 1; got {self.nodes}")
+        if not 1 <= self.ranks <= 10:
+            raise ConfigError(f"--ranks must be between 1 and 10; got {self.ranks}")
+        if self.max_len < 3 or self.batch_size < 1 or self.max_tokens < 0:
+            raise ConfigError("--max-len must be >= 3, --batch-size >= 1, --max-tokens >= 0")
