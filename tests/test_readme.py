@@ -52,8 +52,8 @@ API_KEY = "docs-test-key"
 # Per subcommand: option -> small value; replaced where the command sets it, appended where not.
 # (tensor parallelism 1: GPU counts are sizes too)
 SIZES: dict[str, dict[str, str]] = {
-    "generate": {"--limit": "3", "--max-new-tokens": "16", "--shard-size": "2"},
-    "train-heads": {"--steps": "2", "--max-len": "128", "--context": "32", "--batch-size": "2", "--save-every": "1",
+    "generate": {"--limit": "3", "--max-new-tokens": "8", "--shard-size": "2"},
+    "train-heads": {"--steps": "2", "--max-len": "128", "--context": "32", "--batch-size": "2", "--grad-accum": "1",
                     "--keep-checkpoints": "1"},
     "calibrate": {"--max-len": "128", "--max-tokens": "512", "--nodes": "8"},
     "bench": {"--limit": "1", "--max-tokens": "8", "--sweep-nodes": "1,4", "--sweep-repeats": "1", "--sweep-context": "32"},
@@ -62,12 +62,12 @@ SIZES: dict[str, dict[str, str]] = {
 # Only replaced where present (they change what a command does, so never added).
 REPLACE_ONLY: dict[str, dict[str, str]] = {
     "generate": {"--tensor-parallel-size": "1"},
-    "train-heads": {"--stop-after": "1"},
+    "train-heads": {"--stop-after": "1", "--save-every": "1"},  # a stopped run resumes from its checkpoint
 }
 if not cpu_has_native_bf16():  # bf16 is ~300x slower where emulated: the walkthrough runs the one dtype rule's choice
     REPLACE_ONLY["train-heads"]["--precision"] = "auto"
 # split.by=id: 4 conversations have too few distinct openers for the quickstart's first-turn split
-PIPELINE_SETS = ["generate.limit=4", "generate.max_new_tokens=16", "generate.turns=1", "split.by=id", "train.steps=2", "train.max_len=128",
+PIPELINE_SETS = ["generate.limit=4", "generate.max_new_tokens=8", "generate.turns=1", "split.by=id", "train.steps=2", "train.max_len=128",
                  "train.context=32", "calibrate.max_len=128", "bench.limit=1", "bench.max_tokens=8"]
 
 
@@ -288,7 +288,7 @@ def test_readme_blocks_parse_into_commands():
     assert len(runnable) >= 15
     assert {b[0] for b in blocks} <= {"bash", "python", "text"}, "a block in a language the docs test does not run"
     assert shell_commands("a \\\n  --b 1  # note\n# whole line\n\nc '#x'") == ["a --b 1", "c '#x'"]
-    assert sized("distill generate --limit 20000 --out o") == "distill generate --limit 3 --out o --max-new-tokens 16 --shard-size 2"
+    assert sized("distill generate --limit 20000 --out o") == "distill generate --limit 3 --out o --max-new-tokens 8 --shard-size 2"
     loop = "for i in 0 1; do distill generate --part $i/2 --out o$i & done; wait"
     assert sized(loop).endswith("--shard-size 2 & done; wait") and "--limit 3" in sized(loop)
     assert "--stop-after 1" in sized("distill train-heads --steps 1000 --stop-after 100") and "--steps 2" in sized("distill train-heads --steps 1000")
