@@ -1,6 +1,6 @@
 """``distill bench``: plain vs Medusa decoding on the same prompts, and the tree size chosen for the hardware."""
 
-from importlib import import_module
+from distill import lazy_exports
 
 # Exported lazily: ``distill.benchmark.config`` (what ``--help`` reads) must not import the engine and torch with it.
 _EXPORTS = {"BenchConfig": "distill.benchmark.config", "BenchRunner": "distill.benchmark.runner",
@@ -9,8 +9,4 @@ _EXPORTS = {"BenchConfig": "distill.benchmark.config", "BenchRunner": "distill.b
             "sweep_tree_sizes": "distill.benchmark.sweep", "time_tree_steps": "distill.benchmark.sweep"}
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _EXPORTS)
