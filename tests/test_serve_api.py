@@ -97,7 +97,8 @@ class Server:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, heads_dir):
     srv = Server(["--heads", str(heads_dir), "--api-key", API_KEY, "--max-batch", "4", "--queue-size", "32",
-                  "--max-tokens", str(MAX_TOKENS), "--served-model-name", "smol"], tmp_path_factory.mktemp("log") / "serve.log")
+                  "--max-tokens", str(MAX_TOKENS), "--served-model-name", "smol"], tmp_path_factory.mktemp("log") / "serve.log",
+                 log_level="info")
     yield srv
     srv.stop()
 
@@ -135,6 +136,13 @@ QUESTIONS = [
 
 def chat(q: str) -> list[dict]:
     return [{"role": "user", "content": q}]
+
+
+def test_the_start_up_lines_name_the_proposer_and_the_step_costs_measured(server):
+    started = server.log.read_text()  # at --log-level info
+    assert "distill serve: smol (speculative decoding, proposer medusa) on http://127.0.0.1:" in started, started[-2000:]
+    assert re.search(r"distill serve: step costs (measured at start|kept from an earlier start in \S+step-costs\S+\.json) "
+                     r"\(rows: cost of a forward over a one-row one\): \{'1': 1\.0, '2': ", started), started[-2000:]
 
 
 def test_greedy_chat_answer_equals_the_engines_plain_decoding(server, plain):
@@ -329,8 +337,12 @@ def test_sigterm_stops_the_server_cleanly(server):
 def tiny_queue_server(tmp_path_factory, real_shards):
     """The lookup proposer (``--heads lookup``: nothing trained; a self-distilled dataset as its datastore) behind a
     queue of one."""
+    # Trees priced by the CPU line, not the curve the server measures at start: at one thread (each xdist worker's) an
+    # AMD Zen 3 times a second row at 1.5x the first, and the policy then drafts nothing (BENCHMARKS.md, issue 19, "On
+    # the issue's machine"), where the metrics test needs drafts.
     srv = Server(["--heads", "lookup", "--lookup-data", str(real_shards), "--max-batch", "1", "--queue-size", "1",
-                  "--max-tokens", "24", "--static"], tmp_path_factory.mktemp("log") / "serve-small.log", log_level="info")
+                  "--max-tokens", "24", "--static", "--step-cost-ratio", "0.08"], tmp_path_factory.mktemp("log") / "serve-small.log",
+                 log_level="info")
     yield srv
     srv.stop()
 
@@ -362,8 +374,7 @@ def test_full_queue_answers_503_and_the_admitted_requests_succeed(tiny_queue_ser
     started = tiny_queue_server.log.read_text()  # its start-up lines, at --log-level info
     assert "distill serve: smollm2-135m-instruct (speculative decoding, proposer lookup) on http://127.0.0.1:" in started
     assert "distill serve: lookup datastore: " in started and "distill serve: lookup history: " in started
-    assert re.search(r"distill serve: step costs (measured at start|kept from an earlier start in \S+step-costs\S+\.json) "
-                     r"\(rows: cost of a forward over a one-row one\): \{'1': 1\.0, '2': ", started), started[-2000:]
+    assert "distill serve: step costs" not in started  # --step-cost-ratio: the line, no curve measured
     indexed = sum(int(sum(r["loss_mask"])) for r in iter_rows(real_shards, columns=["loss_mask"]))
     assert f"distill_lookup_datastore_tokens {float(indexed)}" in text  # --lookup-data: every generated token indexed
     # the history (on by default): each answered request's reply and the 6 prompt tokens before it
