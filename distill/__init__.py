@@ -6,8 +6,8 @@ __version__ = "0.1.0"
 def lazy_exports(package: str, exports: dict[str, str]):
     """A package's module ``__getattr__`` (PEP 562): each exported name imported from its module on first use.
 
-    For the packages whose config module must load without the heavy rest (``--help`` and option
-    errors of a stage command read only its torch-free config; see ``distill.cli.STAGE_CONFIGS``).
+    For the packages whose config module must load without the heavy rest (``--help`` and unknown
+    options of a stage command read only its torch-free config; see ``distill.cli.STAGE_CONFIGS``).
     """
     from importlib import import_module
 

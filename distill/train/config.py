@@ -1,6 +1,7 @@
 """The configs of ``distill train-heads`` (stored with the heads it produced) and ``distill calibrate``.
 
-Torch-free, like every stage's config module: ``--help`` and option errors never wait for torch."""
+Torch-free to import, like every stage's config module: ``--help`` and unknown options never wait for torch
+(building a ``TrainConfig`` does: its EAGLE-3 options are checked by the drafter's own parsers)."""
 
 from __future__ import annotations
 
