@@ -47,7 +47,7 @@ def test_an_unknown_key_is_a_one_line_error_naming_the_stage(tmp_path, command, 
 
 
 def test_the_stage_configs_and_the_inspect_tokenizer_load_without_torch(model_dir):
-    """--help, option errors and `distill data inspect` read torch-free modules (bench --help took 10.9 s with torch, 2-vCPU Zen 3)."""
+    """--help, unknown options and `distill data inspect` read torch-free modules (bench --help took 10.9 s with torch, 2-vCPU Zen 3)."""
     import sys
 
     code = ("import importlib, sys, types\n"

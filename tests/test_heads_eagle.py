@@ -16,9 +16,8 @@ from distill.errors import ConfigError
 
 
 def _generate_with_drafter(model_dir, drafter_dir, k: int, prompt: str) -> dict:
-    # the worker's thread count (scripts/test.sh: one a worker with two workers): more threads than cores spin against each other
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"), "VLLM_CPU_KVCACHE_SPACE": "2",
-           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    # OMP_NUM_THREADS as the worker has it (conftest.py, scripts/test.sh): more threads than cores spin against each other
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     proc = subprocess.run([sys.executable, str(REPO / "tests" / "scripts" / "vllm_eagle3_generate.py"), str(model_dir),
                            str(drafter_dir), str(k), prompt], capture_output=True, text=True, env=env, timeout=900)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]

@@ -13,9 +13,8 @@ from conftest import REPO
 
 
 def _generate_with_heads(model_dir, heads_dir, k: int) -> dict:
-    # the worker's thread count (scripts/test.sh: one a worker with two workers): more threads than cores spin against each other
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"), "VLLM_CPU_KVCACHE_SPACE": "2",
-           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    # OMP_NUM_THREADS as the worker has it (conftest.py, scripts/test.sh): more threads than cores spin against each other
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     proc = subprocess.run([sys.executable, str(REPO / "tests" / "scripts" / "vllm_medusa_generate.py"), str(model_dir),
                            str(heads_dir), str(k)], capture_output=True, text=True, env=env, timeout=600)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]

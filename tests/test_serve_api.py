@@ -66,8 +66,8 @@ class Server:
     def __init__(self, args: list[str], log: Path, log_level: str = "warning"):
         self.port = free_port()
         self.log = log
-        # the worker's thread count (scripts/test.sh: one a worker with two workers): more threads than cores spin
-        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"), TOKENIZERS_PARALLELISM="false")
+        # OMP_NUM_THREADS as the worker has it (conftest.py, scripts/test.sh): more threads than cores spin
+        env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
         self.proc = subprocess.Popen([DISTILL, "serve", "--port", str(self.port), "--log-level", log_level, *args],
                                      stdout=subprocess.DEVNULL, stderr=open(log, "wb"), env=env)
         self.url = f"http://127.0.0.1:{self.port}"
