@@ -34,6 +34,7 @@ class EnvReport:
     bundled_model: dict = field(default_factory=dict)
     cpu_linears: str = ""  # the packed kinds the engine's float32 CPU linears may use (distill.engine.weights)
     step_costs_kept: int = 0  # the policy's step-cost curves timed here before ($DISTILL_HOME/step-costs, engine.costs)
+    kernel_times_kept: int = 0  # single-row kernel probes timed here before, one per weight shape ($DISTILL_HOME/kernels)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -57,8 +58,9 @@ class EnvReport:
         if self.cpu_linears:
             out.append(f"- Engine's float32 CPU linears: {self.cpu_linears}")
         out.append("- Threads: " + ", ".join(f"{k}={v}" for k, v in self.threads.items()))
-        out.append(f"- DISTILL_HOME: {self.distill_home} ({self.step_costs_kept} step-cost curves kept in step-costs/: "
-                   "timed once per machine, model shapes and kernels; delete them to time again)")
+        out.append(f"- DISTILL_HOME: {self.distill_home} ({self.step_costs_kept} step-cost curves kept in step-costs/, "
+                   f"{self.kernel_times_kept} single-row kernel probes in kernels/: timed once per machine, threads and "
+                   "shapes; delete them to time again)")
         b = self.bundled_model
         out.append(f"- Bundled model: {b.get('status')}" + (f" at {b['path']}" if b.get("path") else ""))
         return out
@@ -147,6 +149,7 @@ def collect(model: str | None = None) -> EnvReport:
         threads=threads,
         distill_home=str(distill_home()),
         step_costs_kept=len(list((distill_home() / "step-costs").glob("*.json"))),
+        kernel_times_kept=len(list((distill_home() / "kernels").glob("*.json"))),
         bundled_model=_bundled_status(),
         cpu_linears=cpu_linears,
     )

@@ -14,6 +14,9 @@ cores="$(nproc)"
 workers="${DISTILL_TEST_WORKERS:-$(( cores >= 2 ? 2 : 0 ))}"
 threads=$(( workers > 0 ? cores / workers : cores ))
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( threads > 0 ? threads : 1 ))}" VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-2}"
+# Bytecode is written as Python writes it by default (scripts/setup.sh wrote it for what distill imports;
+# the tests' own imports and the rest are compiled once, not once per process).
+unset PYTHONDONTWRITEBYTECODE
 xdist=()
 if [ "$workers" -gt 0 ]; then xdist=(-n "$workers" --dist loadgroup --no-loadscope-reorder); fi  # tests/conftest.py orders
 exec "${DISTILL_VENV:-.venv}/bin/python" -m pytest -q --durations=30 "${xdist[@]}" "$@"

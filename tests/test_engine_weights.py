@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 
 import pytest
 import torch
@@ -230,6 +231,37 @@ def test_the_probe_times_every_kernel_on_real_weights():
     times = weights.probe(ws, copies)
     assert list(times) == probe_keys(copies)
     assert all(0 < t < 1 for t in times.values())
+
+
+def test_the_probe_is_timed_once_per_machine_threads_and_shape_then_read_back(tmp_path, monkeypatch):
+    timed = []
+    real = weights.probe
+    monkeypatch.setattr(weights, "probe", lambda ws, copies: timed.append(tuple(ws[0].shape)) or real(ws, copies))
+    kept = tmp_path / "kernels"
+
+    def singles(model):
+        return [m.single for m in model.modules() if isinstance(m, DualLinear)]
+
+    first = tiny_llama(tied=True)
+    prepare_linears(first, kept_in=kept)
+    shapes = {tuple(m.weight.shape) for m in first.modules() if isinstance(m, DualLinear)}
+    assert sorted(timed) == sorted(shapes) and len(list(kept.glob("*.json"))) == len(shapes)  # one probe and file a shape
+    second = tiny_llama(tied=True)  # the next start on this machine: read back, nothing timed, the same picks
+    prepare_linears(second, kept_in=kept)
+    assert len(timed) == len(shapes) and singles(second) == singles(first)
+    broken = sorted(kept.glob("*.json"))[0]
+    broken.write_text("{not json")  # an unreadable file is timed again and replaced
+    prepare_linears(tiny_llama(tied=True), kept_in=kept)
+    assert len(timed) == len(shapes) + 1 and json.loads(broken.read_text())["key"]["version"] == 1
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads % 2 + 1)  # another thread count: another key, timed anew
+    try:
+        prepare_linears(tiny_llama(tied=True), kept_in=kept)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(timed) == 2 * len(shapes) + 1 and len(list(kept.glob("*.json"))) == 2 * len(shapes)
+    prepare_linears(tiny_llama(tied=True))  # no folder: timed every call
+    assert len(timed) == 3 * len(shapes) + 1
 
 
 def test_vllm_kernels_say_why_they_are_missing(tmp_path):

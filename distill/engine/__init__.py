@@ -10,7 +10,11 @@ and named trees, :mod:`distill.engine.acceptance` for the acceptance rules and
 options (penalties, bias, min_tokens) do to the logits and for logprobs.
 """
 
-from distill.engine.engine import Engine, EngineConfig, GenerationResult, RunningBatch, SamplingParams, StepStats
-from distill.engine.logits import TokenLogprob
+from distill import lazy_exports
 
-__all__ = ["Engine", "EngineConfig", "GenerationResult", "RunningBatch", "SamplingParams", "StepStats", "TokenLogprob"]
+# Exported lazily: a submodule (the lookup's constants, the step-cost cache) loads without the engine and
+# transformers with it (``distill serve --engine vllm --print-command`` reads a few constants).
+_EXPORTS = {name: "distill.engine.engine" for name in ("Engine", "EngineConfig", "GenerationResult", "RunningBatch",
+                                                        "SamplingParams", "StepStats")} | {"TokenLogprob": "distill.engine.logits"}
+__all__ = sorted(_EXPORTS)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -25,7 +25,6 @@ Delete the folder (or pass ``cached_costs=False``) to time it again.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import statistics
 import time
@@ -34,6 +33,7 @@ from typing import Callable
 
 import torch
 
+from distill.engine.kept import kept
 from distill.engine.policy import StepCosts, candidate_sizes
 
 #: Context (tokens) before the timed steps (a prompt and part of its reply: a tree's attention grows with it), timed
@@ -167,26 +167,12 @@ def step_costs(model, max_nodes: int, max_batch: int = 1, setup: dict | None = N
                context: int = COST_CONTEXT, repeats: int = COST_REPEATS) -> StepCosts:
     """:func:`measure_step_costs`, kept in ``cache`` (a folder; None: timed every call) under its :func:`cost_key`.
 
-    A kept file that cannot be read, or whose key differs (a hash collision), is timed again and
-    replaced (written whole or not at all: concurrent engines may both time it, either file is right).
+    A kept file that cannot be read, or whose key differs, is timed again and replaced (engine.kept).
     """
-    if cache is None:
-        return measure_step_costs(model, max_nodes, max_batch, context, repeats)
-    key = cost_key(model, max_nodes, max_batch, setup, context, repeats)
-    blob = json.dumps(key, sort_keys=True, default=str)
-    path = Path(cache) / f"{hashlib.sha256(blob.encode()).hexdigest()[:24]}.json"
-    try:
-        doc = json.loads(path.read_text())
-        if json.dumps(doc["key"], sort_keys=True, default=str) == blob:
-            return StepCosts({int(m): float(c) for m, c in doc["points"].items()}, source=str(path))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        pass  # absent or unreadable: timed below
-    costs = measure_step_costs(model, max_nodes, max_batch, context, repeats)
-    from distill.store.atomic import atomic_write_json
+    key = cost_key(model, max_nodes, max_batch, setup, context, repeats) if cache is not None else {}
 
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(path, {"key": json.loads(blob), "points": {str(m): c for m, c in costs.points.items()}})
-    except OSError:
-        pass  # a read-only home: the curve is used, only not kept
-    return costs
+    def measure() -> dict:
+        return {"points": {str(m): c for m, c in measure_step_costs(model, max_nodes, max_batch, context, repeats).points.items()}}
+
+    doc, source = kept(cache, key, measure)
+    return StepCosts({int(m): float(c) for m, c in doc["points"].items()}, source=source)

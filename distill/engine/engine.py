@@ -69,7 +69,7 @@ from distill.engine.acceptance import (
 from distill.engine.eagle import DEFAULT_DEPTH, DEFAULT_NODES, DEFAULT_TOPK, Eagle
 from distill.engine.graphs import Graphs, cache_key
 from distill.engine.datastore import Datastore
-from distill.engine.lookup import Lookup
+from distill.engine.lookup import LOOKUP, Lookup
 from distill.engine.union import Union
 from distill.engine.medusa import Medusa
 from distill.engine.norms import prepare_norms
@@ -90,8 +90,6 @@ ACCEPTANCE_MODES = ("greedy", "typical", "rejection")
 WEIGHT_LAYOUTS = ("auto", "as-loaded")
 #: The largest token id, count (top_k, max_tokens, logprobs) SamplingParams takes: int32's, far beyond any vocabulary.
 MAX_TOKEN_ID = 2**31 - 1
-#: The ``heads`` value (``--heads lookup``) that drafts from n-gram matches in the context (:mod:`distill.engine.lookup`).
-LOOKUP = "lookup"
 
 
 @dataclass
@@ -193,8 +191,8 @@ class EngineConfig:
     measured_costs: bool | None = None  # time forwards of 1, 2, 3, 5, 9, ... rows at start: the policy's step-cost curve
     # (engine.costs; ~1.5-3 s on a 2-core CPU); None: on a CPU when step_cost_ratio is not given (CUDA: the line, corrected
     # by the adaptive policy's measured step times)
-    cached_costs: bool = True  # a curve timed before for the same machine, model shapes and kernels is reused
-    # ($DISTILL_HOME/step-costs, engine.costs.step_costs); False: timed at every start
+    cached_costs: bool = True  # a curve and single-row kernel times timed before for the same machine, shapes and
+    # kernels are reused ($DISTILL_HOME/step-costs and kernels, engine.kept); False: timed at every start
     adaptive: bool = False  # correct the policy with measured acceptance and step times (policy.AdaptivePolicy)
     weight_layout: str = "auto"  # "auto": CPU float32 linears re-laid out and packed (engine.weights), RMSNorms and
     # the rotary embedding on vLLM's CPU kernels where they load (engine.norms, engine.rotary); "as-loaded": as they came
@@ -333,7 +331,7 @@ class Engine:
         self.config = config or EngineConfig()
         self.model = model.eval()
         # the model's linear layers, prepared in place (values unchanged) where the rule says they multiply faster
-        self.linear_prep = prepare_linears(model, None if self.config.compile else self._example(model)) \
+        self.linear_prep = prepare_linears(model, None if self.config.compile else self._example(model), self._kept("kernels")) \
             if self.config.weight_layout == "auto" else {}
         if self.config.weight_layout == "auto" and not self.config.compile:  # compiled, inductor fuses these itself
             self.linear_prep.update(prepare_norms(model) | prepare_rotary(model))
@@ -366,7 +364,7 @@ class Engine:
         if self.proposer is not None and measure and self.config.speculate_max_batch is None:
             setup = forward_setup(model) | {"rotary": self._rotary, "compile": self.config.compile}
             self.step_costs = step_costs(model, self.proposer.max_nodes, self.config.max_batch, setup,
-                                         distill_home() / "step-costs" if self.config.cached_costs else None)
+                                         self._kept("step-costs"))
         self.policy: AdaptivePolicy | None = None
         if self.proposer is not None and self.config.adaptive and self.config.speculate_max_batch is None:
             self.policy = AdaptivePolicy(self._taus, self._cost_model(), self._proposal)
@@ -397,6 +395,10 @@ class Engine:
 
     def _keep_hidden(self, module, args, output) -> None:
         self._hidden["hidden"] = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+
+    def _kept(self, name: str) -> Path | None:
+        """Where start-up measurements of one kind are kept (engine.kept), or None where they are timed every start."""
+        return distill_home() / name if self.config.cached_costs else None
 
     @staticmethod
     def _example(model):
@@ -429,7 +431,7 @@ class Engine:
         if hc.vocab_size != vocab:
             raise ModelError(f"heads vocab_size {hc.vocab_size} != model's {vocab}")
         if self.config.weight_layout == "auto":
-            prepared = prepare_linears(heads) | ({} if self.config.compile else prepare_norms(heads))
+            prepared = prepare_linears(heads, kept_in=self._kept("kernels")) | ({} if self.config.compile else prepare_norms(heads))
             for k, v in prepared.items():
                 self.linear_prep[k] = self.linear_prep.get(k, 0) + v
         if isinstance(heads, EagleDrafter):

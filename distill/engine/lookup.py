@@ -74,6 +74,8 @@ from distill.errors import ConfigError
 #: replies (192 tokens) to the 80 MT-Bench first turns, replayed through the proposer's tree (BENCHMARKS.md, issue 14).
 DEFAULT_TAUS = {1: 1.35, 2: 1.53, 4: 1.71, 8: 1.82, 16: 1.85, 32: 1.87}
 DEFAULT_NODES, DEFAULT_DEPTH, DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, DEFAULT_OCCURRENCES = 8, 6, 6, 1, 64
+#: The ``heads`` value (``--heads lookup``) that drafts from n-gram matches in the context.
+LOOKUP = "lookup"
 #: A datastore's share of a row's tree weight against its own context's, and the occurrences it samples: the best of
 #: 0.25 / 0.5 / 1 and 16 / 64 in the replay of BENCHMARKS.md ("The lookup proposer's datastore").
 DEFAULT_STORE_WEIGHT, DEFAULT_STORE_OCCURRENCES = 0.5, 16

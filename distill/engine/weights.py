@@ -54,7 +54,10 @@ single rows: measured, not assumed
     verification of a one-node tree: 0.88x with every product under 5 rows padded; 3 and 4 rows
     0.99x). The packed kind is not the probe's to
     choose: vLLM's wherever it loads, for every weight (:func:`choose_kernels` says why). The
-    probe costs a few passes of the linears (a fraction of a second for the bundled model). The
+    probe costs a few passes of the linears: 2.2 s of a ``distill serve`` start at one thread (AMD
+    EPYC Zen 3, family 25 model 1, the bundled model), so its times are kept per machine, torch
+    threads, kind and shape (``$DISTILL_HOME/kernels``, engine.kept) and read back at the next
+    start, which also keeps the picks from flipping on noise from one start to the next. The
     rule applies to float32 weights on CPU only.
 a padded prefill
     a batch's prompts are right-padded to the longest, and every linear multiplies every padded
@@ -349,12 +352,13 @@ class DualLinear(nn.Linear):
 
 
 @torch.no_grad()
-def prepare_linears(model: nn.Module, example: Callable[[], torch.Tensor] | None = None) -> dict[str, int]:
+def prepare_linears(model: nn.Module, example: Callable[[], torch.Tensor] | None = None,
+                    kept_in: Path | None = None) -> dict[str, int]:
     """Re-lay out (rule above) and pack every float32 CPU ``nn.Linear`` of ``model``, in place, each shared weight once.
 
     ``example``: runs one forward of ``model`` and returns its output (logits); given, the linears
     it feeds one input are fused (module docstring). Then :func:`choose_kernels` for the modules
-    prepared here. Returns the bytes re-laid out, the bytes of the packed copies, how many
+    prepared here, the probe's times kept in ``kept_in`` (None: timed every call). Returns the bytes re-laid out, the bytes of the packed copies, how many
     prepared modules keep vLLM's packed copy (``packed_vllm``), how many multiply single rows
     with the weight, the packed copy and the padded copy (``single_weight``, ``single_packed``,
     ``single_padded``), and the
@@ -384,11 +388,11 @@ def prepare_linears(model: nn.Module, example: Callable[[], torch.Tensor] | None
     groups, reference = shared_input_groups(model, prepared, example) if example is not None and prepared else ([], None)
     fused: list[FusedLinears] = []
     if not groups:
-        choose_kernels(prepared)
+        choose_kernels(prepared, kept_in)
     else:
         members = {id(m) for g in groups for m in g}
         fused = [_fuse(g) for g in groups]
-        choose_kernels([m for m in prepared if id(m) not in members] + [f.module for f in fused])
+        choose_kernels([m for m in prepared if id(m) not in members] + [f.module for f in fused], kept_in)
         try:
             same = torch.allclose(example().float(), reference.float(), rtol=1e-4, atol=1e-4)
         except (RuntimeError, TypeError, ValueError):  # the model's code could not take views of one product
@@ -399,7 +403,7 @@ def prepare_linears(model: nn.Module, example: Callable[[], torch.Tensor] | None
         else:
             for f in fused:
                 f.undo()
-            choose_kernels([m for g in groups for m in g])
+            choose_kernels([m for g in groups for m in g], kept_in)
             fused = []
         prepared = [m for m in prepared if m.fused is None] + [f.module for f in fused]
     return {"relaid_bytes": relaid, "packed_bytes": packed, "packed_vllm": sum(m.kind == VLLM for m in prepared),
@@ -556,8 +560,9 @@ def probe(weights: list[torch.Tensor], copies: dict[str, list]) -> dict[str, flo
     return out
 
 
-def choose_kernels(modules: list[DualLinear]) -> None:
-    """Give each module its packed copy and single-row kernel (module docstring); :func:`probe` per weight shape.
+def choose_kernels(modules: list[DualLinear], folder: Path | None = None) -> None:
+    """Give each module its packed copy and single-row kernel (module docstring); :func:`probe` per weight shape,
+    its times kept in ``folder`` (None: timed every call) per machine, threads, kind and shape (:func:`probe_key`).
 
     The packed kind is vLLM's wherever its operator loads and runs, torch's otherwise: one kind
     for every weight. A probe of both kinds per shape was tried and is not a good judge: shape by
@@ -584,13 +589,30 @@ def choose_kernels(modules: list[DualLinear]) -> None:
         this = VLLM if copies is not None else ONEDNN
         if copies is None:
             copies = _copies(ONEDNN, unique)
-        times = probe(unique, {this: copies})
+        times = _probe_kept(unique, this, copies, folder)
         single = {WEIGHT: times["weight@1"], PACKED: times[f"{this}@1"], PADDED: times[f"{this}@1pad"]}
         fastest = min(single, key=single.get)
         by_weight = {id(w): c for w, c in zip(unique, copies)}
         for m in members:
             m.packed, m.vllm = (None, by_weight[id(m.weight)]) if this == VLLM else (by_weight[id(m.weight)], None)
             m.single = fastest
+
+
+def probe_key(weights: list[torch.Tensor], kind: str) -> dict:
+    """What :func:`probe`'s times depend on: the CPU, torch and its threads, the packed kind, the weights' shape, dtype
+    and count, and how the probe runs. Not the weights' values: a product costs the same whatever they are."""
+    from distill.runtime import cpu_info
+
+    return {"version": 1, "device": f"cpu: {cpu_info().model}", "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "kind": kind, "shape": list(weights[0].shape), "dtype": str(weights[0].dtype), "weights": len(weights),
+            "rounds": PROBE_ROUNDS, "pad_rows": PAD_ROWS}
+
+
+def _probe_kept(weights: list[torch.Tensor], kind: str, copies: list, folder: Path | None) -> dict[str, float]:
+    from distill.engine.kept import kept
+
+    doc, _ = kept(folder, probe_key(weights, kind) if folder is not None else {}, lambda: {"times": probe(weights, {kind: copies})})
+    return {name: float(t) for name, t in doc["times"].items()}
 
 
 def _copies(kind: str, weights: list[torch.Tensor]) -> list:

@@ -198,8 +198,7 @@ def vllm_command(cfg: ServeConfig, python: str | None = None) -> list[str]:
     own defaults stand for everything else, and ``cfg.vllm_args`` (what followed ``--``
     on the command line) are appended unchanged.
     """
-    from distill.engine.engine import LOOKUP
-    from distill.engine.lookup import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM
+    from distill.engine.lookup import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, LOOKUP
     from distill.heads.eagle import is_eagle3_folder
     from distill.heads.model import HeadsConfig, check_heads_folder, read_distill_meta
     from distill.models import resolve_model
