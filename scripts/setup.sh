@@ -40,8 +40,8 @@ if [ ! -x "$venv/bin/python" ]; then
   echo "setup: creating $venv" >&2
   "$python" -m venv "$venv"
 fi
-# Installs go through uv (pinned below): it resolves and downloads in parallel. A fresh install took
-# 25 s instead of pip's 110 s (2-vCPU AMD EPYC Zen 3, 11-28). uv does not read pip's configuration, so the
+# Installs go through uv (pinned above): it resolves and downloads in parallel. A fresh install took
+# 25 s instead of pip's 114 s (2-vCPU AMD EPYC Zen 3, 11-28). uv does not read pip's configuration, so the
 # find-links pip is configured with (a folder holding the CPU torch wheel, say) are passed on to it.
 stamp="$venv/.distill-setup"
 want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)-$DISTILL_ENGINE"
@@ -53,7 +53,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
                 | sed -n "s/^[^=]*find-links='\(.*\)'$/\1/p" | tr ' ' '\n' | sort -u); do
     links+=(--find-links "$link")
   done
-  uv=("$venv/bin/uv" pip install -q --python "$venv/bin/python" "${links[@]}")
+  uv=("$venv/bin/uv" pip install -q --python "$venv/bin/python" ${links[@]+"${links[@]}"})
   # torch is pinned first so that a CPU build found on disk is taken, never a CUDA one.
   if [ "$DISTILL_ENGINE" != cuda ]; then "${uv[@]}" "torch==2.13.0"; fi
   "${uv[@]}" -e ".[$extras]"

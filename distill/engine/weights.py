@@ -54,10 +54,11 @@ single rows: measured, not assumed
     verification of a one-node tree: 0.88x with every product under 5 rows padded; 3 and 4 rows
     0.99x). The packed kind is not the probe's to
     choose: vLLM's wherever it loads, for every weight (:func:`choose_kernels` says why). The
-    probe costs a few passes of the linears: 2.2 s of a ``distill serve`` start at one thread (AMD
-    EPYC Zen 3, family 25 model 1, the bundled model), so its times are kept per machine, torch
-    threads, kind and shape (``$DISTILL_HOME/kernels``, engine.kept) and read back at the next
-    start, which also keeps the picks from flipping on noise from one start to the next. The
+    probe costs a few passes of the linears: a ``distill serve`` start at one thread with its times
+    kept answered 1.2 s sooner than one that timed it (13.8 vs 14.9 s, three pairs, the bundled
+    model, AMD EPYC Zen 3, family 25 model 1), so they are kept per machine, torch threads, kind and
+    shape (``$DISTILL_HOME/kernels``, engine.kept) and read back at the next start, which also keeps
+    the picks from flipping on noise from one start to the next. The
     rule applies to float32 weights on CPU only.
 a padded prefill
     a batch's prompts are right-padded to the longest, and every linear multiplies every padded
@@ -358,8 +359,9 @@ def prepare_linears(model: nn.Module, example: Callable[[], torch.Tensor] | None
 
     ``example``: runs one forward of ``model`` and returns its output (logits); given, the linears
     it feeds one input are fused (module docstring). Then :func:`choose_kernels` for the modules
-    prepared here, the probe's times kept in ``kept_in`` (None: timed every call). Returns the bytes re-laid out, the bytes of the packed copies, how many
-    prepared modules keep vLLM's packed copy (``packed_vllm``), how many multiply single rows
+    prepared here, the probe's times kept in ``kept_in`` (None: timed every call). Returns the bytes
+    re-laid out, the bytes of the packed copies, how many prepared modules keep vLLM's packed copy
+    (``packed_vllm``), how many multiply single rows
     with the weight, the packed copy and the padded copy (``single_weight``, ``single_packed``,
     ``single_padded``), and the
     fused groups and their members (``fused_groups``, ``fused_linears``).
