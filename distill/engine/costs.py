@@ -169,7 +169,7 @@ def step_costs(model, max_nodes: int, max_batch: int = 1, setup: dict | None = N
 
     A kept file that cannot be read, or whose key differs, is timed again and replaced (engine.kept).
     """
-    key = cost_key(model, max_nodes, max_batch, setup, context, repeats) if cache is not None else {}
+    key = cost_key(model, max_nodes, max_batch, setup, context, repeats)
 
     def measure() -> dict:
         return {"points": {str(m): c for m, c in measure_step_costs(model, max_nodes, max_batch, context, repeats).points.items()}}

@@ -613,7 +613,7 @@ def probe_key(weights: list[torch.Tensor], kind: str) -> dict:
 def _probe_kept(weights: list[torch.Tensor], kind: str, copies: list, folder: Path | None) -> dict[str, float]:
     from distill.engine.kept import kept
 
-    doc, _ = kept(folder, probe_key(weights, kind) if folder is not None else {}, lambda: {"times": probe(weights, {kind: copies})})
+    doc, _ = kept(folder, probe_key(weights, kind), lambda: {"times": probe(weights, {kind: copies})})
     return {name: float(t) for name, t in doc["times"].items()}
 
 
