@@ -67,7 +67,7 @@ def child(config: str) -> None:
 
     cfg = GenerateConfig.from_dict(json.loads(config))
     if cfg.backend == "vllm":
-        configure_vllm("cpu", offline=True)  # what the CLI sets on a CPU
+        configure_vllm("cpu")  # what the CLI sets on a CPU
     t0 = time.perf_counter()
     gen = Generator(cfg)  # the openai backend connects here (and checks each server); the in-process engine starts below
     backend = gen._backend or gen._make_backend(gen._backend_options())

@@ -7,8 +7,8 @@ Servers (``--servers``, a subset of ``abcd``), each started on 127.0.0.1 by this
 every concurrency, then stopped, one at a time, all in the same dtype (:func:`distill.runtime.placement`):
 
 a  ``vllm serve MODEL``: ``python -m vllm.entrypoints.openai.api_server --model DIR --dtype D``, vLLM's
-   defaults otherwise (on a CPU the variables of :func:`distill.runtime.vllm_cpu_env`, as ``distill serve
-   --engine vllm`` sets them: its engine core in its own process, one core reserved for it).
+   defaults otherwise (on a CPU its KV cache size from :func:`distill.runtime.vllm_cpu_env`; its process layout
+   is vLLM's own: engine core and worker processes, one core reserved for the engine core).
 b  ``distill serve``: plain decoding.
 c  ``distill serve --heads H``: our engine with drafter H, once per ``--drafter`` (a Medusa or EAGLE-3 folder,
    or ``lookup``: n-gram matches in the context, nothing trained; the default when no drafter is given). The
@@ -149,14 +149,15 @@ def server_commands(args, model_dir: Path, dtype: str, max_batch: int) -> dict[s
 
 
 def server_env() -> dict[str, str]:
-    """This environment for the servers, with vLLM's CPU settings (:func:`distill.runtime.vllm_cpu_env`)."""
+    """This environment for the servers: on a CPU, the KV cache size of :func:`distill.runtime.vllm_cpu_env`
+    (vLLM's own default does not fit a small machine) and nothing else of it: server a is vLLM's own process
+    layout, as ``vllm serve`` starts it; ``distill serve --engine vllm`` (d) sets the rest itself."""
     from distill.runtime import resolve_device, vllm_cpu_env
 
     env = dict(os.environ)
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's OpenAI server needs its engine-core process
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     if resolve_device("auto") == "cpu":
-        for key, value in vllm_cpu_env(offline=False).items():
-            env.setdefault(key, value)
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", vllm_cpu_env()["VLLM_CPU_KVCACHE_SPACE"])
     return env
 
 

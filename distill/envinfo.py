@@ -121,7 +121,7 @@ def collect(model: str | None = None) -> EnvReport:
         for name in ("train-heads", "calibrate", "bench", "serve"):
             stages[name] = {"device": device, "dtype": pick.dtype, "why": "the data's / heads' teacher dtype; here: " + pick.reason}
         if device == "cpu":
-            server = runtime.vllm_cpu_env(offline=False)
+            server = runtime.vllm_cpu_env()
             stages["serve --engine vllm"] = {"device": device, "dtype": pick.dtype, "why": pick.reason,
                                              "env": " ".join(f"{k}={v}" for k, v in server.items())}
     from distill.engine.weights import PAD_ROWS, vllm_kernels

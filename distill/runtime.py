@@ -272,31 +272,33 @@ def stage_dtype(model_path: Path | str | None, device: str | None, dtype: str | 
 
 
 # -- vLLM on CPUs ----------------------------------------------------------------------------------
-def vllm_cpu_env(offline: bool) -> dict[str, str]:
+def vllm_cpu_env() -> dict[str, str]:
     """vLLM settings for a CPU machine, chosen by measurement (one place for all of them).
 
-    offline (``vllm.LLM``, distill generate): the engine core runs in this process
-    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``). In its own process it busy-polls for work;
-    on 2 cores that poller takes a core from the model, and in-process measured 2.4-3.3x
-    faster generation (AMD EPYC, 2 cores; BENCHMARKS.md). The OpenAI server cannot run it
-    in-process (vLLM's async client needs the engine-core process); there vLLM's default of
-    reserving one core for that process is kept: giving both cores to the model's threads
-    (``VLLM_CPU_NUM_OF_RESERVED_CPU=0``) measured 3-4x slower on 2 cores (BENCHMARKS.md, issue 13).
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, offline and for the server. Offline (``vllm.LLM``, distill generate): the
+    engine core runs in this process. In its own process it busy-polls for work; on 2 cores that
+    poller takes a core from the model, and in-process measured 2.4-3.3x faster generation (AMD
+    EPYC, 2 cores; BENCHMARKS.md). The OpenAI server (``distill serve --engine vllm``) keeps its
+    engine-core process (vLLM's async client needs one), but with the variable set vLLM runs the
+    model's worker inside that process (its one-device ``uni`` executor) instead of in a third
+    process that the engine core feeds through shared memory and spins on while the model
+    computes; the core it had reserved for the engine core goes to the model's threads. Same
+    tokens; on 2 cores 1.5x faster at one request at a time, 10 s less start-up and no CPU
+    spent idle (Intel Xeon family 6 model 207, 2 vCPUs; BENCHMARKS.md, issue 13). Giving that
+    reserved core to the model while the worker stays a process of its own
+    (``VLLM_CPU_NUM_OF_RESERVED_CPU=0``) measured 3-4x slower instead.
     ``VLLM_CPU_KVCACHE_SPACE``: 2 GiB of KV cache, plenty for the models a CPU serves.
     Variables the user already set are kept.
     """
-    env = {"VLLM_CPU_KVCACHE_SPACE": "2"}
-    if offline:
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    return env
+    return {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
-def configure_vllm(device_type: str, offline: bool) -> dict[str, str]:
+def configure_vllm(device_type: str) -> dict[str, str]:
     """Apply :func:`vllm_cpu_env` to ``os.environ`` (CPU only; GPU keeps vLLM's defaults); -> what was set."""
     if device_type != "cpu":
         return {}
     applied = {}
-    for key, value in vllm_cpu_env(offline).items():
+    for key, value in vllm_cpu_env().items():
         if key not in os.environ:
             os.environ[key] = value
             applied[key] = value

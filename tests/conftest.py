@@ -306,8 +306,10 @@ def free_port() -> int:
 class VLLMServer:
     """`python -m vllm.entrypoints.openai.api_server` on 127.0.0.1 with the bundled model, in its own process group.
 
-    vLLM's defaults stand (raw logprobs, its engine-core process); float32 and eager mode as
-    the in-process test engine runs, so both give the same tokens. ``extra`` is appended.
+    vLLM's defaults stand (raw logprobs, its engine-core process) but for what ``distill serve --engine vllm``
+    sets on a CPU (:func:`distill.runtime.vllm_cpu_env`: the worker inside the engine-core process, not a third
+    process spinning beside it); float32 and eager mode as the in-process test engine runs, so both give the same
+    tokens. ``extra`` is appended.
     """
 
     def __init__(self, model_dir: Path, log_path: Path, extra: tuple[str, ...] = (), dev_mode: bool = False):
@@ -315,8 +317,9 @@ class VLLMServer:
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ)
-        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # a server needs its engine-core process
+        from distill.runtime import vllm_cpu_env
+
+        env = {**os.environ, **vllm_cpu_env()}
         env["VLLM_CPU_KVCACHE_SPACE"] = "1"
         env["TORCH_COMPILE_DISABLE"] = "1"  # eager, as `distill serve --engine vllm -- --enforce-eager` runs it
         if dev_mode:
@@ -378,7 +381,7 @@ def _uses_module_fixture(item) -> bool:
 
 
 def pytest_runtest_teardown(item, nextitem):
-    """A vLLM server's engine core polls for work (~20% of a core here): it is not left running for tests that do not use it.
+    """A vLLM server is not left running for tests that do not use it (its memory, its processes).
 
     The last user is found among the session's items once the run has begun (after -k / -m deselection)."""
     config = item.config

@@ -87,5 +87,7 @@ def test_the_engine_swaps_the_bundled_models_norms_unless_told_to_leave_the_modu
     Engine(as_loaded, tokenizer, None, EngineConfig(weight_layout="as-loaded"))
     assert not swapped(as_loaded)
     ids = torch.tensor([tokenizer.encode("The capital of France is")])
-    with torch.inference_mode():  # the prepared model (packed linears, norms on the kernel) and the model as loaded
-        assert torch.allclose(hf_model(ids).logits, as_loaded(ids).logits, rtol=1e-4, atol=1e-4)
+    # the prepared model (packed linears, norms on the kernel) and the model as loaded: the same function, summed in
+    # another order (max |diff| 1.3e-4 on logits up to ~16 on an Intel Xeon with AMX, family 6 model 207)
+    with torch.inference_mode():
+        assert torch.allclose(hf_model(ids).logits, as_loaded(ids).logits, rtol=1e-4, atol=5e-4)

@@ -112,10 +112,14 @@ def test_dataset_dtype_ignores_unresolved_records():
     assert runtime.dataset_dtype({"backend": None}) is None
 
 
-def test_vllm_on_cpu_runs_its_engine_core_in_process_offline_only():
-    assert runtime.vllm_cpu_env(offline=True)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
-    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in runtime.vllm_cpu_env(offline=False)  # the server needs its process
-    assert runtime.configure_vllm("cuda", offline=True) == {}  # GPUs keep vLLM's defaults
+def test_vllm_on_cpu_runs_without_its_worker_process_and_gpus_keep_vllms_defaults(monkeypatch):
+    # offline: the engine core in this process; the server: its worker inside the engine-core process
+    assert runtime.vllm_cpu_env() == {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    assert runtime.configure_vllm("cuda") == {}  # GPUs keep vLLM's defaults
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "5")
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    assert runtime.configure_vllm("cpu") == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # what the user set is kept
+    assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "5"
 
 
 def test_distill_env_names_the_cpu_and_each_stage_dtype(tmp_path):

@@ -161,7 +161,7 @@ class VLLMBackend:
         self.opts = opts
         self.on_cpu = current_platform.is_cpu()
         self.device = "cpu" if self.on_cpu else "cuda"
-        configure_vllm(self.device, offline=True)  # on CPUs: the engine core in this process (see distill.runtime)
+        configure_vllm(self.device)  # on CPUs: the engine core in this process (see distill.runtime)
         self.dtype = canonical_dtype(opts.dtype)
         if self.dtype == "auto":
             raise BackendError("BackendOptions.dtype must be resolved (distill.runtime.placement), not 'auto'")

@@ -265,7 +265,7 @@ def vllm_env(cfg: ServeConfig) -> dict[str, str]:
 
     env = dict(os.environ)
     if resolve_device("auto") == "cpu":
-        for key, value in vllm_cpu_env(offline=False).items():
+        for key, value in vllm_cpu_env().items():
             env.setdefault(key, value)
         if "--enforce-eager" in cfg.vllm_args:
             env.setdefault("TORCH_COMPILE_DISABLE", "1")
