@@ -12,7 +12,7 @@ Two layouts of the same server (``python -m vllm.entrypoints.openai.api_server``
   :func:`distill.runtime.vllm_cpu_env` sets): the API server keeps its engine-core process, and vLLM runs the
   worker inside it (its one-device ``uni`` executor).
 
-Per start: seconds until ``/v1/models`` answers and the CPU seconds the server's processes took by then; then
+Per start: seconds until ``/v1/models`` answers (polled every second) and the CPU seconds the server's processes took by then; then
 ``--requests`` completions one at a time and ``--concurrent-requests`` at ``--concurrency`` in flight (greedy,
 ``ignore_eos``, 20 logprobs a token, as the openai backend asks for them), each phase timed with the CPU the
 server's processes used in it; then the CPU used over ``--idle`` seconds with nothing to do. The layouts
@@ -24,8 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,7 +31,9 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from bench_generate_server import server_cpu
 from bench_serve import free_port
+from bench_vs_vllm import Server
 from distill.models import resolve_model
 from distill.runtime import cpu_info, vllm_cpu_env
 from distill.store.atomic import atomic_write_bytes
@@ -41,17 +41,9 @@ from distill.store.atomic import atomic_write_bytes
 LAYOUTS = {"vllm default": {}, "worker in engine core": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}}
 
 
-def group_cpu_seconds(pgid: int) -> float:
-    """User + system CPU seconds of the live processes in process group ``pgid``."""
-    tick, total = os.sysconf("SC_CLK_TCK"), 0.0
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid:
-            total += (int(fields[11]) + int(fields[12])) / tick
-    return total
+def cpu_seconds(server: Server) -> float:
+    """CPU seconds so far of all of the server's processes (API server, engine core, worker if any)."""
+    return sum(server_cpu([server]).values())
 
 
 def complete(url: str, model: str, prompt: str, max_tokens: int) -> str:
@@ -70,45 +62,34 @@ def measure(layout: str, args, log_dir: Path) -> dict:
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(resolve_model(None).path),
            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "2048",
            "--max-logprobs", "20", "--enforce-eager"]
-    log = log_dir / f"{layout.replace(' ', '-')}-{port}.log"
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    server = Server(cmd, env, log_dir / f"{layout.replace(' ', '-')}-{port}.log")
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{layout}: the server exited:\n{log.read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(url + "/v1/models", timeout=5) as r:
-                    model = json.load(r)["data"][0]["id"]
-                break
-            except OSError:
-                time.sleep(0.25)
-        row = {"layout": layout, "start_s": round(time.perf_counter() - start, 2),
-               "start_cpu_s": round(group_cpu_seconds(proc.pid), 2)}
+        model = server.wait_ready(url, timeout=900)
+        row = {"layout": layout, "start_s": round(time.perf_counter() - start, 2), "start_cpu_s": round(cpu_seconds(server), 2)}
         prompts = [f"Tell me a story, number {i}." for i in range(args.requests)]
-        cpu0, t0 = group_cpu_seconds(proc.pid), time.perf_counter()
+        cpu0, t0 = cpu_seconds(server), time.perf_counter()
         texts = [complete(url, model, p, args.max_tokens) for p in prompts]
         seconds = time.perf_counter() - t0
         row["one_at_a_time"] = {"tokens": args.requests * args.max_tokens, "seconds": round(seconds, 2),
                                 "tokens_per_s": round(args.requests * args.max_tokens / seconds, 2),
-                                "cpu_s": round(group_cpu_seconds(proc.pid) - cpu0, 2)}
+                                "cpu_s": round(cpu_seconds(server) - cpu0, 2)}
         more = [f"Write a short poem about the number {i}." for i in range(args.concurrent_requests)]
-        cpu0, t0 = group_cpu_seconds(proc.pid), time.perf_counter()
+        cpu0, t0 = cpu_seconds(server), time.perf_counter()
         with ThreadPoolExecutor(args.concurrency) as pool:
             texts += list(pool.map(lambda p: complete(url, model, p, args.max_tokens), more))
         seconds = time.perf_counter() - t0
         row["concurrent"] = {"concurrency": args.concurrency, "tokens": args.concurrent_requests * args.max_tokens,
                              "seconds": round(seconds, 2),
                              "tokens_per_s": round(args.concurrent_requests * args.max_tokens / seconds, 2),
-                             "cpu_s": round(group_cpu_seconds(proc.pid) - cpu0, 2)}
-        cpu0 = group_cpu_seconds(proc.pid)
+                             "cpu_s": round(cpu_seconds(server) - cpu0, 2)}
+        cpu0 = cpu_seconds(server)
         time.sleep(args.idle)
-        row["idle"] = {"seconds": args.idle, "cpu_s": round(group_cpu_seconds(proc.pid) - cpu0, 2)}
+        row["idle"] = {"seconds": args.idle, "cpu_s": round(cpu_seconds(server) - cpu0, 2)}
         row["texts"] = texts
         return row
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        server.stop()
 
 
 def main() -> None:

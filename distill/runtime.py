@@ -283,8 +283,9 @@ def vllm_cpu_env() -> dict[str, str]:
     model's worker inside that process (its one-device ``uni`` executor) instead of in a third
     process that the engine core feeds through shared memory and spins on while the model
     computes; the core it had reserved for the engine core goes to the model's threads. Same
-    tokens; on 2 cores 1.5x faster at one request at a time, 10 s less start-up and no CPU
-    spent idle (Intel Xeon family 6 model 207, 2 vCPUs; BENCHMARKS.md, issue 13). Giving that
+    tokens; on 2 cores 1.35-1.36x faster one request at a time, 1.37-1.42x at four, 9-10 s less start-up and no
+    CPU spent idle (Intel Xeon family 6 model 207, 2 vCPUs; bench/bench_vllm_server_layout.py,
+    BENCHMARKS.md, issue 13). Giving that
     reserved core to the model while the worker stays a process of its own
     (``VLLM_CPU_NUM_OF_RESERVED_CPU=0``) measured 3-4x slower instead.
     ``VLLM_CPU_KVCACHE_SPACE``: 2 GiB of KV cache, plenty for the models a CPU serves.
