@@ -110,6 +110,21 @@ def test_a_run_whose_only_server_dies_stops_and_the_rerun_resumes_from_the_journ
     assert not (out / JOURNAL).exists()
 
 
+def test_the_server_runs_its_worker_inside_the_engine_core(vllm_server):
+    """Started as `distill serve --engine vllm` starts it on a CPU (distill.runtime.vllm_cpu_env): under the API
+    server one vLLM process, the engine core, and no worker process beside it (multiprocessing's resource
+    tracker aside)."""
+    import psutil
+
+    from distill.runtime import resolve_device
+
+    if resolve_device("auto") != "cpu":
+        pytest.skip("GPUs keep vLLM's own process layout")
+    children = psutil.Process(vllm_server.proc.pid).children(recursive=True)
+    names = [p.name() for p in children if "resource_tracker" not in " ".join(p.cmdline())]
+    assert names == ["VLLM::EngineCore"], names
+
+
 def test_bad_server_options_are_one_line_errors(tmp_path, cli_env, vllm_server):
     base = ["generate", "--seed", "sharegpt", "--limit", "2", "--out", str(tmp_path / "o"), "--dtype", "float32", "--quiet"]
     dead = f"http://127.0.0.1:{free_port()}"

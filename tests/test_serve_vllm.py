@@ -34,6 +34,18 @@ def test_vllm_command_passes_the_heads_as_a_medusa_speculative_config(heads_dir,
     assert vllm_env(cfg)["VLLM_API_KEY"] == "s3cret"
 
 
+def test_on_a_cpu_vllms_worker_runs_inside_its_engine_core_unless_the_user_says_otherwise(heads_dir, monkeypatch):
+    from distill.runtime import resolve_device
+
+    if resolve_device("auto") != "cpu":
+        pytest.skip("GPUs keep vLLM's own process layout")
+    cfg = ServeConfig(engine="vllm", heads=str(heads_dir))
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    assert vllm_env(cfg)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    assert vllm_env(cfg)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+
+
 def test_vllm_command_uses_fewer_heads_when_asked_and_refuses_more(heads_dir):
     cmd = vllm_command(ServeConfig(engine="vllm", heads=str(heads_dir), num_speculative_tokens=2))
     spec = json.loads(cmd[cmd.index("--speculative-config") + 1])
