@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -193,6 +194,50 @@ def cli_env(tmp_path):
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     env["HF_DATASETS_CACHE"] = str(tmp_path / "hf-datasets-cache")
     return env
+
+
+def run_distill(args, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """``distill ARGS`` run inside this test process, as the console script runs it.
+
+    The console script's own ``main()`` (its one-line errors and exit codes) runs with ``sys.argv``, the
+    environment ``env`` (else this process's) and the working folder ``cwd``; its stdout and stderr are
+    captured (click's test isolation) and returned as ``subprocess.run(..., capture_output=True, text=True)``
+    returns them. The environment, folder and argv are restored after. What it saves is a fresh process's
+    imports (torch and transformers: ~6 s of CPU on an Intel Xeon, more on a Zen 3), which this worker has done
+    already. For commands that end by themselves in one process: not ``serve`` (signal handlers, a port), not
+    vLLM's ``generate`` (one in-process vLLM engine a process; the session's is :func:`vllm_backend`), not a
+    run a test kills. The README walkthrough and those tests run the console script itself.
+    """
+    from click.testing import CliRunner
+
+    from distill import cli
+
+    args = [str(a) for a in args]
+    saved_env, saved_cwd, saved_argv = dict(os.environ), os.getcwd(), sys.argv
+    code = 0
+    try:
+        with CliRunner().isolation() as (out, err, _):
+            if env is not None:
+                os.environ.clear()
+                os.environ.update(env)
+            if cwd is not None:
+                os.chdir(cwd)
+            sys.argv = ["distill", *args]
+            try:
+                cli.main()
+            except SystemExit as exc:
+                if isinstance(exc.code, str):  # sys.exit("message"): printed, exit status 1
+                    print(exc.code, file=sys.stderr)
+                code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            stdout, stderr = out.getvalue().decode(), err.getvalue().decode()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
+        os.chdir(saved_cwd)
+        sys.argv = saved_argv
+    return subprocess.CompletedProcess(["distill", *args], code, stdout, stderr)
 
 
 # -- checks shared by the generation tests ---------------------------------------------------

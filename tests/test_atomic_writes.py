@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import DISTILL, REPO
+from conftest import REPO, run_distill
 from distill.errors import ModelError
 from distill.heads.eagle import is_eagle3_folder
 from distill.heads.model import DISTILL_HEADS_FILE, HeadsConfig, MedusaHeads, read_distill_meta
@@ -135,8 +135,8 @@ def test_a_train_heads_run_killed_while_saving_leaves_no_mix_and_resumes_to_the_
             "--batch-size", "2", "--steps", "2", "--warmup-steps", "0", "--save-every", "1", "-q"]
     script = str(REPO / "tests" / "scripts" / "kill_at_rename.py")
 
-    ref = tmp_path / "ref"
-    done = subprocess.run([sys.executable, script, "99", *args, "--out", str(ref)], capture_output=True, text=True, env=cli_env, timeout=900)
+    ref = tmp_path / "ref"  # the uninterrupted runs need no process of their own (conftest.run_distill)
+    done = run_distill([*args, "--out", str(ref)], env=cli_env)
     assert done.returncode == 0, done.stderr[-2000:]
     reference = MedusaHeads.load(ref)
 
@@ -148,12 +148,10 @@ def test_a_train_heads_run_killed_while_saving_leaves_no_mix_and_resumes_to_the_
         with pytest.raises(ModelError, match="the save of its heads did not complete"):
             MedusaHeads.load(out)
         if die_at == 2:  # new weights and config, the metadata not yet in: the commands refuse it too, in one line
-            export = subprocess.run([DISTILL, "export", "--heads", str(out), "--out", str(tmp_path / "export")],
-                                    capture_output=True, text=True, env=cli_env, timeout=300)
+            export = run_distill(["export", "--heads", str(out), "--out", str(tmp_path / "export")], env=cli_env)
             assert export.returncode == 2 and not (tmp_path / "export").exists()
             assert export.stderr.strip().count("\n") == 0 and "the save of its heads did not complete" in export.stderr
-        again = subprocess.run([sys.executable, script, "99", *args, "--out", str(out), "--resume"],
-                               capture_output=True, text=True, env=cli_env, timeout=900)
+        again = run_distill([*args, "--out", str(out), "--resume"], env=cli_env)
         assert again.returncode == 0, again.stderr[-2000:]
         assert _same(MedusaHeads.load(out), reference)
         assert json.loads((out / DISTILL_HEADS_FILE).read_text())["metrics"]["steps"] == 2

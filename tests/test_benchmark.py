@@ -4,11 +4,10 @@ baseline (``--vllm``) run against the session's vLLM engine."""
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 
-from conftest import DISTILL
+from conftest import run_distill
 from distill.benchmark import BenchConfig, BenchResult, Run, Sweep, SweepPoint, load_prompts
 from distill.benchmark.report import write_all
 from distill.benchmark.runner import summarize
@@ -112,9 +111,9 @@ def test_bench_cli_runs_plain_vs_medusa_and_the_sweep_with_the_bundled_model(tmp
     lm = load_file(str(model_dir / "model.safetensors"))["model.embed_tokens.weight"]
     MedusaHeads(HeadsConfig(cfg["hidden_size"], cfg["vocab_size"], num_heads=2), lm_head_weight=lm).save(tmp_path / "heads")
     out = tmp_path / "bench"
-    r = subprocess.run([DISTILL, "bench", "--heads", str(tmp_path / "heads"), "--limit", "2", "--max-tokens", "6", "--modes", "greedy",
-                        "--sweep-tree", "--sweep-nodes", "1,3", "--sweep-repeats", "1", "--sweep-context", "16", "--out", str(out), "-q"],
-                       capture_output=True, text=True, env=cli_env, timeout=900)
+    r = run_distill(["bench", "--heads", str(tmp_path / "heads"), "--limit", "2", "--max-tokens", "6", "--modes", "greedy",
+                     "--sweep-tree", "--sweep-nodes", "1,3", "--sweep-repeats", "1", "--sweep-context", "16", "--out", str(out), "-q"],
+                     env=cli_env)
     assert r.returncode == 0, r.stderr[-2000:]
     data = json.loads((out / "bench.json").read_text())
     overall = next(g for g in data["groups"] if g["category"] == "all")
@@ -162,8 +161,7 @@ def test_bench_against_bare_vllm_interleaves_the_engines_on_the_same_prompts(tmp
 
 
 def test_vllm_needs_the_greedy_mode_on_the_command_line(tmp_path):
-    r = subprocess.run([DISTILL, "bench", "--heads", "lookup", "--vllm", "--modes", "typical", "--out", str(tmp_path / "b")],
-                       capture_output=True, text=True, timeout=300)
+    r = run_distill(["bench", "--heads", "lookup", "--vllm", "--modes", "typical", "--out", str(tmp_path / "b")])
     assert r.returncode == 2 and r.stderr.strip() == "error: --vllm compares greedy decoding with bare vLLM's: add greedy to --modes"
     assert not (tmp_path / "b").exists()
 

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 
-from conftest import DISTILL
+from conftest import run_distill
 from distill.data.convert import export, seed_to_shards
 from distill.data.stats import compute_stats
 from distill.data.validate import validate_dataset
@@ -17,8 +16,7 @@ from distill.store import iter_rows, load_manifest
 @pytest.mark.vllm
 def test_exports_carry_every_conversation(real_shards, tmp_path, cli_env):
     rows = list(iter_rows(real_shards, columns=["id", "messages"]))
-    r = subprocess.run([DISTILL, "data", "convert", str(real_shards), "--to", "sharegpt", "--out", str(tmp_path / "c.json")],
-                       capture_output=True, text=True, env=cli_env, timeout=120)
+    r = run_distill(["data", "convert", str(real_shards), "--to", "sharegpt", "--out", str(tmp_path / "c.json")], env=cli_env)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["rows"] == 16
     sharegpt = json.loads((tmp_path / "c.json").read_text())
@@ -37,8 +35,7 @@ def test_exports_carry_every_conversation(real_shards, tmp_path, cli_env):
     assert ds.num_rows == 16 and ds[5]["id"] == rows[5]["id"]
     assert str(ds.features["teacher_ids"]) == "List(Value('uint16'))"
 
-    r = subprocess.run([DISTILL, "data", "convert", str(real_shards), "--to", "csv", "--out", str(tmp_path / "x")],
-                       capture_output=True, text=True, env=cli_env, timeout=120)
+    r = run_distill(["data", "convert", str(real_shards), "--to", "csv", "--out", str(tmp_path / "x")], env=cli_env)
     assert r.returncode == 2 and "--to must be one of" in r.stderr
 
 

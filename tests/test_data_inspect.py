@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 
-from conftest import DISTILL
+from conftest import run_distill
 from distill.data.inspect import conversation_view, render_conversation
 from distill.store import iter_rows
 
@@ -41,14 +40,12 @@ def test_view_pairs_every_generated_token_with_teacher_probabilities(real_shards
 
 
 def test_inspect_cli_prints_json_and_names_a_missing_id(real_shards, cli_env):
-    r = subprocess.run([DISTILL, "data", "inspect", str(real_shards), "--index", "2", "--json"],
-                       capture_output=True, text=True, env=cli_env, timeout=120)
+    r = run_distill(["data", "inspect", str(real_shards), "--index", "2", "--json"], env=cli_env)
     assert r.returncode == 0, r.stderr
     view = json.loads(r.stdout)
     assert view["index"] == 2 and view["turns"][1]["role"] == "assistant"
     assert any(t["top1_p"] is not None for t in view["turns"][1]["tokens"])
-    r = subprocess.run([DISTILL, "data", "inspect", str(real_shards), "--id", "nope:0"],
-                       capture_output=True, text=True, env=cli_env, timeout=120)
+    r = run_distill(["data", "inspect", str(real_shards), "--id", "nope:0"], env=cli_env)
     assert r.returncode == 2 and "no row with id 'nope:0'" in r.stderr
 
 

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 
 import pytest
 
-from conftest import DISTILL
+from conftest import run_distill
 from distill.data.rescore import rescore
 
 
@@ -71,11 +70,9 @@ def test_rescoring_in_another_dtype_shows_the_agreement_drop(float32_data):
 
 
 def test_validate_cli_prints_the_rescore_report(float32_data):
-    r = subprocess.run([DISTILL, "data", "validate", str(float32_data), "--rescore", "2", "--json"],
-                       capture_output=True, text=True, timeout=600)
+    r = run_distill(["data", "validate", str(float32_data), "--rescore", "2", "--json"])
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     assert doc["rescore"]["rows"] == 2 and doc["rescore"]["dtype"] == "float32" and doc["rescore"]["meets_targets"] is True
-    r = subprocess.run([DISTILL, "data", "validate", str(float32_data), "--rescore", "2", "--rescore-dtype", "float99"],
-                       capture_output=True, text=True, timeout=600)
+    r = run_distill(["data", "validate", str(float32_data), "--rescore", "2", "--rescore-dtype", "float99"])
     assert r.returncode == 2 and "--dtype must be auto or one of" in r.stderr

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 
 import numpy as np
 import pytest
 
-from conftest import DISTILL
+from conftest import run_distill
 from distill.data.stats import Histogram, compute_stats, teacher_position_stats
 from distill.store import TeacherEncoding, decode_row_dense, iter_rows, load_manifest
 
@@ -68,8 +67,7 @@ def test_stats_match_an_independent_pass_over_real_shards(real_shards):
 @pytest.mark.vllm
 def test_stats_cli_writes_json_and_png_charts(real_shards, tmp_path, cli_env):
     plots = tmp_path / "plots"
-    r = subprocess.run([DISTILL, "data", "stats", str(real_shards), "--json", "--plot", str(plots)],
-                       capture_output=True, text=True, env=cli_env, timeout=120)
+    r = run_distill(["data", "stats", str(real_shards), "--json", "--plot", str(plots)], env=cli_env)
     assert r.returncode == 0, r.stderr
     summary = json.loads(r.stdout)
     assert summary["conversations"] == 16 and summary["teacher"]["k"] == 20
@@ -78,5 +76,5 @@ def test_stats_cli_writes_json_and_png_charts(real_shards, tmp_path, cli_env):
     for name in ("lengths.png", "teacher.png"):
         data = (plots / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
-    table = subprocess.run([DISTILL, "data", "stats", str(real_shards)], capture_output=True, text=True, env=cli_env, timeout=120)
+    table = run_distill(["data", "stats", str(real_shards)], env=cli_env)
     assert table.returncode == 0 and "top-k coverage" in table.stdout

@@ -5,13 +5,12 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import subprocess
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import DISTILL
+from conftest import run_distill
 from distill.data.dataset import Dataset
 from distill.data.transform import dedupe, eval_side, merge, split, split_key, user_text_key
 from distill.data.validate import validate_dataset
@@ -32,8 +31,8 @@ def ids(root):
 
 def test_split_is_deterministic_by_id_hash_and_leaves_the_input_alone(real_shards, tmp_path, cli_env):
     before = folder_digest(real_shards)
-    r = subprocess.run([DISTILL, "data", "split", str(real_shards), "--eval-fraction", "0.3", "--out", str(tmp_path / "a"),
-                        "--shard-size", "4"], capture_output=True, text=True, env=cli_env, timeout=120)
+    r = run_distill(["data", "split", str(real_shards), "--eval-fraction", "0.3", "--out", str(tmp_path / "a"), "--shard-size", "4"],
+                     env=cli_env)
     assert r.returncode == 0, r.stderr
     summary = json.loads(r.stdout)
     train, evals = ids(tmp_path / "a" / "train"), ids(tmp_path / "a" / "eval")
@@ -46,8 +45,7 @@ def test_split_is_deterministic_by_id_hash_and_leaves_the_input_alone(real_shard
     again = split(real_shards, tmp_path / "b", eval_fraction=0.3, shard_rows=100, by="id")
     assert ids(tmp_path / "b" / "eval") == evals and again.rows_out["train"] == len(train)
     assert folder_digest(real_shards) == before
-    r = subprocess.run([DISTILL, "data", "split", str(real_shards), "--out", str(tmp_path / "a")],
-                       capture_output=True, text=True, env=cli_env, timeout=120)
+    r = run_distill(["data", "split", str(real_shards), "--out", str(tmp_path / "a")], env=cli_env)
     assert r.returncode == 2 and "already exists" in r.stderr
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -12,7 +11,7 @@ import pytest
 
 from distill.data.validate import validate_dataset
 from distill.store.atomic import sha256_file
-from conftest import DISTILL
+from conftest import run_distill
 
 pytestmark = pytest.mark.vllm
 
@@ -56,7 +55,7 @@ def test_truncated_shard_is_named_with_nonzero_exit(ds, cli_env):
     report = validate_dataset(ds)
     assert {"size", "checksum", "unreadable"} <= checks(report, "shard-00001.parquet")
     assert checks(report) == checks(report, "shard-00001.parquet")  # nothing else blamed
-    r = subprocess.run([DISTILL, "data", "validate", str(ds)], capture_output=True, text=True, env=cli_env, timeout=120)
+    r = run_distill(["data", "validate", str(ds)], env=cli_env)
     assert r.returncode == 1
     assert "shard-00001.parquet: [unreadable]" in r.stdout and "INVALID" in r.stdout
     # the rows of the intact shards were still checked

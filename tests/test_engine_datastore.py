@@ -4,13 +4,12 @@ matches, greedy == plain with it on MT-Bench, and the errors a wrong dataset get
 from __future__ import annotations
 
 import json
-import subprocess
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import DISTILL, MT_QUESTIONS, MT_TOKENS
+from conftest import MT_QUESTIONS, MT_TOKENS, run_distill
 from distill.engine import Engine, EngineConfig, SamplingParams
 from distill.engine.datastore import Datastore
 from distill.engine.lookup import Lookup, LookupState, _Context
@@ -101,9 +100,8 @@ def test_engine_options_and_the_bench_cli_with_a_datastore(real_shards, tmp_path
         ServeConfig(heads=None, lookup_data=str(real_shards))
     with pytest.raises(ConfigError, match="ngram"):
         ServeConfig(heads="lookup", engine="vllm", lookup_data=str(real_shards))
-    r = subprocess.run([DISTILL, "bench", "--heads", "lookup", "--lookup-data", str(real_shards), "--limit", "1",
-                        "--max-tokens", "12", "--modes", "greedy", "--out", str(tmp_path / "b")],
-                       capture_output=True, text=True, env=cli_env, timeout=600)
+    r = run_distill(["bench", "--heads", "lookup", "--lookup-data", str(real_shards), "--limit", "1", "--max-tokens", "12", "--modes",
+                     "greedy", "--out", str(tmp_path / "b")], env=cli_env)
     assert r.returncode == 0, r.stderr[-2000:]
     doc = json.loads((tmp_path / "b" / "bench.json").read_text())
     assert doc["config"]["lookup_data"] == str(real_shards) and "datastore" in doc["tree"]["source"]

@@ -8,12 +8,11 @@ chi-square test at the 0.1% level; typical acceptance on the same draws is caugh
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 import torch
 
-from conftest import DISTILL, MT_QUESTIONS, MT_TOKENS
+from conftest import MT_QUESTIONS, MT_TOKENS, run_distill
 from distill.engine import Engine, EngineConfig, SamplingParams
 from distill.engine.lookup import Lookup, LookupState, _Context
 from distill.errors import ConfigError
@@ -79,8 +78,8 @@ def test_greedy_lookup_equals_plain_greedy_on_mt_bench(hf_model, tokenizer, mt_p
 
 
 def test_bench_cli_runs_plain_vs_lookup_with_the_bundled_model(tmp_path, cli_env):
-    r = subprocess.run([DISTILL, "bench", "--heads", "lookup", "--limit", "1", "--max-tokens", "12", "--modes", "greedy",
-                        "--out", str(tmp_path / "b")], capture_output=True, text=True, env=cli_env, timeout=600)
+    r = run_distill(["bench", "--heads", "lookup", "--limit", "1", "--max-tokens", "12", "--modes", "greedy", "--out",
+                     str(tmp_path / "b")], env=cli_env)
     assert r.returncode == 0, r.stderr[-2000:]
     doc = json.loads((tmp_path / "b" / "bench.json").read_text())
     assert doc["tree"]["proposer"] == "lookup" and doc["heads"] == "lookup"

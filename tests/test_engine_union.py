@@ -8,12 +8,11 @@ are often right) and the bundled SmolLM2 on real MT-Bench first turns with an un
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 import torch
 
-from conftest import DISTILL, MT_QUESTIONS, MT_TOKENS
+from conftest import MT_QUESTIONS, MT_TOKENS, run_distill
 from distill.engine import Engine, EngineConfig, SamplingParams
 from distill.engine.eagle import Eagle
 from distill.engine.lookup import Lookup
@@ -245,9 +244,8 @@ def test_bench_cli_runs_a_trained_drafter_with_the_lookup_merged_in(tmp_path_fac
     train(TrainConfig(data=str(real_shards), out=str(out), arch="eagle3", steps=4, max_len=64, batch_size=4, lr=3e-3,
                       warmup_steps=1, seed=0, progress=False))
     b = out.parent / "bench"
-    r = subprocess.run([DISTILL, "bench", "--heads", str(out), "--lookup", "--lookup-data", str(real_shards), "--full-tree",
-                        "--draft-nodes", "8", "--lookup-nodes", "4", "--limit", "1", "--max-tokens", "12", "--modes", "greedy", "--out", str(b)],
-                       capture_output=True, text=True, env=cli_env, timeout=600)
+    r = run_distill(["bench", "--heads", str(out), "--lookup", "--lookup-data", str(real_shards), "--full-tree", "--draft-nodes", "8",
+                     "--lookup-nodes", "4", "--limit", "1", "--max-tokens", "12", "--modes", "greedy", "--out", str(b)], env=cli_env)
     assert r.returncode == 0, r.stderr[-2000:]
     doc = json.loads((b / "bench.json").read_text())
     assert doc["tree"]["proposer"] == "lookup+eagle3" and doc["tree"]["nodes"] == 12  # the lookup's 4 and the drafter's 8

@@ -7,12 +7,11 @@ error, and servers that die mid-run must lose nothing.
 
 from __future__ import annotations
 
-import subprocess
 
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import DISTILL, REPO, VLLMServer, assert_same_rows, assert_teacher_matches_model, free_port
+from conftest import REPO, VLLMServer, assert_same_rows, assert_teacher_matches_model, free_port, run_distill
 from tcpproxy import Relay
 from distill.errors import BackendError
 from distill.generate import GenerateConfig, Generator
@@ -31,8 +30,9 @@ def reference(tmp_path_factory, vllm_backend):
     return out
 
 
-def _cli(args, env, timeout=900):
-    return subprocess.run([DISTILL, *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+def _cli(args, env):
+    """The command line against the session's server: an HTTP client, so it runs in this process (conftest.run_distill)."""
+    return run_distill(args, env=env, cwd=REPO)
 
 
 def test_server_shards_equal_the_in_process_engine_at_temperature_0(vllm_server, reference, tmp_path, cli_env, hf_model):
@@ -139,7 +139,7 @@ def test_bad_server_options_are_one_line_errors(tmp_path, cli_env, vllm_server):
         (["--backend", "openai", "--server", vllm_server.url, "--topk", "64", "--max-new-tokens", "4"], None),
     ]
     for extra, message in cases:
-        r = _cli(base + extra, cli_env, timeout=300)
+        r = _cli(base + extra, cli_env)
         if message is None:  # the server was started with --max-logprobs 64: k=64 works
             assert r.returncode == 0, r.stderr[-2000:]
             continue

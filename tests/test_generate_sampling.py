@@ -6,12 +6,11 @@ Every test keeps sequences short (a few seed rows, 6-16 new tokens a turn).
 from __future__ import annotations
 
 import json
-import subprocess
 
 import numpy as np
 import pytest
 
-from conftest import ARGMAX_TOL, DISTILL, REPO, assert_same_rows, assert_teacher_matches_model
+from conftest import ARGMAX_TOL, REPO, assert_same_rows, assert_teacher_matches_model, run_distill
 from distill.conversation import seed_conversation_id
 from distill.data.transform import dedupe, eval_side, merge, split
 from distill.data.validate import validate_dataset
@@ -243,18 +242,16 @@ def test_bad_sampling_options_are_config_errors(options, message):
 
 def test_the_command_line_takes_the_sampling_options_and_counts_rows(tmp_path, cli_env):
     out = tmp_path / "o"
-    r = subprocess.run([DISTILL, "generate", "--backend", "hf", "--seed", "mt-bench", "--mode", "single-turn", "--limit", "1",
-                        "--max-new-tokens", "4", "--samples", "2", "--top-k", "5", "--set", "min_p=0.1",
-                        "--repetition-penalty", "1.1", "--dtype", "float32", "--out", str(out), "-q"],
-                       env=cli_env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    r = run_distill(["generate", "--backend", "hf", "--seed", "mt-bench", "--mode", "single-turn", "--limit", "1", "--max-new-tokens",
+                     "4", "--samples", "2", "--top-k", "5", "--set", "min_p=0.1", "--repetition-penalty", "1.1", "--dtype", "float32",
+                     "--out", str(out), "-q"], env=cli_env, cwd=REPO)
     assert r.returncode == 0, r.stderr
     assert "2 generated + 0 rejected + 158 skipped = 160 rows (80 seed rows x 2 samples)" in r.stdout
     sampling = load_manifest(out)["meta"]["sampling"]
     assert (sampling["samples"], sampling["top_k"], sampling["min_p"], sampling["repetition_penalty"]) == (2, 5, 0.1, 1.1)
     assert [r["id"] for r in iter_rows(out)] == ["mt-bench:81#s0", "mt-bench:81#s1"]
 
-    bad = subprocess.run([DISTILL, "generate", "--samples", "3", "--temperature", "0", "--out", str(tmp_path / "b")],
-                         env=cli_env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    bad = run_distill(["generate", "--samples", "3", "--temperature", "0", "--out", str(tmp_path / "b")], env=cli_env, cwd=REPO)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         "error: --samples 3 needs --temperature > 0: greedy decoding gives 3 identical completions"]
 

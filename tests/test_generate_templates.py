@@ -11,14 +11,13 @@ what the teacher generated in the row.
 from __future__ import annotations
 
 import json
-import subprocess
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import DISTILL, REPO, assert_teacher_matches_model
+from conftest import REPO, assert_teacher_matches_model, run_distill
 from distill.conversation import conversation_id, turn_row_id
 from distill.data.convert import export
 from distill.data.stats import compute_stats
@@ -253,13 +252,12 @@ def test_cli_passes_the_template_file_and_its_kwargs_to_generate(tmp_path, cli_e
     args = ["generate", "--backend", "hf", "--seed", _seed(tmp_path), "--mode", "single-turn", "--limit", "1",
             "--max-new-tokens", "2", "--dtype", "float32", "--out", str(out), "--quiet",
             "--chat-template", str(tmp_path / "qwen3.jinja"), "--chat-template-kwargs", '{"enable_thinking": false}']
-    proc = subprocess.run([DISTILL, *args], env=cli_env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    proc = run_distill([*args], env=cli_env, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-2000:]
     (row,) = iter_rows(out)
     assert row["messages"][-1]["content"].startswith(EMPTY_THINK)
     assert load_manifest(out)["meta"]["generation"]["chat_template_kwargs"] == THINK_OFF
-    bad = subprocess.run([DISTILL, *args[:-1], "{enable_thinking: false}"], env=cli_env, cwd=REPO, capture_output=True,
-                         text=True, timeout=600)
+    bad = run_distill([*args[:-1], "{enable_thinking: false}"], env=cli_env, cwd=REPO)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and bad.stderr.startswith("error: --chat-template-kwargs")
 
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from conftest import DISTILL, REPO
+from conftest import REPO, run_distill
 from distill.errors import ConfigError
 
 
@@ -41,18 +41,15 @@ def _chat_prompt(model_dir, shards) -> str:
 @pytest.mark.slow
 def test_a_drafter_trained_and_exported_from_the_command_line_drafts_accepted_tokens_in_vllm(model_dir, real_shards, tmp_path, cli_env):
     out = tmp_path / "drafter"
-    run = subprocess.run(
-        [DISTILL, "train-heads", "--config", str(REPO / "pipelines" / "eagle3.yaml"), "--data", str(real_shards),
-         "--out", str(out), "--max-len", "64", "--context", "0", "--batch-size", "4", "--grad-accum", "1", "--steps", "24",
-         "--lr", "0.003", "--warmup-steps", "2", "--ttt-steps", "2", "-q"],
-        capture_output=True, text=True, env=cli_env, timeout=900)
+    run = run_distill(["train-heads", "--config", str(REPO / "pipelines" / "eagle3.yaml"), "--data", str(real_shards), "--out", str(out),
+                       "--max-len", "64", "--context", "0", "--batch-size", "4", "--grad-accum", "1", "--steps", "24", "--lr", "0.003",
+                       "--warmup-steps", "2", "--ttt-steps", "2", "-q"], env=cli_env)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "24 steps" in run.stdout and "step top-1" in run.stdout and "draft vocabulary:" in run.stdout
     meta = json.loads((out / "distill-heads.json").read_text())
     assert meta["train_config"]["arch"] == "eagle3" and meta["train_config"]["ttt_steps"] == 2  # YAML + CLI override
 
-    exp = subprocess.run([DISTILL, "export", "--heads", str(out), "--out", str(tmp_path / "vllm"), "--format", "vllm-eagle3"],
-                         capture_output=True, text=True, env=cli_env, timeout=600)
+    exp = run_distill(["export", "--heads", str(out), "--out", str(tmp_path / "vllm"), "--format", "vllm-eagle3"], env=cli_env)
     assert exp.returncode == 0, exp.stderr[-2000:]
     exported = tmp_path / "vllm"
     assert sorted(p.name for p in exported.iterdir()) == ["config.json", "distill-heads.json", "draft-vocab.json",

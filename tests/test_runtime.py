@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 
 import pytest
 
-from conftest import DISTILL
+from conftest import run_distill
 from distill import runtime
 from distill.errors import ConfigError
 from distill.runtime import CpuInfo, parse_cpuinfo, resolve_dtype
@@ -131,7 +130,7 @@ def test_distill_env_names_the_cpu_and_each_stage_dtype(tmp_path):
     (home / "models").symlink_to(distill_home() / "models", target_is_directory=True)
     for name in ("a.json", "b.json"):  # the engine's kept step-cost curves are counted
         (home / "step-costs" / name).write_text("{}")
-    r = subprocess.run([DISTILL, "env"], capture_output=True, text=True, timeout=300, env=dict(os.environ, DISTILL_HOME=str(home)))
+    r = run_distill(["env"], env=dict(os.environ, DISTILL_HOME=str(home)))
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert f"- DISTILL_HOME: {home} (2 step-cost curves kept in step-costs/" in r.stdout
@@ -150,7 +149,7 @@ def test_distill_env_names_the_cpu_and_each_stage_dtype(tmp_path):
                                                      else "- Engine's float32 CPU linears: torch's oneDNN"), linears
     assert linears[0].endswith("RMS norms and the rotary embedding on vLLM's CPU kernels where they reproduce the model's") \
         == (vllm_kernels() == "")  # distill.engine.norms and .rotary use the same library
-    r = subprocess.run([DISTILL, "env", "--json"], capture_output=True, text=True, timeout=300)
+    r = run_distill(["env", "--json"])
     doc = json.loads(r.stdout)
     assert doc["versions"]["torch"] and doc["stages"]["serve"]["dtype"] == "float32"
     assert doc["cpu"]["native_bf16"] in (True, False)

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 
 import pytest
 
-from conftest import DISTILL
+from conftest import run_distill
 from distill.errors import ConfigError
 from distill.serve import ServeConfig, vllm_command, vllm_env
 
@@ -70,9 +69,9 @@ def test_serve_config_rejects_bad_options(options, message):
 
 
 def test_serve_cli_reports_a_bad_option_in_one_line(tmp_path):
-    r = subprocess.run([DISTILL, "serve", "--engine", "vllm"], capture_output=True, text=True, timeout=120)
+    r = run_distill(["serve", "--engine", "vllm"])
     assert r.returncode == 2 and r.stderr.strip().splitlines() == ["error: --engine vllm serves the model with Medusa heads or an EAGLE-3 drafter: pass --heads DIR"]
-    r = subprocess.run([DISTILL, "serve", "--help"], capture_output=True, text=True, timeout=120)
+    r = run_distill(["serve", "--help"])
     assert "single" in r.stdout and "chain" in r.stdout and "127.0.0.1" in r.stdout
     assert "DISTILL_API_KEY" in r.stdout and "(ps)" in r.stdout  # the key's safe way in, and why
 
@@ -124,21 +123,19 @@ def test_vllm_command_runs_the_heads_teacher_dtype(heads_dir, monkeypatch):
 
 
 def test_serve_cli_passes_arguments_after_the_double_dash_to_vllm(heads_dir):
-    r = subprocess.run([DISTILL, "serve", "--engine", "vllm", "--heads", str(heads_dir), "--print-command", "--",
-                        "--gpu-memory-utilization", "0.85", "--tensor-parallel-size", "1"], capture_output=True, text=True, timeout=120)
+    r = run_distill(["serve", "--engine", "vllm", "--heads", str(heads_dir), "--print-command", "--", "--gpu-memory-utilization", "0.85",
+                     "--tensor-parallel-size", "1"])
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     cmd = doc["command"]
     assert cmd[-4:] == ["--gpu-memory-utilization", "0.85", "--tensor-parallel-size", "1"]
     assert cmd[cmd.index("--dtype") + 1] == "float32" and "--max-num-seqs" not in cmd
     assert "VLLM_API_KEY" not in doc["env"] and "TORCH_COMPILE_DISABLE" not in doc["env"]  # vLLM compiles its model
-    r = subprocess.run([DISTILL, "serve", "--engine", "vllm", "--heads", str(heads_dir), "--print-command", "--",
-                        "--enforce-eager"], capture_output=True, text=True, timeout=120,
-                       env={k: v for k, v in os.environ.items() if k != "TORCH_COMPILE_DISABLE"})
+    r = run_distill(["serve", "--engine", "vllm", "--heads", str(heads_dir), "--print-command", "--", "--enforce-eager"],
+                     env={k: v for k, v in os.environ.items() if k != "TORCH_COMPILE_DISABLE"})
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["env"]["TORCH_COMPILE_DISABLE"] == "1"  # eager: no inductor build for a sampler helper
-    r = subprocess.run([DISTILL, "serve", "--heads", str(heads_dir), "--print-command", "--", "--enforce-eager"],
-                       capture_output=True, text=True, timeout=120)
+    r = run_distill(["serve", "--heads", str(heads_dir), "--print-command", "--", "--enforce-eager"])
     assert r.returncode == 2 and "need --engine vllm" in r.stderr
 
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import DISTILL
+from conftest import DISTILL, run_distill
 from distill.errors import StoreError
 from distill.store import ShardStore, load_manifest
 from distill.store.lock import LOCK_FILE, FolderLock
@@ -55,7 +55,7 @@ def test_a_second_run_into_a_folder_a_run_writes_refuses_naming_it_and_the_first
         first.send_signal(signal.SIGCONT)
     assert first.wait(timeout=600) == 0, log.read_text()[-2000:]
     assert load_manifest(out)["totals"]["complete"] is True
-    r = subprocess.run([DISTILL, "data", "validate", str(out)], capture_output=True, text=True, env=cli_env, timeout=600)
+    r = run_distill(["data", "validate", str(out)], env=cli_env)
     assert r.returncode == 0 and r.stdout.strip().endswith(": OK"), r.stdout + r.stderr
 
 
@@ -178,7 +178,7 @@ def converted_with_rejects(tmp_path):
     rows = [good, {"messages": [{"role": "user", "content": ""}]}, {"messages": [{"role": "wizard", "content": "x"}]}, good]
     seed.write_text("\n".join(json.dumps(r) for r in rows) + "\n{not json\n")
     out = tmp_path / "shards"
-    r = subprocess.run([DISTILL, "data", "convert", str(seed), "--to", "shards", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    r = run_distill(["data", "convert", str(seed), "--to", "shards", "--out", str(out)])
     assert r.returncode == 0, r.stderr
     return seed, out
 
@@ -201,7 +201,7 @@ def test_validate_cross_checks_rejects_against_the_manifest(converted_with_rejec
 def _preview_without_local_paths(out, tmp_path):
     """`distill push --dry-run` of ``out``: the preview folder, checked to hold no byte of a local path."""
     preview = tmp_path / "preview"
-    r = subprocess.run([DISTILL, "push", str(out), "--repo", "me/x", "--dry-run", str(preview)], capture_output=True, text=True, timeout=600)
+    r = run_distill(["push", str(out), "--repo", "me/x", "--dry-run", str(preview)])
     assert r.returncode == 0, r.stderr
     local = str(tmp_path)
     files = [p for p in preview.rglob("*") if p.is_file()]
@@ -226,8 +226,7 @@ def test_an_hf_seed_of_a_local_folder_is_stored_and_pushed_as_its_name_and_hash(
     row = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
     (folder / "train.jsonl").write_text(json.dumps(row) + "\n")
     out = tmp_path / "shards"
-    r = subprocess.run([DISTILL, "data", "convert", f"hf:{folder}", "--to", "shards", "--out", str(out)], capture_output=True, text=True,
-                       timeout=300)
+    r = run_distill(["data", "convert", f"hf:{folder}", "--to", "shards", "--out", str(out)])
     assert r.returncode == 0, r.stderr
     seed_meta = load_manifest(out)["meta"]["seed"]
     assert seed_meta["spec"] == "hf:local_ds:train" and len(seed_meta["sha256"]) == 64
@@ -243,13 +242,12 @@ def test_pathological_json_becomes_a_rejection_or_a_one_line_error(tmp_path):
     huge = json.dumps({"messages": [{"role": "user", "content": "x" * (17 << 20)}]})
     jsonl.write_text('{"messages": [{"role": "user", "content": ' + "[" * deep + "]" * deep + "}]}\n" + huge + "\n" + good + "\n")
     out = tmp_path / "out"
-    r = subprocess.run([DISTILL, "data", "convert", str(jsonl), "--to", "shards", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    r = run_distill(["data", "convert", str(jsonl), "--to", "shards", "--out", str(out)])
     assert r.returncode == 0, r.stderr
     reasons = [json.loads(line)["reason"] for line in (out / "rejects.jsonl").read_text().splitlines()]
     assert reasons == ["malformed_json", "row_too_large"]
     doc = tmp_path / "deep.json"
     doc.write_text("[" * deep + "]" * deep)
-    r = subprocess.run([DISTILL, "data", "convert", str(doc), "--to", "shards", "--out", str(tmp_path / "o2")], capture_output=True,
-                       text=True, timeout=300)
+    r = run_distill(["data", "convert", str(doc), "--to", "shards", "--out", str(tmp_path / "o2")])
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         f"error: seed file '{doc}' nests JSON deeper than Python's parser allows: not a list of conversations"]

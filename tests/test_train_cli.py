@@ -1,34 +1,30 @@
-"""The real console script: train-heads from a pipeline file with CLI overrides, calibrate, export."""
+"""The command line (the console script's main(), run in-process: conftest.run_distill): train-heads from a pipeline
+file with CLI overrides, calibrate, export."""
 
 from __future__ import annotations
 
 import json
-import subprocess
 
-from conftest import DISTILL, REPO
+from conftest import REPO, run_distill
 
 
 def test_train_heads_calibrate_and_export_from_the_command_line(real_shards, tmp_path, cli_env):
     out = tmp_path / "heads"
-    run = subprocess.run(
-        [DISTILL, "train-heads", "--config", str(REPO / "pipelines" / "medusa1.yaml"), "--data", str(real_shards),
-         "--out", str(out), "--heads", "2", "--share-lm-head", "--max-len", "32", "--context", "8", "--batch-size", "2", "--grad-accum", "1",
-         "--steps", "2", "--warmup-steps", "0", "-q"],
-        capture_output=True, text=True, env=cli_env, timeout=600)
+    run = run_distill(["train-heads", "--config", str(REPO / "pipelines" / "medusa1.yaml"), "--data", str(real_shards), "--out", str(out),
+                       "--heads", "2", "--share-lm-head", "--max-len", "32", "--context", "8", "--batch-size", "2", "--grad-accum", "1",
+                       "--steps", "2", "--warmup-steps", "0", "-q"], env=cli_env)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "2 steps" in run.stdout and "head top-1" in run.stdout
     meta = json.loads((out / "distill-heads.json").read_text())
     assert meta["train_config"]["epochs"] == 2 and meta["train_config"]["max_len"] == 32  # YAML value + CLI override
     assert meta["train_config"]["context"] == 8
 
-    cal = subprocess.run([DISTILL, "calibrate", "--heads", str(out), "--data", str(real_shards), "--nodes", "5",
-                          "--max-len", "32", "--max-tokens", "300", "--no-plots"],
-                         capture_output=True, text=True, env=cli_env, timeout=600)
+    cal = run_distill(["calibrate", "--heads", str(out), "--data", str(real_shards), "--nodes", "5", "--max-len", "32", "--max-tokens",
+                       "300", "--no-plots"], env=cli_env)
     assert cal.returncode == 0, cal.stderr[-2000:]
     assert "5 nodes" in cal.stdout and json.loads((out / "tree.json").read_text())["nodes"] == 5
 
-    exp = subprocess.run([DISTILL, "export", "--heads", str(out), "--out", str(tmp_path / "repo"), "--format", "medusa-repo"],
-                         capture_output=True, text=True, env=cli_env, timeout=600)
+    exp = run_distill(["export", "--heads", str(out), "--out", str(tmp_path / "repo"), "--format", "medusa-repo"], env=cli_env)
     assert exp.returncode == 0, exp.stderr[-2000:]
     conf = json.loads((tmp_path / "repo" / "config.json").read_text())
     assert conf["medusa_num_heads"] == 2 and conf["medusa_num_layers"] == 1
@@ -43,6 +39,5 @@ def test_train_heads_calibrate_and_export_from_the_command_line(real_shards, tmp
     assert (sd["1.0.linear.weight"] == heads.blocks[1].layers[0].weight).all()
     assert (sd["1.1.weight"] == heads.lm_heads[0].weight).all()  # the shared LM head, written once per head
 
-    bad = subprocess.run([DISTILL, "train-heads", "--data", str(real_shards), "--mode", "medusa3"],
-                         capture_output=True, text=True, env=cli_env, timeout=600)
+    bad = run_distill(["train-heads", "--data", str(real_shards), "--mode", "medusa3"], env=cli_env)
     assert bad.returncode == 2 and bad.stderr.startswith("error: --mode must be one of")
