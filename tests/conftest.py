@@ -215,6 +215,7 @@ def run_distill(args, env: dict | None = None, cwd: Path | None = None) -> subpr
     args = [str(a) for a in args]
     saved_env, saved_cwd, saved_argv = dict(os.environ), os.getcwd(), sys.argv
     code = 0
+    _reset_accelerate()
     try:
         with CliRunner().isolation() as (out, err, _):
             if env is not None:
@@ -237,7 +238,21 @@ def run_distill(args, env: dict | None = None, cwd: Path | None = None) -> subpr
         os.environ.update(saved_env)
         os.chdir(saved_cwd)
         sys.argv = saved_argv
+        _reset_accelerate()
     return subprocess.CompletedProcess(["distill", *args], code, stdout, stderr)
+
+
+def _reset_accelerate() -> None:
+    """Forget accelerate's process-wide state (as accelerate's own tests do between cases).
+
+    ``train-heads`` makes an ``Accelerator``, whose state is one per process and refuses another mixed
+    precision once set ("restart your runtime"): a fresh process starts without it, and so must each
+    in-process command.
+    """
+    if "accelerate" in sys.modules:
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
 
 
 # -- checks shared by the generation tests ---------------------------------------------------

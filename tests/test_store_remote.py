@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, TRAINED_HEADS_OPTIONS, assert_same_rows, free_port, tiny_row as _row, tiny_store as _store
+from conftest import REPO, TRAINED_HEADS_OPTIONS, assert_same_rows, free_port, run_distill, tiny_row as _row, tiny_store as _store
 from distill.errors import StoreError
 from distill.generate import GenerateConfig, Generator
 from distill.store import ShardStore, iter_rows, load_manifest
@@ -278,11 +278,8 @@ def s3_dataset(s3, tmp_path_factory, hf_backend):
 
 
 def _distill(*args, cwd=None) -> subprocess.CompletedProcess:
-    """The real command line (this tree's code), in a subprocess."""
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    return subprocess.run([sys.executable, "-m", "distill.cli", *args], capture_output=True, text=True, env=env,
-                          cwd=cwd or REPO, timeout=600)
+    """The command line, with the S3 client environment of the module's server (conftest.run_distill, in this process)."""
+    return run_distill(args, cwd=cwd or REPO)
 
 
 def test_validate_stats_convert_and_push_read_an_s3_dataset_as_they_read_the_local_one(s3_dataset, tmp_path):
