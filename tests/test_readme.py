@@ -324,6 +324,10 @@ def test_readme_blocks_parse_into_commands():
     assert sized("distill serve --heads h --engine vllm").endswith(" -- --enforce-eager")
     assert sized("distill serve --heads h --engine vllm -- --max-num-seqs 4").endswith(" -- --max-num-seqs 4 --enforce-eager")
     assert "enforce" not in sized("distill serve --heads h") + sized("distill serve --heads h --engine vllm --print-command")
+    # what may run in this process: one plain distill command, quoted arguments included; not a loop, pipe or variable
+    assert ONE_COMMAND.fullmatch("distill data stats o --json") and ONE_COMMAND.fullmatch("""distill x --k '{"a": 1}'""")
+    assert not any(ONE_COMMAND.fullmatch(c) for c in (loop, "distill data stats o | head", "X=1 distill env", "distill env > f",
+                                                      "distill generate --part $i/2", "distill env; distill env"))
 
 
 def test_every_readme_command_runs(docs, request):
