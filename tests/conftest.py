@@ -206,7 +206,8 @@ def run_distill(args, env: dict | None = None, cwd: Path | None = None) -> subpr
     imports (torch and transformers: ~6 s of CPU on an Intel Xeon, more on a Zen 3), which this worker has done
     already. For commands that end by themselves in one process: not ``serve`` (signal handlers, a port), not
     vLLM's ``generate`` (one in-process vLLM engine a process; the session's is :func:`vllm_backend`), not a
-    run a test kills. The README walkthrough and those tests run the console script itself.
+    run a test kills: those keep their processes, and the README walkthrough runs each subcommand first as
+    the console script.
     """
     from click.testing import CliRunner
 

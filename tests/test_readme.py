@@ -73,11 +73,11 @@ REPLACE_ONLY: dict[str, dict[str, str]] = {
 }
 if not cpu_has_native_bf16():  # bf16 is ~300x slower where emulated: the walkthrough runs the one dtype rule's choice
     REPLACE_ONLY["train-heads"]["--precision"] = "auto"
-# split.by=id: 4 conversations have too few distinct openers for the quickstart's first-turn split
 # Repeats of these run in this process (module docstring): no vLLM engine, no server, no Hub endpoint read at import.
 REPEATS_IN_PROCESS = {"train-heads", "calibrate", "bench", "export", "env", "data validate", "data stats", "data inspect",
                       "data dedupe", "data split", "data merge", "data convert", "data repair"}
-ONE_COMMAND = re.compile(r"distill\s[^|&;<>$`()\\]*")  # no pipe, list, redirection, substitution or variable
+ONE_COMMAND = re.compile(r"distill\s[^|&;<>$`()\\*?~]*")  # no pipe, list, redirection, substitution, variable or glob
+# split.by=id: 4 conversations have too few distinct openers for the quickstart's first-turn split
 PIPELINE_SETS = ["generate.limit=4", "generate.max_new_tokens=8", "generate.turns=1", "split.by=id", "train.steps=2", "train.max_len=128",
                  "train.context=32", "calibrate.max_len=128", "bench.limit=1", "bench.max_tokens=8"]
 
