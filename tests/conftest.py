@@ -189,14 +189,14 @@ def one_torch_thread():
 
 @pytest.fixture()
 def cli_env(tmp_path):
-    """Environment for running the real `distill` console script in a subprocess."""
+    """Environment for running the `distill` command: the console script in a subprocess, or :func:`run_distill`."""
     env = dict(os.environ)
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     env["HF_DATASETS_CACHE"] = str(tmp_path / "hf-datasets-cache")
     return env
 
 
-def run_distill(args, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+def run_distill(args, env: dict | None = None, cwd: Path | None = None, timeout: int = 900) -> subprocess.CompletedProcess:
     """``distill ARGS`` run inside this test process, as the console script runs it.
 
     The console script's own ``main()`` (its one-line errors and exit codes) runs with ``sys.argv``, the
@@ -207,8 +207,12 @@ def run_distill(args, env: dict | None = None, cwd: Path | None = None) -> subpr
     already. For commands that end by themselves in one process: not ``serve`` (signal handlers, a port), not
     vLLM's ``generate`` (one in-process vLLM engine a process; the session's is :func:`vllm_backend`), not a
     run a test kills: those keep their processes, and the README walkthrough runs each subcommand first as
-    the console script.
+    the console script. A command still running after ``timeout`` seconds ends this worker with every thread's
+    traceback on stderr (:func:`faulthandler.dump_traceback_later`): a hang fails, as the subprocess's timeout
+    made it fail, instead of stalling the suite.
     """
+    import faulthandler
+
     from click.testing import CliRunner
 
     from distill import cli
@@ -217,6 +221,7 @@ def run_distill(args, env: dict | None = None, cwd: Path | None = None) -> subpr
     saved_env, saved_cwd, saved_argv = dict(os.environ), os.getcwd(), sys.argv
     code = 0
     _reset_accelerate()
+    faulthandler.dump_traceback_later(timeout, exit=True)
     try:
         with CliRunner().isolation() as (out, err, _):
             if env is not None:
@@ -239,6 +244,7 @@ def run_distill(args, env: dict | None = None, cwd: Path | None = None) -> subpr
         os.environ.update(saved_env)
         os.chdir(saved_cwd)
         sys.argv = saved_argv
+        faulthandler.cancel_dump_traceback_later()
         _reset_accelerate()
     return subprocess.CompletedProcess(["distill", *args], code, stdout, stderr)
 
