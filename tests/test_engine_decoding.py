@@ -259,6 +259,9 @@ def test_compiled_single_token_forwards_decode_as_eager(model_dir, tokenizer, pr
             m.single = PACKED if m.vllm is not None else WEIGHT
     plain_reference = [reference.generate([p], [SamplingParams(max_tokens=NEW_TOKENS)])[0][0] for p in prompts[:2]]
     assert all(len(r.token_ids) > 4 for r in plain_reference)
+    from torch._dynamo.utils import counters
+
+    counters.clear()
     model = first_layers(model_dir, 2)  # its own: compile hooks its decoder
     engine = Engine(model, tokenizer, make_heads(model, random_w1=True), EngineConfig(tree="sparse-16", speculate_max_batch=2, compile=True))
     engine.warmup()
@@ -272,3 +275,7 @@ def test_compiled_single_token_forwards_decode_as_eager(model_dir, tokenizer, pr
     results, stats = engine.generate(prompts[:2], [SamplingParams(max_tokens=NEW_TOKENS)] * 2)
     assert [r.token_ids for r in results] == [r.token_ids for r in plain_reference] and stats.tree_nodes == 16
     assert engine.compiled_forwards == before  # two rows, trees of 17 tokens: never a single-token forward
+    # one graph for the whole model, compiled once: no break sends a layer back to eager, and the KV storage
+    # growing from the warm-up's short prompt to these longer ones did not recompile it
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])

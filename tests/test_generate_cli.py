@@ -11,12 +11,16 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from conftest import DISTILL, REPO
+from conftest import DISTILL, REPO, run_distill
 from distill.store.atomic import sha256_file
 
 
-def _cli(args, env, timeout=600, check=True):
-    proc = subprocess.run([DISTILL, *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+def _cli(args, env, timeout=600, check=True, process=True):
+    """``distill ARGS`` as the console script, or (``process=False``) in this test's process (:func:`conftest.run_distill`)."""
+    if process:
+        proc = subprocess.run([DISTILL, *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    else:
+        proc = run_distill(args, env=env, cwd=REPO, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"distill {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr[-3000:]}")
     return proc
@@ -81,11 +85,11 @@ def test_pipeline_file_with_cli_overrides_and_a_larger_limit_continues(tmp_path,
     out = tmp_path / "out"
     base = ["generate", "--config", "pipelines/sharegpt-medusa.yaml", "--backend", "hf", "--max-new-tokens", "8",
             "--out", str(out), "--quiet"]
-    _cli(base + ["--limit", "2"], cli_env)
+    _cli(base + ["--limit", "2"], cli_env, process=False)  # the transformers backend: no engine of its own to start
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["config_key"]["temperature"] == 0.7  # from the YAML
     assert manifest["config_key"]["max_new_tokens"] == 8  # from the CLI
-    done = _cli(base + ["--limit", "3"], cli_env)
+    done = _cli(base + ["--limit", "3"], cli_env, process=False)
     _assert_consistent(out, 3)
     assert "this run: 1 conversations" in done.stdout
 
@@ -93,9 +97,9 @@ def test_pipeline_file_with_cli_overrides_and_a_larger_limit_continues(tmp_path,
 def test_a_different_config_into_the_same_folder_is_refused_and_nothing_is_lost(tmp_path, cli_env):
     out = tmp_path / "out"
     base = ["generate", "--seed", "mt-bench", "--backend", "hf", "--max-new-tokens", "8", "--limit", "1", "--out", str(out), "-q"]
-    _cli(base, cli_env)
+    _cli(base, cli_env, process=False)
     before = {p.name: sha256_file(p) for p in out.iterdir()}
-    proc = _cli(base + ["--temperature", "0.2"], cli_env, check=False)
+    proc = _cli(base + ["--temperature", "0.2"], cli_env, check=False, process=False)
     assert proc.returncode == 2
     assert "different config" in proc.stderr and "temperature" in proc.stderr and "Traceback" not in proc.stderr
     assert before == {p.name: sha256_file(p) for p in out.iterdir()}

@@ -16,7 +16,7 @@ import pytest
 import yaml
 from safetensors.numpy import load_file
 
-from conftest import DISTILL, REPO
+from conftest import DISTILL, REPO, run_distill
 from distill.errors import ConfigError
 from distill.pipeline import STAGES, PipelineConfig
 
@@ -42,8 +42,12 @@ def _write(tmp_path: Path, name: str, out: Path, **changes) -> Path:
     return path
 
 
-def _run(pipeline: Path, env, *extra) -> subprocess.CompletedProcess:
-    proc = subprocess.run([DISTILL, "run", str(pipeline), *extra], env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
+def _run(pipeline: Path, env, *extra, process: bool = False) -> subprocess.CompletedProcess:
+    """``distill run PIPELINE``: in this test's process (:func:`conftest.run_distill`), or as the console script."""
+    if process:
+        proc = subprocess.run([DISTILL, "run", str(pipeline), *extra], env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
+    else:
+        proc = run_distill(["run", str(pipeline), *extra], env=env, cwd=REPO)
     assert proc.returncode == 0, f"distill run failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr[-3000:]}"
     return proc
 
@@ -69,12 +73,14 @@ def _artifacts(out: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """One uninterrupted run of TINY: its folder (read only), its stdout, its wall seconds; shared by the tests below."""
+    """One uninterrupted run of TINY: its folder (read only), its stdout, its wall seconds; shared by the tests below.
+
+    A process, as the killed run below is one: its duration bounds the moment of the kill."""
     base = tmp_path_factory.mktemp("pipeline")
     env = dict(os.environ, HF_DATASETS_CACHE=str(base / "hf-datasets-cache"))
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     start = time.monotonic()
-    proc = _run(_write(base, "ref", base / "ref"), env)
+    proc = _run(_write(base, "ref", base / "ref"), env, process=True)
     return base / "ref", proc.stdout, time.monotonic() - start
 
 

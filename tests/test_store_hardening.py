@@ -46,7 +46,7 @@ def test_a_second_run_into_a_folder_a_run_writes_refuses_naming_it_and_the_first
             time.sleep(0.05)
         first.send_signal(signal.SIGSTOP)
         before = _folder(out)
-        r = subprocess.run(args, capture_output=True, text=True, env=cli_env, timeout=600)
+        r = run_distill(args[1:], env=cli_env)  # the second run in this test's process: the lock is the first's all the same
         assert r.returncode == 2, r.stderr
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and f"pid {first.pid}" in lines[0] and "being written by another run" in lines[0], r.stderr

@@ -573,6 +573,8 @@ class Engine:
         if self._compiled is not None and layers is None and ids.numel() == 1:
             # one token: every linear multiplies a single row (DualLinear's traceable path); multi-row forwards
             # (prefills, trees, batches) stay eager on the oneDNN-packed weights, which the compiler cannot trace
+            for storage in (cache.keys, cache.values):  # the slots grow with the sequences: one graph for every capacity
+                torch._dynamo.maybe_mark_dynamic(storage, 3)
             out = self._compiled(input_ids=ids, position_ids=positions, attention_mask=bias, past_key_values=cache,
                                  use_cache=True, logits_to_keep=keep)
             self.compiled_forwards += 1

@@ -85,6 +85,8 @@ def _rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
 
 def _wrap(original):
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1, *args, **kwargs):
+        if torch.compiler.is_compiling():  # a compiled forward: the original, traced (the compiler cannot read a ContextVar)
+            return original(q, k, cos, sin, unsqueeze_dim, *args, **kwargs)
         state = _ACTIVE.get()
         if state is None or args or kwargs or not _kernel_applies(q, k, cos, sin, unsqueeze_dim):
             return original(q, k, cos, sin, unsqueeze_dim, *args, **kwargs)
