@@ -6,26 +6,43 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from conftest import REPO
 
 
-def _generate_with_heads(model_dir, heads_dir, k: int) -> dict:
+def _generate_with_heads(model_dir, runs: list[tuple[Path, int]]) -> dict[str, dict]:
+    """Each (heads folder, speculative tokens) in vLLM's engine, one after the other in one process -> results by folder."""
     # OMP_NUM_THREADS as the worker has it (conftest.py, scripts/test.sh): more threads than cores spin against each other
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "scripts" / "vllm_medusa_generate.py"), str(model_dir),
-                           str(heads_dir), str(k)], capture_output=True, text=True, env=env, timeout=600)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    args = [str(a) for run in runs for a in run]
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "scripts" / "vllm_medusa_generate.py"), str(model_dir), *args],
+                          capture_output=True, text=True, env=env, timeout=600)
+    results = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and len(results) == len(runs), proc.stderr[-3000:]
+    return {r["heads"]: r for r in results}
+
+
+@pytest.fixture(scope="module")
+def vllm_runs(model_dir, trained_heads, hf_model, tmp_path_factory) -> dict[str, dict]:
+    """The trainer's two layouts in vLLM, from one process (one vLLM import): the session's trained heads (one
+    shared LM head, 2 heads) and a ``--no-share-lm-head`` folder (one lm_heads.{h} per head, 3 heads) written by
+    the trainer's own head builder."""
+    from distill.train import TrainConfig
+    from distill.train.trainer import build_heads
+
+    per_head = tmp_path_factory.mktemp("per-head") / "heads"
+    build_heads(hf_model, TrainConfig(data="unused", heads=3, share_lm_head=False)).save(per_head)
+    results = _generate_with_heads(model_dir, [(Path(trained_heads), 2), (per_head, 3)])
+    return {"shared": results[str(trained_heads)], "per-head": results[str(per_head)]}
 
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_shared_lm_head_heads_load_in_vllm_and_drive_speculative_decoding(model_dir, trained_heads):
-    result = _generate_with_heads(model_dir, trained_heads, 2)
+def test_shared_lm_head_heads_load_in_vllm_and_drive_speculative_decoding(vllm_runs):
+    result = vllm_runs["shared"]
     assert result["method"] == "medusa"
     assert result["n_tokens"] == 16 and result["text"].strip()
     m = result["metrics"]
@@ -35,14 +52,9 @@ def test_shared_lm_head_heads_load_in_vllm_and_drive_speculative_decoding(model_
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_per_head_lm_head_folder_loads_in_vllm(model_dir, hf_model, tmp_path):
-    """``--no-share-lm-head`` layout (one lm_heads.{h} per head), written by the trainer's own head builder."""
-    from distill.train import TrainConfig
-    from distill.train.trainer import build_heads
-
-    heads = build_heads(hf_model, TrainConfig(data="unused", heads=3, share_lm_head=False))
-    heads.save(tmp_path / "heads")
-    result = _generate_with_heads(model_dir, tmp_path / "heads", 3)
+def test_per_head_lm_head_folder_loads_in_vllm(vllm_runs):
+    """``--no-share-lm-head`` layout (one lm_heads.{h} per head): its own engine, made after the first one was shut down."""
+    result = vllm_runs["per-head"]
     assert result["method"] == "medusa" and result["n_tokens"] == 16
     assert result["metrics"]["vllm:spec_decode_num_draft_tokens"] == 3 * result["metrics"]["vllm:spec_decode_num_drafts"] > 0
 

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 
 # The quickstart's stages at CI size: transformers backend (no engine start), greedy, a few steps.
 TINY = {
-    "generate": {"seed": "sharegpt", "mode": "single-turn", "limit": 10, "temperature": 0.0, "max_new_tokens": 24,
+    "generate": {"seed": "sharegpt", "mode": "single-turn", "limit": 6, "temperature": 0.0, "max_new_tokens": 24,
                  "shard_size": 4, "backend": "hf", "dtype": "float32"},
     "split": {"eval_fraction": 0.3},
     "train": {"heads": 2, "share_lm_head": True, "max_len": 128, "batch_size": 2, "steps": 4, "save_every": 2, "lr": 0.003},
