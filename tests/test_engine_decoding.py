@@ -242,21 +242,37 @@ def first_layers(model_dir, layers: int):
     return model
 
 
-def test_compiled_single_token_forwards_decode_as_eager(model_dir, tokenizer, prompts):
+def _pin_single_row_kernels(model) -> dict[str, int]:
+    """Give the prepared linears of ``model`` single-row kernels by name, in turn: MKL on the weight, vLLM's packed copy,
+    the packed copy padded (MKL on the weight only where there is no vLLM copy) -> how many linears got each."""
+    from distill.engine.weights import PACKED, PADDED, WEIGHT, DualLinear
+
+    count = {WEIGHT: 0, PACKED: 0, PADDED: 0}
+    linears = sorted((name, m) for name, m in model.named_modules() if type(m) is DualLinear)
+    for i, (_, m) in enumerate(linears):
+        m.single = (WEIGHT, PACKED, PADDED)[i % 3] if m.vllm is not None else WEIGHT
+        count[m.single] += 1
+    return count
+
+
+def test_compiled_single_token_forwards_decode_as_eager(model_dir, tokenizer, prompts, monkeypatch):
     """EngineConfig.compile: plain batch-1 steps run the compiled model and give plain decoding's tokens; a
-    Medusa run on the same engine (its trees and its batch of two stay eager) gives them too.
+    Medusa run on the same engine (its trees and its batch of two stay eager) gives them too. Each single-row
+    product in the graph is the kernel the probe chose for its linear, as eagerly (here pinned, the same linear
+    by linear in both engines: MKL on the weight, vLLM's matmul, vLLM's matmul padded).
 
     On the bundled model's first 2 layers: compiling all 30 took 100 s of the suite (4 layers: 39 s, 2: 31 s), and what is checked (the
     compiled single-token path, the eager fallbacks around it) does not depend on the depth."""
-    from distill.engine.weights import PACKED, WEIGHT, DualLinear
+    from torch.profiler import ProfilerActivity, profile
+
+    from distill.engine.weights import PACKED, PADDED
 
     reference_model = first_layers(model_dir, 2)
-    reference = Engine(reference_model, tokenizer, None, EngineConfig())
-    for m in reference_model.modules():
-        if type(m) is DualLinear:
-            # single rows as the compiled graph multiplies them (vLLM's matmul where the weight has it, else MKL on the
-            # weight): only the compiler differs
-            m.single = PACKED if m.vllm is not None else WEIGHT
+    with monkeypatch.context() as m:  # the reference's linears unfused, as the compiled engine's: the same products
+        m.setattr(Engine, "_example", staticmethod(lambda model: None))
+        reference = Engine(reference_model, tokenizer, None, EngineConfig())
+    pinned = _pin_single_row_kernels(reference_model)
+    vllm_products = pinned[PACKED] + pinned[PADDED]
     plain_reference = [reference.generate([p], [SamplingParams(max_tokens=NEW_TOKENS)])[0][0] for p in prompts[:2]]
     assert all(len(r.token_ids) > 4 for r in plain_reference)
     from torch._dynamo.utils import counters
@@ -264,12 +280,18 @@ def test_compiled_single_token_forwards_decode_as_eager(model_dir, tokenizer, pr
     counters.clear()
     model = first_layers(model_dir, 2)  # its own: compile hooks its decoder
     engine = Engine(model, tokenizer, make_heads(model, random_w1=True), EngineConfig(tree="sparse-16", speculate_max_batch=2, compile=True))
+    assert _pin_single_row_kernels(model) == pinned
     engine.warmup()
     warm = engine.compiled_forwards
     assert warm == 2  # the warm-up's two single-token steps (3 tokens: one from the prefill)
-    for p, ref in zip(prompts[:2], plain_reference):
-        res, stats = engine.generate([p], [SamplingParams(max_tokens=NEW_TOKENS)], speculative=False)
-        assert res[0].token_ids == ref.token_ids and stats.tree_nodes == 0
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        res, stats = engine.generate([prompts[0]], [SamplingParams(max_tokens=NEW_TOKENS)], speculative=False)
+    assert res[0].token_ids == plain_reference[0].token_ids and stats.tree_nodes == 0
+    compiled = engine.compiled_forwards - warm
+    in_graph = [e for e in prof.events() if e.name == "_C::onednn_mm" and _inside_compiled_region(e)]
+    assert compiled == len(res[0].token_ids) - 1 and len(in_graph) == compiled * vllm_products, (compiled, len(in_graph), pinned)
+    res, stats = engine.generate([prompts[1]], [SamplingParams(max_tokens=NEW_TOKENS)], speculative=False)
+    assert res[0].token_ids == plain_reference[1].token_ids and stats.tree_nodes == 0
     assert engine.compiled_forwards - warm == sum(len(r.token_ids) - 1 for r in plain_reference)  # every step compiled
     before = engine.compiled_forwards
     results, stats = engine.generate(prompts[:2], [SamplingParams(max_tokens=NEW_TOKENS)] * 2)
@@ -279,3 +301,13 @@ def test_compiled_single_token_forwards_decode_as_eager(model_dir, tokenizer, pr
     # growing from the warm-up's short prompt to these longer ones did not recompile it
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+def _inside_compiled_region(event) -> bool:
+    """Did the profiled ``event`` run inside a compiled graph (the profiler's "Torch-Compiled Region" range)?"""
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith("Torch-Compiled Region"):
+            return True
+        parent = parent.cpu_parent
+    return False

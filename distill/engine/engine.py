@@ -333,7 +333,7 @@ class Engine:
         # the model's linear layers, prepared in place (values unchanged) where the rule says they multiply faster
         self.linear_prep = prepare_linears(model, None if self.config.compile else self._example(model), self._kept("kernels")) \
             if self.config.weight_layout == "auto" else {}
-        if self.config.weight_layout == "auto" and not self.config.compile:  # compiled, inductor fuses these itself
+        if self.config.weight_layout == "auto":  # a compiled forward traces the modules' own code (inductor fuses it)
             self.linear_prep.update(prepare_norms(model) | prepare_rotary(model))
         self._rotary = bool(self.linear_prep.get("rotary_vllm"))  # eager forwards rotate on vLLM's kernel (engine.rotary)
         use_gqa_sdpa(model)  # sdpa without copying shared key/value heads under the engine's masks (same outputs)
@@ -431,7 +431,7 @@ class Engine:
         if hc.vocab_size != vocab:
             raise ModelError(f"heads vocab_size {hc.vocab_size} != model's {vocab}")
         if self.config.weight_layout == "auto":
-            prepared = prepare_linears(heads, kept_in=self._kept("kernels")) | ({} if self.config.compile else prepare_norms(heads))
+            prepared = prepare_linears(heads, kept_in=self._kept("kernels")) | prepare_norms(heads)
             for k, v in prepared.items():
                 self.linear_prep[k] = self.linear_prep.get(k, 0) + v
         if isinstance(heads, EagleDrafter):

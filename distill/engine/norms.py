@@ -46,7 +46,8 @@ def _kernel_forward(module: nn.Module):
     weight, eps, rms_norm = module.weight, _epsilon(module), torch.ops._C.rms_norm
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32 or x.device.type != "cpu":  # the rule's domain only (a caller's other input)
+        # the rule's domain only (a caller's other input); a compiled forward traces the module's own (inductor fuses it)
+        if x.dtype != torch.float32 or x.device.type != "cpu" or torch.compiler.is_compiling():
             return type(module).forward(module, x)
         x = x.contiguous()
         out = torch.empty_like(x)

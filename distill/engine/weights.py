@@ -97,6 +97,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import math
 import platform
 import time
 import weakref
@@ -327,9 +328,7 @@ class DualLinear(nn.Linear):
         if self.vllm is None and self.packed is None:  # no packed copy (yet, or a fused member under the compiler)
             return F.linear(x, self.weight, self.bias)
         if torch.compiler.is_compiling():
-            # the compiler traces vLLM's matmul (an operator with a shape function, registered with the library) but not
-            # torch's opaque packed copy (hiding that in a custom op measured 0.80x eager): MKL on the weight then
-            return F.linear(x, self.weight, self.bias) if self.vllm is None else self.vllm(x, self.bias)
+            return self._traced_product(x)
         count = x.numel() // x.shape[-1] if x.shape[-1] else 0  # the product's rows
         if count == 1 and self.single == WEIGHT:  # a single row where MKL on the weight is faster
             return F.linear(x, self.weight, self.bias)
@@ -339,6 +338,22 @@ class DualLinear(nn.Linear):
         if rows is not None and rows.covers(x):  # a padded prefill: the prompts' rows only
             return rows.scatter(self._packed_product(rows.select(x)), x.shape[:-1])
         return self._packed_product(x)
+
+    def _traced_product(self, x: torch.Tensor) -> torch.Tensor:
+        """The product as a compiled forward multiplies it. The compiler traces vLLM's matmul (an operator with a shape
+        function, registered with the library) but not torch's opaque packed copy (hiding that in a custom op measured
+        0.80x eager): MKL on the weight where there is no vLLM copy. A single row (its count is fixed in the graph: the
+        engine compiles single-token forwards, and the compiler specializes sizes of 1) takes the probe's kernel, as an
+        eager one does: MKL on the weight where that measured fastest (an Intel Xeon, family 6 model 207: a compiled
+        plain step 0.76-0.97x eager's in four alternating pairs, 1.10-1.15x before; BENCHMARKS.md, "The compiled
+        forward with the probe's single-row kernels")."""
+        rows = math.prod(x.shape[:-1])
+        if self.vllm is None or (rows == 1 and self.single == WEIGHT):
+            return F.linear(x, self.weight, self.bias)
+        if 0 < rows < PAD_ROWS and self.single == PADDED:
+            flat = padded_rows(x.reshape(rows, -1))
+            return self.vllm(flat, self.bias)[:rows].reshape(*x.shape[:-1], -1)
+        return self.vllm(x, self.bias)
 
     def _padded_product(self, x: torch.Tensor, rows: int) -> torch.Tensor:
         """The product of ``rows`` < ``PAD_ROWS`` rows, multiplied as ``PAD_ROWS`` (the first row repeated), the padding's rows dropped."""
