@@ -312,8 +312,8 @@ class Engine:
     ``heads``: Medusa heads (:class:`MedusaHeads`), an EAGLE-3 drafter (:class:`EagleDrafter`), or
     the lookup proposer (:class:`~distill.engine.lookup.Lookup`: n-gram matches in the context). The engine prepares the model (and heads) it is given, in place, values unchanged: weights
     re-laid out per ``EngineConfig.weight_layout`` (:mod:`distill.engine.weights`), RMS normalisations and the
-    rotary embedding on one kernel each (:mod:`distill.engine.norms`, :mod:`distill.engine.rotary`; same switch, not
-    under ``compile``) and ``sdpa`` attention switched to ``distill_sdpa`` (:mod:`distill.engine.attention`).
+    rotary embedding on one kernel each (:mod:`distill.engine.norms`, :mod:`distill.engine.rotary`; same switch; a
+    compiled forward traces the modules' own code) and ``sdpa`` attention switched to ``distill_sdpa`` (:mod:`distill.engine.attention`).
     """
 
     def __init__(
