@@ -1,4 +1,4 @@
-"""Drafters side by side: EAGLE-3 vs Medusa-1 trained on the same data and token budget, the lookup proposer, bare vLLM (issue 14).
+"""Drafters side by side: EAGLE-3 vs Medusa-1 trained on the same data and token budget, the lookup proposer, bare vLLM.
 
     OMP_NUM_THREADS=2 python bench/bench_eagle.py --eagle out/eagle3 --medusa out/medusa --eval out/eagle-split/eval \\
         --out bench/results/eagle.json

@@ -407,7 +407,7 @@ def main() -> None:
     ap.add_argument("--profile-steps", type=int, default=8)
     ap.add_argument("--no-vllm", action="store_true")
     ap.add_argument("--compile", action="store_true", help="EngineConfig(compile=True)")
-    ap.add_argument("--no-fuse", action="store_true", help="every linear its own product (the engine before issue 19's fusion)")
+    ap.add_argument("--no-fuse", action="store_true", help="every linear its own product (the engine without the fusion)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="auto")

@@ -1,4 +1,4 @@
-"""Linears fed one input, fused or not (issue 19): the model's forward with and without the groups, side by side.
+"""Linears fed one input, fused or not: the model's forward with and without the groups, side by side.
 
     OMP_NUM_THREADS=2 .venv/bin/python bench/bench_fused_linears.py --rounds 300 --out bench/results/fused_linears.json
     OMP_NUM_THREADS=2 .venv/bin/python bench/bench_fused_linears.py --compare kind --rounds 150 --out bench/results/packed_kind.json

@@ -1,4 +1,4 @@
-"""`distill generate --backend openai` against the in-process backend, and SIGKILLs at random points (issue 16).
+"""`distill generate --backend openai` against the in-process backend, and SIGKILLs at random points.
 
     python bench/bench_generate_server.py --conversations 32 --max-new-tokens 64 --turns 2 --repeats 2 --kills 12
 

@@ -1,4 +1,4 @@
-"""The journal's cost on `distill generate` throughput (issue 16: target <= 2%).
+"""The journal's cost on `distill generate` throughput (target: <= 2%).
 
 One process, one in-process vLLM engine, the same seed conversations and sampling, run
 alternately ``--repeats`` times with the journal on (every finished conversation appended to

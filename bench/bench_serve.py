@@ -1,7 +1,7 @@
 """Serving throughput at concurrency 1, 4, 16: plain vs a drafter through the real `distill serve` HTTP server.
 
 Two `distill serve` processes run side by side (plain: no heads; drafter: --heads DIR, Medusa heads,
-an EAGLE-3 drafter or ``lookup``; results of runs before 2026-11-25 call it "medusa");
+an EAGLE-3 drafter or ``lookup``; older result files call it "medusa");
 for each concurrency C the two are measured one after the other (alternating which goes
 first), C client threads of the official `openai` client each send `--rounds` greedy chat
 requests (MT-Bench first turns, `--max-tokens` each). Throughput = completion tokens

@@ -1,4 +1,4 @@
-"""Benchmarks of `distill train-heads` (issue 4).
+"""Benchmarks of `distill train-heads`.
 
 1. throughput: training tokens/s and peak memory (K=4, --share-lm-head on/off), each config in its own process
 2. accuracy:   per-head top-1 on a held-out split after a fixed token budget: hard vs soft targets,

@@ -1,4 +1,4 @@
-"""vLLM's OpenAI server on a CPU: its own process layout against the one `distill serve --engine vllm` sets (issue 13).
+"""vLLM's OpenAI server on a CPU: its own process layout against the one `distill serve --engine vllm` sets.
 
     python bench/bench_vllm_server_layout.py --repeats 2 --json bench/results/vllm-server-layout-intel.json
 

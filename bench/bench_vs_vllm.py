@@ -1,4 +1,4 @@
-"""`distill serve` against `vllm serve`, measured by vLLM's own benchmark client (issue 15, "Benchmark").
+"""`distill serve` against `vllm serve`, measured by vLLM's own benchmark client ("Benchmark").
 
     nice -n 10 .venv/bin/python bench/bench_vs_vllm.py --drafter lookup --drafter out/heads \\
         --concurrency 1,4,16 --max-tokens 128 --repeats 2

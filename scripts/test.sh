@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The test suite, with its own set-up: real model, real vLLM (CPU) engine, real files.
 #
-# Two pytest-xdist workers, each with half the cores' threads: a single worker keeps the CPUs busy only
-# ~74% of the time (process start-ups, imports, servers coming up), and two workers with a thread per
-# core ran a quarter of the suite in 247 s instead of 332 s (2-vCPU AMD EPYC Zen 4); two workers with two
-# threads each took 761 s (OpenMP threads spinning against each other); three workers with a thread each ran the
-# whole suite in 26 min 20 s against 24 min 45 s for two (2-vCPU AMD EPYC Zen 4, 11-27). DISTILL_TEST_WORKERS=0
-# runs it in one process with every core's threads.
+# Two pytest-xdist workers, each with half the cores' threads: a single worker leaves the CPUs idle for
+# part of the time (process start-ups, imports, servers coming up), which a second worker fills; more
+# threads than cores (two workers with two threads each on two cores) spin OpenMP threads against each
+# other, and a third worker on two cores is slower than two. DISTILL_TEST_WORKERS=0 runs it in one process
+# with every core's threads.
+# Measured: BENCHMARKS.md, "The test suite".
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh

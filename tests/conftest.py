@@ -20,12 +20,12 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Inductor (the compiled-forward tests) first builds and loads a test program for each vector ISA the CPU's flags name,
 # once per machine: its on-disk cache keeps the result, but the suite starts from an empty one. Trusting the flags
-# skips those builds (24 vs 40 s for the compiled-forward test, Intel Xeon family 6 model 207); the kernels are built alike.
+# skips those builds, which cost the compiled-forward test a large share of its time; the kernels are built alike.
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 
 REPO = Path(__file__).resolve().parents[1]
 DISTILL = str(Path(sys.executable).with_name("distill"))
-COMMAND_SECONDS = "readme_command_seconds"  # a user property: (seconds, command) of the README walkthrough's commands
+COMMAND_SECONDS = "readme_command_seconds"  # a user property: (seconds, command) of the docs walkthrough's commands
 _COMMAND_ROWS: list = []
 
 
@@ -50,16 +50,16 @@ def tiny_store(root, key=TINY_KEY) -> ShardStore:
 
 
 def pytest_runtest_logreport(report):
-    """Collect the README walkthrough's timings (a report's user properties reach the controller under xdist too)."""
+    """Collect the docs walkthrough's timings (a report's user properties reach the controller under xdist too)."""
     if report.when == "call":
         _COMMAND_ROWS.extend(tuple(row) for name, rows in report.user_properties if name == COMMAND_SECONDS for row in rows)
 
 
 def pytest_terminal_summary(terminalreporter, config):
-    """Where the README walkthrough's time goes (CI logs show it beside pytest's --durations)."""
+    """Where the docs walkthrough's time goes (CI logs show it beside pytest's --durations)."""
     rows = sorted(_COMMAND_ROWS, reverse=True)
     if rows:
-        terminalreporter.section(f"README commands: {len(rows)} in {sum(s for s, _ in rows):.0f}s, slowest first")
+        terminalreporter.section(f"docs commands: {len(rows)} in {sum(s for s, _ in rows):.0f}s, slowest first")
         for seconds, cmd in rows[:25]:
             terminalreporter.write_line(f"{seconds:7.1f}s  {cmd[:160]}")
 
@@ -180,6 +180,26 @@ def real_shards(tmp_path_factory, request) -> Path:
     return built_once(tmp_path_factory, "sharegpt", build)
 
 
+@pytest.fixture(scope="session")
+def plain_shards(tmp_path_factory, model_dir) -> Path:
+    """Four seed conversations tokenized with the bundled model's chat template (no teacher, no vLLM): heads train on
+    them in seconds. Read-only; copy it to put it in a tree of your own."""
+    import json
+
+    from distill.data.convert import seed_to_shards
+
+    def build(out: Path) -> None:
+        seed = tmp_path_factory.mktemp("plain-seed") / "plain-seed.jsonl"  # out's parent need not exist yet
+        topics = ("the sea", "a cat", "rain", "bread")
+        seed.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Say something about {t}."},
+                                                         {"role": "assistant", "content": f"Here is a sentence about {t}, "
+                                                          f"and another one about {t} that goes on a little longer."}]}) + "\n"
+                                for t in topics))
+        seed_to_shards(str(seed), out)
+
+    return built_once(tmp_path_factory, "plain-shards", build)
+
+
 @pytest.fixture()
 def one_torch_thread():
     """Tiny tensors: one torch thread is fastest and avoids thread contention (restored after)."""
@@ -207,7 +227,7 @@ def run_distill(args, env: dict | None = None, cwd: Path | None = None, timeout:
     environment ``env`` (else this process's) and the working folder ``cwd``; its stdout and stderr are
     captured (click's test isolation) and returned as ``subprocess.run(..., capture_output=True, text=True)``
     returns them. The environment, folder and argv are restored after. What it saves is a fresh process's
-    imports (torch and transformers: ~6 s of CPU on an Intel Xeon, more on a Zen 3), which this worker has done
+    imports (torch and transformers: seconds of CPU each), which this worker has done
     already. For commands that end by themselves in one process: not ``serve`` (signal handlers, a port), not
     vLLM's ``generate`` (one in-process vLLM engine a process; the session's is :func:`vllm_backend`), not a
     run a test kills: those keep their processes, and the README walkthrough runs each subcommand first as
@@ -348,7 +368,7 @@ def assert_same_rows(out, ref) -> None:
                 assert abs(da.get(tok, db.get(tok)) - kth) <= ENC_TOL, f"{key} position {t}: candidate {tok} differs"
 
 
-# -- issue 4: trained heads shared by the training, heads and calibration tests ---------------
+# -- trained heads shared by the training, heads and calibration tests ---------------
 TRAINED_HEADS_OPTIONS = dict(heads=2, share_lm_head=True, max_len=64, batch_size=4, steps=12, lr=3e-3, warmup_steps=2,
                              seed=0, progress=False)
 
@@ -433,11 +453,11 @@ _SERVER = pytest.StashKey[VLLMServer]()
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(session, config, items):
-    """For `-n 2` (scripts/test.sh): the README walkthrough, a quarter of the suite on its own, starts first so the
+    """For `-n 2` (scripts/test.sh): the docs walkthrough, a quarter of the suite on its own, starts first so the
     other worker runs everything else beside it; the session vLLM server's users share one worker (one server), and
     so do a module's tests that use a module-scoped fixture (a server, an engine: built once, not once per worker).
     scripts/test.sh keeps this order (``--no-loadscope-reorder``)."""
-    items.sort(key=lambda item: item.nodeid.split("::")[0] != "tests/test_readme.py")  # stable: the rest keep their order
+    items.sort(key=lambda item: item.nodeid.split("::")[0] != "tests/test_docs.py")  # stable: the rest keep their order
     for item in items:
         if "vllm_server" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group("vllm_server"))

@@ -131,7 +131,7 @@ def test_a_staged_folder_is_on_disk_before_its_rename_and_its_new_name_after(tmp
 
 
 def test_a_train_heads_run_killed_while_saving_leaves_no_mix_and_resumes_to_the_same_heads(real_shards, tmp_path, cli_env):
-    args = ["train-heads", "--data", str(real_shards), "--heads", "2", "--share-lm-head", "--max-len", "32", "--context", "8",
+    args = ["train-heads", "--data", str(real_shards), "--num-heads", "2", "--share-lm-head", "--max-len", "32", "--context", "8",
             "--batch-size", "2", "--steps", "2", "--warmup-steps", "0", "--save-every", "1", "-q"]
     script = str(REPO / "tests" / "scripts" / "kill_at_rename.py")
 

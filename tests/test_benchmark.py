@@ -99,6 +99,54 @@ def test_report_files_are_written_from_stats(tmp_path):
         assert paths[key].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_policy_that_decoded_plain_says_so_first_and_the_outputs_name_the_proposer(tmp_path, monkeypatch):
+    """bench.md's first line: the full tree's tokens/step against the break-even; the columns and the plot title name
+    the proposer (the lookup here, a union as its parts)."""
+    from distill.benchmark import report
+    from distill.benchmark.report import markdown
+
+    runs = [run("a", "math", "plain", "greedy", 11, 10, 1.0, 2.0), run("a", "math", "medusa", "greedy", 11, 10, 1.1, 2.2)]
+    even = {"nodes": 24, "expected": 1.31, "expected_measured": None, "tokens_per_step": 1.46}
+    tree = {"nodes": 24, "source": "x", "proposer": "lookup", "nodes_used_at_batch_1": 0, "break_even_at_batch_1": even}
+    res = BenchResult(BenchConfig(heads="lookup").to_dict(), "m", "d", "model", "lookup", tree, summarize(runs), runs)
+    first, blank, header = markdown(res).splitlines()[:3]
+    assert first == ("The policy decoded plain at batch 1: the lookup proposer's full tree (24 nodes) makes 1.31 tokens/step "
+                     "(expected from its acceptance table, not measured: `--full-tree` measures it), this machine breaks "
+                     "even at 1.46 tokens/step (a step of 24 nodes costs 1.46x a plain one).")
+    assert blank == "" and header.startswith("Model `model`") and "0 used at batch 1" in header
+    assert "| plain tok/s | lookup tok/s |" in markdown(res) and "Medusa" not in markdown(res)
+    titles = []
+    monkeypatch.setattr(report, "_save", lambda fig, path: titles.append(fig._suptitle.get_text()))
+    report.plot(res, tmp_path / "bench.png")
+    assert titles == ["model: lookup vs plain decoding, batch 1 (m)"]
+
+    res.tree = dict(tree, proposer="lookup+medusa", break_even_at_batch_1=dict(even, expected_measured=1.12))
+    md = markdown(res)
+    assert md.startswith("The policy decoded plain at batch 1: the lookup + Medusa proposer's full tree (24 nodes) makes 1.31 "
+                         "tokens/step (expected from its acceptance table, not measured: `--full-tree` measures it; 1.12 with "
+                         "the acceptance the policy measured in this run), this machine breaks even at 1.46 tokens/step")
+    assert "| lookup + Medusa tok/s |" in md
+    res.tree = dict(tree, nodes_used_at_batch_1=12)  # the policy speculated: the header comes first, as before
+    assert markdown(res).startswith("Model `model`, heads `lookup`, tree 24 nodes")
+
+
+def test_the_break_even_is_the_engines_own_pricing_of_the_full_tree():
+    """What the report states is what tree_size_for decided on: plain exactly when the full tree's expected tokens per
+    step do not beat its step cost over a plain step's (a lookup engine on the bundled model, fixed step cost ratio)."""
+    from distill.benchmark.runner import break_even
+    from distill.engine import Engine, EngineConfig
+
+    for ratio in (0.02, 0.5):
+        engine = Engine.from_pretrained(None, "lookup", EngineConfig(max_batch=1, step_cost_ratio=ratio))
+        even = break_even(engine, 1)
+        assert even["nodes"] == engine.proposer.max_nodes and even["expected"] == engine.proposer.taus()[even["nodes"]]
+        assert even["tokens_per_step"] == pytest.approx(1 + ratio * even["nodes"])  # c(n + 1) over c(1), no proposal cost
+        plain = engine.tree_size_for(1) == 0
+        assert plain == (even["expected"] <= even["tokens_per_step"])
+        if ratio == 0.5:
+            assert plain  # a step of many nodes at half a plain step per token: the lookup cannot pay for it
+
+
 @pytest.mark.slow
 def test_bench_cli_runs_plain_vs_medusa_and_the_sweep_with_the_bundled_model(tmp_path, model_dir, cli_env):
     """Fresh heads (zero residual blocks): greedy Medusa output must still equal plain decoding."""

@@ -16,7 +16,7 @@ from distill.store import iter_rows, load_manifest
 @pytest.mark.vllm
 def test_exports_carry_every_conversation(real_shards, tmp_path, cli_env):
     rows = list(iter_rows(real_shards, columns=["id", "messages"]))
-    r = run_distill(["data", "convert", str(real_shards), "--to", "sharegpt", "--out", str(tmp_path / "c.json")], env=cli_env)
+    r = run_distill(["data", "convert", str(real_shards), "--format", "sharegpt", "--out", str(tmp_path / "c.json")], env=cli_env)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["rows"] == 16
     sharegpt = json.loads((tmp_path / "c.json").read_text())
@@ -35,8 +35,8 @@ def test_exports_carry_every_conversation(real_shards, tmp_path, cli_env):
     assert ds.num_rows == 16 and ds[5]["id"] == rows[5]["id"]
     assert str(ds.features["teacher_ids"]) == "List(Value('uint16'))"
 
-    r = run_distill(["data", "convert", str(real_shards), "--to", "csv", "--out", str(tmp_path / "x")], env=cli_env)
-    assert r.returncode == 2 and "--to must be one of" in r.stderr
+    r = run_distill(["data", "convert", str(real_shards), "--format", "csv", "--out", str(tmp_path / "x")], env=cli_env)
+    assert r.returncode == 2 and "--format must be one of" in r.stderr
 
 
 @pytest.mark.vllm

@@ -197,8 +197,8 @@ def test_policy_shrinks_the_tree_as_the_batch_grows_and_turns_speculation_off(hf
     batches = (1, 2, 4, 8, 16, 32, 64)
     sizes = [engine.tree_size_for(b) for b in batches]
     assert sizes == sorted(sizes, reverse=True) and sizes[0] > 0 and sizes[-1] == 0
-    # the curve measured on this machine (the default on a CPU) need not fall with the batch: on a 2-core AMD EPYC Zen 3
-    # at one thread 2 rows cost 1.5x one row and 14 rows 1.5x 2 rows, so a 6-node tree paid at batch 2 and not at batch 1.
+    # the curve measured on this machine (the default on a CPU) need not fall with the batch: on some CPUs at one thread
+    # 2 rows cost 1.5x one row and 14 rows 1.5x 2 rows, so a 6-node tree pays at batch 2 and not at batch 1.
     # The policy is the best size by that curve at every batch, and at 64 no tree pays (a one-node tree doubles the rows)
     measured = Engine(hf_model, tokenizer, heads, EngineConfig(tree="sparse-24"))
     assert measured.step_costs is not None

@@ -97,6 +97,7 @@ def test_single_turn_keeps_only_the_first_user_turn(hf_backend, tmp_path):
                          temperature=0.0, dtype="float32")
     summary = Generator(cfg, backend=hf_backend).run()
     assert summary.generated == 2 and summary.skipped == 78
+    assert not (tmp_path / "out" / ".distill.lock").exists()  # a run that finished leaves no lock file behind
     for r in iter_rows(tmp_path / "out"):
         assert [m["role"] for m in r["messages"]][-2:] == ["user", "assistant"]
         assert sum(1 for m in r["messages"] if m["role"] == "user") == 1

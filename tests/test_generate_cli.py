@@ -47,7 +47,7 @@ def test_sigkill_midway_then_rerun_finishes_with_every_id_once(tmp_path, cli_env
     # 6 shards of 2 conversations, each of at most 2 replayed turns: a shard every few seconds, so the kill (at the
     # second) lands midway, and the runs stay short (a ShareGPT conversation replayed whole has up to a dozen turns)
     args = ["generate", "--backend", "vllm", "--seed", "sharegpt", "--limit", "12", "--shard-size", "2", "--turns", "2",
-            "--max-new-tokens", "16", "--temperature", "0", "--dtype", "float32", "--out", str(out), "--quiet"]
+            "--max-tokens", "16", "--temperature", "0", "--dtype", "float32", "--out", str(out), "--quiet"]
     proc = subprocess.Popen([DISTILL, *args], env=cli_env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             start_new_session=True)
     deadline = time.monotonic() + 400
@@ -83,7 +83,7 @@ def test_sigkill_midway_then_rerun_finishes_with_every_id_once(tmp_path, cli_env
 
 def test_pipeline_file_with_cli_overrides_and_a_larger_limit_continues(tmp_path, cli_env):
     out = tmp_path / "out"
-    base = ["generate", "--config", "pipelines/sharegpt-medusa.yaml", "--backend", "hf", "--max-new-tokens", "8",
+    base = ["generate", "--config", "pipelines/sharegpt-medusa.yaml", "--backend", "hf", "--max-tokens", "8",
             "--out", str(out), "--quiet"]
     _cli(base + ["--limit", "2"], cli_env, process=False)  # the transformers backend: no engine of its own to start
     manifest = json.loads((out / "manifest.json").read_text())
@@ -96,7 +96,7 @@ def test_pipeline_file_with_cli_overrides_and_a_larger_limit_continues(tmp_path,
 
 def test_a_different_config_into_the_same_folder_is_refused_and_nothing_is_lost(tmp_path, cli_env):
     out = tmp_path / "out"
-    base = ["generate", "--seed", "mt-bench", "--backend", "hf", "--max-new-tokens", "8", "--limit", "1", "--out", str(out), "-q"]
+    base = ["generate", "--seed", "mt-bench", "--backend", "hf", "--max-tokens", "8", "--limit", "1", "--out", str(out), "-q"]
     _cli(base, cli_env, process=False)
     before = {p.name: sha256_file(p) for p in out.iterdir()}
     proc = _cli(base + ["--temperature", "0.2"], cli_env, check=False, process=False)
@@ -109,7 +109,7 @@ def test_bad_input_gets_one_line_errors(tmp_path, cli_env):
     cases = [
         (["--seed", "no-such-seed"], "no-such-seed"),
         (["--seed", "sharegpt", "--mode", "sideways"], "--mode"),
-        (["--seed", "sharegpt", "--topk", "0"], "--topk"),
+        (["--seed", "sharegpt", "--teacher-topk", "0"], "--teacher-topk"),
         (["--seed", "sharegpt", "--config", str(tmp_path / "missing.yaml")], "not found"),
         (["--seed", "sharegpt", "--dtype", "float99"], "--dtype"),
     ]

@@ -38,7 +38,7 @@ def _cli(args, env):
 def test_server_shards_equal_the_in_process_engine_at_temperature_0(vllm_server, reference, tmp_path, cli_env, hf_model):
     out = tmp_path / "out"
     args = ["generate", "--backend", "openai", "--server", vllm_server.url + "/v1", "--concurrency", "3", "--seed", "sharegpt",
-            "--limit", "6", "--shard-size", "4", "--max-new-tokens", "16", "--temperature", "0", "--dtype", "float32",
+            "--limit", "6", "--shard-size", "4", "--max-tokens", "16", "--temperature", "0", "--dtype", "float32",
             "--out", str(out), "--quiet"]
     r = _cli(args, cli_env)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -136,7 +136,7 @@ def test_bad_server_options_are_one_line_errors(tmp_path, cli_env, vllm_server):
         (["--backend", "openai", "--server", vllm_server.url, "--api-key-env", "DISTILL_TEST_NO_SUCH_VAR"],
          "DISTILL_TEST_NO_SUCH_VAR: that environment variable is not set"),
         (["--backend", "openai", "--server", vllm_server.url, "--concurrency", "0"], "--concurrency must be >= 1"),
-        (["--backend", "openai", "--server", vllm_server.url, "--topk", "64", "--max-new-tokens", "4"], None),
+        (["--backend", "openai", "--server", vllm_server.url, "--teacher-topk", "64", "--max-tokens", "4"], None),
     ]
     for extra, message in cases:
         r = _cli(base + extra, cli_env)

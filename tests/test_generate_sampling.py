@@ -242,7 +242,7 @@ def test_bad_sampling_options_are_config_errors(options, message):
 
 def test_the_command_line_takes_the_sampling_options_and_counts_rows(tmp_path, cli_env):
     out = tmp_path / "o"
-    r = run_distill(["generate", "--backend", "hf", "--seed", "mt-bench", "--mode", "single-turn", "--limit", "1", "--max-new-tokens",
+    r = run_distill(["generate", "--backend", "hf", "--seed", "mt-bench", "--mode", "single-turn", "--limit", "1", "--max-tokens",
                      "4", "--samples", "2", "--top-k", "5", "--set", "min_p=0.1", "--repetition-penalty", "1.1", "--dtype", "float32",
                      "--out", str(out), "-q"], env=cli_env, cwd=REPO)
     assert r.returncode == 0, r.stderr

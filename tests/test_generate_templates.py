@@ -250,7 +250,7 @@ def test_cli_passes_the_template_file_and_its_kwargs_to_generate(tmp_path, cli_e
     (tmp_path / "qwen3.jinja").write_text(QWEN3)
     out = tmp_path / "out"
     args = ["generate", "--backend", "hf", "--seed", _seed(tmp_path), "--mode", "single-turn", "--limit", "1",
-            "--max-new-tokens", "2", "--dtype", "float32", "--out", str(out), "--quiet",
+            "--max-tokens", "2", "--dtype", "float32", "--out", str(out), "--quiet",
             "--chat-template", str(tmp_path / "qwen3.jinja"), "--chat-template-kwargs", '{"enable_thinking": false}']
     proc = run_distill([*args], env=cli_env, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -25,10 +25,28 @@ def test_card_helpers():
     meta = {"teacher": {"k": 4}, "config_key": {"model_id": "m/x", "seed": "sharegpt", "topk": 4, "temperature": 0.7},
             "derived": {"op": "split", "eval_fraction": 0.1, "from": {"op": "dedupe", "mode": "exact", "from": None}}}
     assert reproduce_command(meta).splitlines() == [
-        "distill generate --model m/x --seed sharegpt --temperature 0.7 --topk 4 --out data",
-        "distill data dedupe data --mode exact --out data-deduped",
+        "distill generate --model m/x --seed sharegpt --temperature 0.7 --teacher-topk 4 --out data",
+        "distill data dedupe data --match exact --out data-deduped",
         "distill data split data --eval-fraction 0.1 --out data-split",
     ]
+
+
+def test_the_reproduce_command_names_the_model_as_the_run_resolved_it():
+    """The bundled conversion by its own name (not the Hub id its metadata records), a local folder by its name (not
+    this machine's path), a Hub model by its id."""
+    key = {"seed": "sharegpt", "topk": 4}
+    bundled = {"teacher": {"k": 4}, "config_key": {**key, "model_id": "HuggingFaceTB/SmolLM2-135M-Instruct"},
+               "model": {"name": "smollm2-135m-instruct", "id": "HuggingFaceTB/SmolLM2-135M-Instruct",
+                         "revision": "sha256:0123456789abcdef"}}
+    assert reproduce_command(bundled) == ("distill generate --model smollm2-135m-instruct --seed sharegpt --teacher-topk 4 --out data"
+                                          "  # --model: distill's bundled conversion of SmolLM2-135M-Instruct.Q4_1.gguf")
+    local = {"teacher": {"k": 4}, "config_key": {**key, "model_id": "/home/me/models/my-chat"},
+             "model": {"name": "/home/me/models/my-chat", "id": "/home/me/models/my-chat", "revision": "files:0123456789abcdef"}}
+    assert reproduce_command(local) == ("distill generate --model my-chat --seed sharegpt --teacher-topk 4 --out data"
+                                        "  # --model: a local folder, revision files:0123456789abcdef")
+    hub = {"model": {"name": "Qwen/Qwen3-0.6B", "id": "Qwen/Qwen3-0.6B", "revision": "c1899de289a04d12100db370d81485cdf75e47ca"},
+           "seed": {"spec": "sharegpt"}}
+    assert reproduce_command(hub) == "distill data convert sharegpt --format shards --model Qwen/Qwen3-0.6B --out data"
 
 
 def test_dry_run_folder_loads_as_a_dataset_with_a_valid_card(real_shards, tmp_path, cli_env):

@@ -337,9 +337,9 @@ def test_sigterm_stops_the_server_cleanly(server):
 def tiny_queue_server(tmp_path_factory, real_shards):
     """The lookup proposer (``--heads lookup``: nothing trained; a self-distilled dataset as its datastore) behind a
     queue of one."""
-    # Trees priced by the CPU line, not the curve the server measures at start: at one thread (each xdist worker's) an
-    # AMD Zen 3 times a second row at 1.5x the first, and the policy then drafts nothing (BENCHMARKS.md, issue 19, "On
-    # the issue's machine"), where the metrics test needs drafts.
+    # Trees priced by the CPU line, not the curve the server measures at start: at one thread (each xdist worker's) some
+    # CPUs time a second row at well over a first's, and the policy then drafts nothing (BENCHMARKS.md, "Step costs and
+    # the speculation policy"), where the metrics test needs drafts.
     srv = Server(["--heads", "lookup", "--lookup-data", str(real_shards), "--max-batch", "1", "--queue-size", "1",
                   "--max-tokens", "24", "--static", "--step-cost-ratio", "0.08"], tmp_path_factory.mktemp("log") / "serve-small.log",
                  log_level="info")

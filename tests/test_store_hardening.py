@@ -35,7 +35,7 @@ def test_a_second_run_into_a_folder_a_run_writes_refuses_naming_it_and_the_first
     (paused there with SIGSTOP, so that it surely still does), exits 2 with one line naming the first's
     pid and writes nothing; the first then finishes and `distill data validate` passes its dataset."""
     out = tmp_path / "out"
-    args = [DISTILL, "generate", "--backend", "hf", "--limit", "2", "--max-new-tokens", "8", "--out", str(out), "-q"]
+    args = [DISTILL, "generate", "--backend", "hf", "--limit", "2", "--max-tokens", "8", "--out", str(out), "-q"]
     log = tmp_path / "first.log"
     with open(log, "w") as err:
         first = subprocess.Popen(args, env=cli_env, stdout=subprocess.DEVNULL, stderr=err)
@@ -76,7 +76,33 @@ def test_the_lock_of_a_killed_run_is_taken_over_with_a_warning(tmp_path, caplog)
     assert f"pid {holder.pid}" in caplog.text and "took over" in caplog.text
     assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
     lock.release()
-    assert (tmp_path / LOCK_FILE).read_text() == ""  # released: no holder recorded, nothing to take over next time
+    assert not (tmp_path / LOCK_FILE).exists()  # released: no lock file left, nothing to take over next time
+
+
+def test_a_run_that_locks_the_file_its_holder_just_removed_starts_over_on_the_path(tmp_path, monkeypatch):
+    """The holder ends between a second run's open and its flock: the second run locks an unlinked file, sees that
+    the path no longer names it and locks the file there, so a third run is refused rather than writing alongside."""
+    import fcntl
+
+    first = FolderLock(tmp_path).acquire()
+    flock, attempts = fcntl.flock, []
+
+    def flock_after_the_holder_ended(fd, op):
+        if op & fcntl.LOCK_EX:
+            attempts.append(fd)
+            if len(attempts) == 1:
+                first.release()
+        return flock(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", flock_after_the_holder_ended)
+    second = FolderLock(tmp_path).acquire()
+    monkeypatch.undo()
+    assert len(attempts) == 2  # the first try locked the file its holder then removed; the second, the file now there
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
+    with pytest.raises(StoreError, match="being written by another run"):
+        FolderLock(tmp_path).acquire()
+    second.release()
+    assert not (tmp_path / LOCK_FILE).exists()
 
 
 @pytest.fixture()
@@ -178,7 +204,7 @@ def converted_with_rejects(tmp_path):
     rows = [good, {"messages": [{"role": "user", "content": ""}]}, {"messages": [{"role": "wizard", "content": "x"}]}, good]
     seed.write_text("\n".join(json.dumps(r) for r in rows) + "\n{not json\n")
     out = tmp_path / "shards"
-    r = run_distill(["data", "convert", str(seed), "--to", "shards", "--out", str(out)])
+    r = run_distill(["data", "convert", str(seed), "--format", "shards", "--out", str(out)])
     assert r.returncode == 0, r.stderr
     return seed, out
 
@@ -226,7 +252,7 @@ def test_an_hf_seed_of_a_local_folder_is_stored_and_pushed_as_its_name_and_hash(
     row = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
     (folder / "train.jsonl").write_text(json.dumps(row) + "\n")
     out = tmp_path / "shards"
-    r = run_distill(["data", "convert", f"hf:{folder}", "--to", "shards", "--out", str(out)])
+    r = run_distill(["data", "convert", f"hf:{folder}", "--format", "shards", "--out", str(out)])
     assert r.returncode == 0, r.stderr
     seed_meta = load_manifest(out)["meta"]["seed"]
     assert seed_meta["spec"] == "hf:local_ds:train" and len(seed_meta["sha256"]) == 64
@@ -242,12 +268,12 @@ def test_pathological_json_becomes_a_rejection_or_a_one_line_error(tmp_path):
     huge = json.dumps({"messages": [{"role": "user", "content": "x" * (17 << 20)}]})
     jsonl.write_text('{"messages": [{"role": "user", "content": ' + "[" * deep + "]" * deep + "}]}\n" + huge + "\n" + good + "\n")
     out = tmp_path / "out"
-    r = run_distill(["data", "convert", str(jsonl), "--to", "shards", "--out", str(out)])
+    r = run_distill(["data", "convert", str(jsonl), "--format", "shards", "--out", str(out)])
     assert r.returncode == 0, r.stderr
     reasons = [json.loads(line)["reason"] for line in (out / "rejects.jsonl").read_text().splitlines()]
     assert reasons == ["malformed_json", "row_too_large"]
     doc = tmp_path / "deep.json"
     doc.write_text("[" * deep + "]" * deep)
-    r = run_distill(["data", "convert", str(doc), "--to", "shards", "--out", str(tmp_path / "o2")])
+    r = run_distill(["data", "convert", str(doc), "--format", "shards", "--out", str(tmp_path / "o2")])
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         f"error: seed file '{doc}' nests JSON deeper than Python's parser allows: not a list of conversations"]

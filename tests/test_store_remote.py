@@ -295,7 +295,7 @@ def test_validate_stats_convert_and_push_read_an_s3_dataset_as_they_read_the_loc
         stats[str(where)] = json.loads(r.stdout)
     assert stats[url]["path"] == url and {**stats[url], "path": ""} == {**stats[str(local)], "path": ""}
     for where, out in ((url, tmp_path / "remote.jsonl"), (local, tmp_path / "local.jsonl")):
-        assert _distill("data", "convert", str(where), "--to", "openai", "--out", str(out)).returncode == 0
+        assert _distill("data", "convert", str(where), "--format", "openai", "--out", str(out)).returncode == 0
     assert (tmp_path / "remote.jsonl").read_bytes() == (tmp_path / "local.jsonl").read_bytes()
     for where, out in ((url, tmp_path / "push-remote"), (local, tmp_path / "push-local")):
         r = _distill("push", str(where), "--repo", "me/data", "--dry-run", str(out))

@@ -244,9 +244,9 @@ def test_options_of_the_other_architecture_are_config_errors():
         TrainConfig(data="x", arch="eagle2")
     with pytest.raises(ConfigError, match="--ttt-steps, --draft-vocab only apply to --arch eagle3"):
         TrainConfig(data="x", ttt_steps=2, draft_vocab="100")
-    with pytest.raises(ConfigError, match="--heads only applies to --arch medusa"):
+    with pytest.raises(ConfigError, match="--num-heads only applies to --arch medusa"):
         TrainConfig(data="x", arch="eagle3", heads=2)
-    with pytest.raises(ConfigError, match="--mode only applies"):
+    with pytest.raises(ConfigError, match="--medusa-mode only applies"):
         TrainConfig(data="x", arch="eagle3", mode="medusa2")
     cfg = TrainConfig(data="x", arch="eagle3", draft_vocab=32000, aux_layers=[2, 15, 27])
     assert cfg.draft_vocab == "32000" and cfg.aux_layers == "2,15,27"

@@ -185,7 +185,7 @@ def test_lambda0_schedules_and_cosine_warmup():
 def test_bad_options_are_one_line_config_errors():
     with pytest.raises(ConfigError, match="--data"):
         TrainConfig()
-    with pytest.raises(ConfigError, match="--mode"):
+    with pytest.raises(ConfigError, match="--medusa-mode"):
         TrainConfig(data="x", mode="medusa3")
     with pytest.raises(ConfigError, match="unknown train option"):
         TrainConfig.from_dict({"data": "x", "hedas": 3})

@@ -13,6 +13,31 @@ from distill.store.atomic import atomic_write_bytes, atomic_write_figure, atomic
 PROPOSER_NAMES = {"medusa": "Medusa", "eagle3": "EAGLE-3", "lookup": "lookup"}
 
 
+def proposer_name(tree: dict) -> str:
+    """The speculative columns' name: the proposer's, each part's for a union (``lookup+medusa``: "lookup + Medusa")."""
+    name = tree.get("proposer")
+    return " + ".join(PROPOSER_NAMES.get(part, part) for part in name.split("+")) if name else "speculative"
+
+
+def plain_line(result: BenchResult) -> str | None:
+    """The first line when the speculation policy decoded plain at batch 1: what the full tree makes per step against
+    what it has to make to pay for its step (None when the policy speculated)."""
+    tree = result.tree
+    if tree.get("nodes_used_at_batch_1") != 0:
+        return None
+    who = f"the {proposer_name(tree)} proposer's full tree"
+    even = tree.get("break_even_at_batch_1")
+    if not even:
+        return f"The policy decoded plain at batch 1: it priced {who} above what it makes per step."
+    nodes, expected, measured = even["nodes"], even["expected"], even.get("expected_measured")
+    source = "expected from its acceptance table, not measured: `--full-tree` measures it"
+    if measured is not None and abs(measured - expected) > 0.005:
+        source += f"; {measured:.2f} with the acceptance the policy measured in this run"
+    return (f"The policy decoded plain at batch 1: {who} ({nodes} nodes) makes {expected:.2f} tokens/step ({source}), "
+            f"this machine breaks even at {even['tokens_per_step']:.2f} tokens/step (a step of {nodes} nodes costs "
+            f"{even['tokens_per_step']:.2f}x a plain one).")
+
+
 def _costs_note(costs: dict | None) -> str:
     """The measured step-cost curve the policy priced trees with, as the header's aside."""
     if not costs:
@@ -23,9 +48,10 @@ def _costs_note(costs: dict | None) -> str:
 
 
 def markdown(result: BenchResult) -> str:
-    spec = PROPOSER_NAMES.get(result.tree.get("proposer"), "speculative")
+    spec = proposer_name(result.tree)
     against = any(g.vllm_tokens_per_s is not None for g in result.groups)  # --vllm: bare vLLM's columns
-    lines = [
+    plain = plain_line(result)
+    lines = ([plain, ""] if plain else []) + [
         f"Model `{result.model}`, heads `{result.heads}`, tree {result.tree.get('nodes')} nodes ({result.tree.get('source')}; "
         f"{result.tree.get('nodes_used_at_batch_1')} used at batch 1{_costs_note(result.tree.get('step_costs'))}), batch 1, "
         f"max_tokens {result.config['max_tokens']}, "
@@ -86,7 +112,7 @@ def plot(result: BenchResult, path: Path) -> None:
         ax.set_xticks([i + width * (len(modes) - 1) / 2 for i in range(len(cats))], cats, rotation=30, ha="right")
         ax.set_title(title)
         ax.legend()
-    fig.suptitle(f"{result.model}: Medusa vs plain decoding, batch 1 ({result.machine})", fontsize=10)
+    fig.suptitle(f"{result.model}: {proposer_name(result.tree)} vs plain decoding, batch 1 ({result.machine})", fontsize=10)
     fig.tight_layout()
     _save(fig, path)
 

@@ -86,6 +86,28 @@ def describe_proposer(proposer) -> str:
     return f"{proposer.name} dynamic (up to {proposer.max_nodes} nodes, depth {proposer.depth}, top-{proposer.topk})"
 
 
+def break_even(engine, batch: int = 1) -> dict | None:
+    """What the speculation policy weighed at ``batch`` for the full tree: the tokens per step it expects of it
+    (``expected``: the proposer's acceptance table; ``expected_measured``: scaled by the acceptance the adaptive policy
+    measured, when it runs) and the tokens per step at which it breaks even (``tokens_per_step``: the full tree's step
+    cost over a plain step's, priced as :meth:`Engine.tree_size_for` prices it). None for an engine without a policy's
+    tables."""
+    from distill.engine.policy import step_cost
+
+    try:
+        nodes, taus, policy = engine.proposer.max_nodes, engine._taus, engine.policy
+        if policy is not None:
+            ratio, measured = policy.cost(batch, nodes) / policy.cost(batch, 0), policy.tau(nodes)
+        else:
+            cost = engine._cost_model()
+            ratio, measured = step_cost(batch, nodes, cost, engine._proposal) / step_cost(batch, 0, cost), None
+    except AttributeError:
+        return None
+    if nodes not in taus:
+        return None
+    return {"nodes": nodes, "expected": taus[nodes], "expected_measured": measured, "tokens_per_step": ratio}
+
+
 class BenchRunner:
     """Loads the engine once; :meth:`run` measures every prompt in every mode, :meth:`sweep` the tree sizes."""
 
@@ -174,6 +196,7 @@ class BenchRunner:
             model=self.engine.model_name, heads=str(cfg.heads),
             tree={"nodes": nodes, "source": source, "proposer": proposer.name,
                   "nodes_used_at_batch_1": self.engine.tree_size_for(1) if hasattr(self.engine, "tree_size_for") else None,
+                  "break_even_at_batch_1": break_even(self.engine, 1),
                   "step_costs": costs.to_dict() if (costs := getattr(self.engine, "step_costs", None)) is not None else None,
                   "step_costs_kept_in": costs.source if costs is not None else None},  # None: timed at this start
             groups=groups, runs=runs,

@@ -73,7 +73,7 @@ class ConvertSummary:
 def export(inp: Path | str, to: str, out: Path | str) -> ConvertSummary:
     """Write the dataset ``inp`` as ``to`` (see the module's exports) at ``out``, streaming row batches."""
     if to not in EXPORTS:
-        raise ConfigError(f"--to must be one of {', '.join(EXPORTS + ('shards',))}; got {to!r}")
+        raise ConfigError(f"--format must be one of {', '.join(EXPORTS + ('shards',))}; got {to!r}")
     d = Dataset.open(inp)
     check_new_output(out, [d.root])
     out = Path(out)

@@ -9,7 +9,7 @@ split folder
     a folder holding ``train/`` (and optionally ``eval/``) dataset folders, as
     written by ``distill data split``. ``distill push`` uploads each as a split.
 teacher-less dataset
-    shards made by ``distill data convert --to shards`` from seed data that has no
+    shards made by ``distill data convert --format shards`` from seed data that has no
     teacher: ``meta.teacher`` is ``null`` and every row's ``teacher_ids`` and
     ``teacher_lp`` are empty lists (the shard schema is unchanged, with
     ``id_dtype`` uint16). :func:`distill.store.manifest_encoding` returns ``None`` for it; such

@@ -127,7 +127,7 @@ def dedupe(inp: Path | str, out: Path | str, mode: str = "normalized", shard_row
     normalization), so ``duplicate_exact`` equals what ``exact`` mode would drop.
     """
     if mode not in DEDUPE_MODES:
-        raise ConfigError(f"--mode must be one of {', '.join(DEDUPE_MODES)}; got {mode!r}")
+        raise ConfigError(f"--match must be one of {', '.join(DEDUPE_MODES)}; got {mode!r}")
     d = Dataset.open(inp)
     check_new_output(out, [d.root])
     summary = TransformSummary("dedupe", {"out": str(out)})

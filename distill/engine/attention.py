@@ -7,8 +7,8 @@ grouped key/value heads (GQA)
     transformers' ``sdpa`` attention copies each key/value head ``groups`` times
     (``repeat_kv``) whenever an attention mask is given, and the engine always gives one
     (tree and padding masks). On CPU, ``F.scaled_dot_product_attention(enable_gqa=True)``
-    reads the shared heads in place, about twice as fast as copy + attention at decoding
-    sizes (BENCHMARKS.md, issue 19), with identical results.
+    reads the shared heads in place, much faster than copy + attention at decoding sizes,
+    with identical results. Measured: BENCHMARKS.md, "The engine's step on a CPU".
 ``distill_sdpa``
     the attention implementation registered here through transformers' public
     ``AttentionInterface`` / ``AttentionMaskInterface``: :func:`sdpa_gqa` for the

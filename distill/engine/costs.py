@@ -10,16 +10,17 @@ kept. ``distill bench --sweep-tree`` times Medusa's trees with it, heads include
 :func:`measure_step_costs` times forwards of 1, 2, 3, 5, 9, ... rows (a root and its children:
 the rows, not the shape, set a step's cost) and returns the :class:`~distill.engine.policy.StepCosts`
 curve the policy prices trees with. The engine measures it when it starts on a CPU with a
-proposer, since a CPU's curve is far from the line ``1 + r·(m − 1)`` (flat to ~9 rows while the
-products read each weight once, then steep), and the line made the policy draft 2 nodes where
-4-8 paid (BENCHMARKS.md, issue 14, "The policy's step costs measured").
+proposer, since a CPU's curve is far from the line ``1 + r·(m − 1)`` (flat over the first rows
+while the products read each weight once, then steep), and priced by the line the policy drafts
+fewer nodes than pay.
+Measured: BENCHMARKS.md, "Step costs and the speculation policy".
 
 :func:`step_costs` is what the engine calls: the curve is a property of the machine, the model's
 shapes and how its forwards run, not of one run, so it is kept under ``$DISTILL_HOME/step-costs``
 (one JSON file per :func:`cost_key`) and timed again only where the key changes, as compilers
-keep their autotuning results. Timing it took 3-4 s of every start with a proposer (2-core AMD
-EPYC Zen 4, 2 threads; 30-36 s for a batch of 4 trees of 24 nodes on one thread beside another
-process): ``distill serve`` and ``distill bench`` start that much sooner the second time.
+keep their autotuning results. Timing it costs seconds of every start with a proposer (many
+more for a full batch of large trees on a busy machine), so ``distill serve`` and
+``distill bench`` start that much sooner the second time.
 Delete the folder (or pass ``cached_costs=False``) to time it again.
 """
 

@@ -156,7 +156,7 @@ class History:
 
     ``add`` queues a finished reply; the index is rebuilt once the queued tokens reach
     ``1 / REBUILD_SHARE`` of those indexed (at once while it is small), so the rebuilds cost a
-    constant share per generated token (~0.8 µs a token per rebuild, measured); a queued reply
+    constant share per generated token; a queued reply
     drafts for later requests from the next rebuild on (at once while the history is small). Replies past ``max_tokens``
     are dropped oldest first; one longer than that keeps its last ``max_tokens`` tokens.
     """

@@ -189,7 +189,7 @@ class EngineConfig:
     device: str = "auto"  # auto: CUDA when available, else CPU
     step_cost_ratio: float | None = None  # r of the policy's cost model, a line (None: measured_costs, else DEFAULT_COST_RATIO)
     measured_costs: bool | None = None  # time forwards of 1, 2, 3, 5, 9, ... rows at start: the policy's step-cost curve
-    # (engine.costs; ~1.5-3 s on a 2-core CPU); None: on a CPU when step_cost_ratio is not given (CUDA: the line, corrected
+    # (engine.costs; seconds of the first start); None: on a CPU when step_cost_ratio is not given (CUDA: the line, corrected
     # by the adaptive policy's measured step times)
     cached_costs: bool = True  # a curve and single-row kernel times timed before for the same machine, shapes and
     # kernels are reused ($DISTILL_HOME/step-costs and kernels, engine.kept); False: timed at every start

@@ -70,19 +70,20 @@ from distill.engine.proposer import Proposal, host_proposal
 from distill.engine.tree import build_buffers
 from distill.errors import ConfigError
 
-#: Tokens per step of this proposer for a budget of n nodes, measured on the bundled SmolLM2-135M-Instruct: greedy
-#: replies (192 tokens) to the 80 MT-Bench first turns, replayed through the proposer's tree (BENCHMARKS.md, issue 14).
+#: Tokens per step of this proposer for a budget of n nodes: the bundled SmolLM2-135M-Instruct's greedy replies to the
+#: MT-Bench first turns, replayed through the proposer's tree.
+#: Measured: BENCHMARKS.md, "The lookup proposer".
 DEFAULT_TAUS = {1: 1.35, 2: 1.53, 4: 1.71, 8: 1.82, 16: 1.85, 32: 1.87}
 DEFAULT_NODES, DEFAULT_DEPTH, DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, DEFAULT_OCCURRENCES = 8, 6, 6, 1, 64
 #: The ``heads`` value (``--heads lookup``) that drafts from n-gram matches in the context.
 LOOKUP = "lookup"
 #: A datastore's share of a row's tree weight against its own context's, and the occurrences it samples: the best of
-#: 0.25 / 0.5 / 1 and 16 / 64 in the replay of BENCHMARKS.md ("The lookup proposer's datastore").
+#: the values tried in a replay of MT-Bench.
+#: Measured: BENCHMARKS.md, "The lookup proposer".
 DEFAULT_STORE_WEIGHT, DEFAULT_STORE_OCCURRENCES = 0.5, 16
-#: Tokens of the engine's own replies the history keeps (about 1,000-2,000 chat replies; 9 MiB of index, rebuilt in
-#: ~0.16 s on a 2-core EPYC once 1/16 more has queued). Replay of the 80 MT-Bench first turns in order, 8 nodes: the
-#: context alone 1.34 -> 1.49 tokens/step (64 tokens a reply), 1.58 -> 1.74 (128) with the earlier replies
-#: (bench/replay_lookup.py; BENCHMARKS.md).
+#: Tokens of the engine's own replies the history keeps (about 1,000-2,000 chat replies): enough for the earlier
+#: replies to raise the tokens per step over the context alone, with an index of a few MiB that rebuilds in a fraction
+#: of a second. Measured: BENCHMARKS.md, "The lookup proposer".
 DEFAULT_HISTORY_TOKENS = 262_144
 
 

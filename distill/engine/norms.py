@@ -6,11 +6,9 @@ rsqrt, multiply, cast back, multiply by the weight). At one decoding row each is
 microseconds of dispatch over 576 numbers, and a forward of the bundled model runs 61 of these
 modules: :func:`prepare_norms` gives each the single ``_C::rms_norm`` kernel of the library vLLM's
 CPU build ships (the one :func:`distill.engine.weights.vllm_kernels` loads for the matmul).
-Measured in place (the engine's model, 150 paired forwards, AMD EPYC family 25 model 17, 2
-threads, ``bench/bench_fused_linears.py --compare norms``): 1.5 ± 0.3 / 1.7 ± 0.4 / 1.5 ± 0.6 ms
-of a 37 / 41 / 52 ms forward at 1 / 8 / 17 rows (a first run of 100: 1.5 / 2.4 / 1.5 ms);
-``torch.nn.functional.rms_norm`` saved nothing at one row (a composite of the same operations on a
-CPU). The values agree to float32 rounding (largest difference 1.2e-7 on unit-scale inputs).
+It saves a few percent of a decoding forward, while ``torch.nn.functional.rms_norm`` saves nothing
+at one row (a composite of the same operations on a CPU). The values agree to float32 rounding.
+Measured: BENCHMARKS.md, "The engine's step on a CPU".
 
 The rule, per module: a float32 CPU module whose class name ends in ``RMSNorm``, with a
 ``weight`` over the last dimension and an epsilon (``variance_epsilon`` or ``eps``), is swapped

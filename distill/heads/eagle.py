@@ -58,6 +58,7 @@ ARCH_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key
 SUPPORTED_TARGETS = ("llama",)  # vLLM's llama_eagle3 drafter layer is a Llama layer
 INIT_STD = 0.02  # normal init of the drafter's linear layers (the Llama initializer_range)
 #: A fresh drafter's logits are the target's logit lens at its highest aux layer divided by this (see init_from_target).
+#: Measured: BENCHMARKS.md, "Medusa-1 against EAGLE-3".
 INIT_LENS_TEMPERATURE = 5.0
 
 
@@ -248,9 +249,9 @@ class EagleDrafter(nn.Module):
         is the target's rows (V, H) of the draft vocabulary and the final norm the target's
         (H,) divided by :data:`INIT_LENS_TEMPERATURE`: ``logits = lm_head(norm(a^A)) / 5``.
         The lens predicts token t+1 where step 0 must predict t+2, so untempered its
-        confident misses dominate the first steps (measured on SmolLM2-135M, 20 steps of
-        256-token windows: step-1 top-1 0.11 untempered, 0.15 from a random start, 0.19
-        tempered by 5, 0.16 by 10). Training then moves every weight, the norm included.
+        confident misses dominate the first steps, and it learns more slowly than from a
+        random start; tempered, it starts ahead of both. Training then moves every weight,
+        the norm included.
         """
         H, Ht = self.config.hidden_size, self.config.target_hidden_size
         if H != Ht:

@@ -4,7 +4,8 @@ Formats
 -------
 ``vllm``
     a clean copy of the vLLM Medusa folder (``config.json`` + ``model.safetensors``)
-    plus our side files (``distill-heads.json``, ``tree.json``, ``calibration.json``).
+    plus our side files (``distill-heads.json``, its paths recorded again from the copy, ``tree.json``,
+    ``calibration.json``).
 ``medusa-repo``
     the layout of the FasterDecoding/Medusa repository: ``config.json`` with
     ``medusa_num_heads``, ``medusa_num_layers`` and ``base_model_name_or_path``, and
@@ -27,7 +28,7 @@ from pathlib import Path
 
 from distill.errors import ConfigError
 from distill.heads.eagle import EagleDrafter, is_eagle3_folder
-from distill.heads.model import DISTILL_HEADS_FILE, MedusaHeads, read_distill_meta
+from distill.heads.model import DISTILL_HEADS_FILE, MedusaHeads, read_distill_meta, relocated_meta
 from distill.store.atomic import StagedFolder
 
 FORMATS = ("vllm", "medusa-repo", "vllm-eagle3")
@@ -75,6 +76,8 @@ def export_heads(heads_dir: Path, out: Path, fmt: str = "medusa-repo", base_mode
                     "vocab_size": heads.config.vocab_size}
             (tmp / "config.json").write_text(json.dumps(conf, indent=2) + "\n")
         for name in SIDE_FILES:
-            if (heads_dir / name).is_file():
+            if name == DISTILL_HEADS_FILE and meta:  # its paths are relative to the heads folder: recorded again from out
+                (tmp / name).write_text(json.dumps(relocated_meta(meta, heads_dir, out), indent=2, default=str) + "\n")
+            elif (heads_dir / name).is_file():
                 shutil.copy2(heads_dir / name, tmp / name)
     return out

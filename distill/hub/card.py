@@ -23,6 +23,10 @@ SIZE_CATEGORIES = ((1_000, "n<1K"), (10_000, "1K<n<10K"), (100_000, "10K<n<100K"
                    (10_000_000, "1M<n<10M"), (100_000_000, "10M<n<100M"), (1_000_000_000, "100M<n<1B"))
 
 
+#: How a local folder's revision reads (a content hash, ``distill.models._folder_revision``); a Hub model's is its commit.
+LOCAL_REVISIONS = ("sha256:", "files:")
+
+
 def size_category(rows: int) -> str:
     return next((name for limit, name in SIZE_CATEGORIES if rows < limit), "n>1T")
 
@@ -63,6 +67,27 @@ class SplitCard:
         return ", ".join(f"{k} {v:,}" for k, v in self.stats.rejects_by_reason.items())
 
 
+def model_argument(meta: dict) -> tuple[str, str | None]:
+    """The ``--model`` that makes this data again, as the run resolved it, and a note on it (None: none needed).
+
+    The bundled model is named by its own name: its weights are a conversion of a GGUF, not the Hub model whose id the
+    metadata records (passing that id resolves to the same conversion, but a reader would take it for the Hub weights).
+    A Hub model is its id; a local folder is its folder's name (its path is the machine's that made the data), with its
+    content hash to check a copy by.
+    """
+    from distill.models import BUNDLED_GGUF, BUNDLED_HUB_ID, DEFAULT_MODEL
+
+    model = meta.get("model") or {}
+    name, model_id = model.get("name"), model.get("id") or (meta.get("config_key") or {}).get("model_id")
+    revision = str(model.get("revision") or "")
+    local = revision.startswith(LOCAL_REVISIONS)
+    if name == DEFAULT_MODEL or (name is None and model_id == BUNDLED_HUB_ID and local):  # data made before "name" was kept
+        return DEFAULT_MODEL, f"distill's bundled conversion of {Path(BUNDLED_GGUF).name}"
+    if local:
+        return Path(str(name or model_id)).name, f"a local folder, revision {revision}"
+    return str(model_id), None
+
+
 def reproduce_command(meta: dict, totals: dict | None = None) -> str:
     """The shell command(s) that rebuild the dataset from its recorded config (``totals``: its manifest's,
     from which a ``--limit`` is recovered: rows past the limit are counted as skipped, ``samples`` rows per seed row)."""
@@ -76,30 +101,33 @@ def reproduce_command(meta: dict, totals: dict | None = None) -> str:
         chain.append(d)
         d = d.get("from") or {}
     origin = chain[-1] if chain else {}
+    model, note = model_argument(meta)
     if origin.get("op") == "convert" or meta.get("teacher") is None:
         seed = (meta.get("seed") or {}).get("spec", "SEED")
         limit = (meta.get("generation") or {}).get("limit")
-        lines = [f"distill data convert {shlex.quote(str(seed))} --to shards --model {shlex.quote(str((meta.get('model') or {}).get('id')))}"
+        lines = [f"distill data convert {shlex.quote(str(seed))} --format shards --model {shlex.quote(model)}"
                  + (f" --limit {limit}" if limit is not None else "") + " --out data"]
     else:
         key = meta.get("config_key") or {}
-        opts = [("model", key.get("model_id")), ("seed", key.get("seed")), ("seed-format", key.get("seed_format")),
+        opts = [("model", model), ("seed", key.get("seed")), ("seed-format", key.get("seed_format")),
                 ("mode", key.get("mode")), ("turns", key.get("turns")), ("temperature", key.get("temperature")),
-                ("top-p", key.get("top_p")), ("max-new-tokens", key.get("max_new_tokens")),
-                ("max-model-len", key.get("max_model_len")), ("topk", key.get("topk")),
+                ("top-p", key.get("top_p")), ("max-tokens", key.get("max_new_tokens")),
+                ("max-model-len", key.get("max_model_len")), ("teacher-topk", key.get("topk")),
                 ("top-k", key.get("top_k")), ("min-p", key.get("min_p")),
                 ("repetition-penalty", key.get("repetition_penalty")), ("samples", samples if samples > 1 else None),
-                ("sampling-seed", key.get("sampling_seed")), ("system-prompt", key.get("system_prompt")),
+                ("random-seed", key.get("sampling_seed")), ("system-prompt", key.get("system_prompt")),
                 ("backend", key.get("backend")), ("dtype", key.get("dtype"))]
         opts.append(("limit", limit))
         args = " ".join(f"--{k} {shlex.quote(str(v))}" for k, v in opts if v is not None)
         lines = [f"distill generate {args} --out data"]
+    if note:
+        lines[0] += f"  # --model: {note}"
     for step in reversed(chain[:-1] if origin.get("op") == "convert" else chain):
         op = step.get("op")
         if op == "split":
             lines.append(f"distill data split data --eval-fraction {step.get('eval_fraction')} --out data-split")
         elif op == "dedupe":
-            lines.append(f"distill data dedupe data --mode {step.get('mode')} --out data-deduped")
+            lines.append(f"distill data dedupe data --match {step.get('mode')} --out data-deduped")
         elif op == "merge":
             lines.append(f"distill data merge {' '.join(shlex.quote(i['path']) for i in step.get('inputs', []))} --out data-merged"
                          "  # inputs made as above")
@@ -149,6 +177,7 @@ def render_card(opts: CardOptions, meta: dict, splits: list[SplitCard], totals: 
         pretty_name=data.pretty_name,
         repo_id=opts.repo_id,
         model=model,
+        model_note=model_argument(meta)[1],
         seed=dict({"spec": None, "format": None}, **(meta.get("seed") or {})),
         sampling=meta.get("sampling"),
         generation=meta.get("generation"),

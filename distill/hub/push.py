@@ -167,12 +167,12 @@ def push(root: Path | str, opts: CardOptions, private: bool = False, dry_run: Pa
         summary.dry_run, summary.private = str(out), private
         return summary
 
-    import httpx
     from huggingface_hub import HfApi, get_token
     from huggingface_hub.errors import HfHubHTTPError
 
     if not get_token():
         raise PushError("no Hugging Face token: set HF_TOKEN or run `hf auth login` (a token with write access)")
+    check_reachable()
     with tempfile.TemporaryDirectory(prefix="distill-push-") as tmp:
         summary = stage(root, Path(tmp), opts, link=True)
         summary.private = private
@@ -189,8 +189,45 @@ def push(root: Path | str, opts: CardOptions, private: bool = False, dry_run: Pa
                             f"{str(exc).splitlines()[0]}; re-run the same command to resume") from None
         except ValueError as exc:  # e.g. the Hub's metadata validation of README.md
             raise PushError(f"the Hub rejected the upload to {opts.repo_id}: {exc}") from None
-        except (OSError, httpx.TransportError) as exc:
-            raise PushError(f"cannot reach the Hub ({os.environ.get('HF_ENDPOINT', 'https://huggingface.co')}): "
-                            f"{exc}; re-run the same command to resume") from None
+        except connection_errors() as exc:
+            raise PushError(f"cannot reach the Hub ({_endpoint()}): {_first_line(exc)}; re-run the same command to resume") from None
         summary.commit_url, summary.commit_oid = info.commit_url, info.oid
     return summary
+
+
+def connection_errors() -> tuple[type[BaseException], ...]:
+    """What a request through ``huggingface_hub`` raises when the Hub cannot be reached: OSError, and the transport
+    errors of the HTTP client it talks through (httpx, or the httpx2 fork that newer releases use), which are not
+    OSErrors."""
+    import importlib
+
+    errors: list[type[BaseException]] = [OSError]
+    for name in ("httpx", "httpx2"):
+        try:
+            errors.append(importlib.import_module(name).TransportError)
+        except (ImportError, AttributeError):
+            pass
+    return tuple(errors)
+
+
+def check_reachable(timeout: float = 10.0) -> None:
+    """One request to the Hub's endpoint (``HF_ENDPOINT``) through ``huggingface_hub``'s own session (its proxies and
+    certificates) before anything is validated, staged or uploaded; any HTTP answer counts as reachable."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session
+
+    try:
+        get_session().head(constants.ENDPOINT, timeout=timeout)
+    except connection_errors() as exc:
+        raise PushError(f"cannot reach the Hub ({_endpoint()}): {_first_line(exc)}; nothing was uploaded: "
+                        "run the same command again where it is reachable") from None
+
+
+def _endpoint() -> str:
+    from huggingface_hub import constants
+
+    return constants.ENDPOINT
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).splitlines() or [type(exc).__name__])[0]

@@ -19,8 +19,8 @@ worker
     main thread and uvicorn on a second one: with the GNU OpenMP runtime (torch's on
     Linux), a second thread that runs torch ops gets a second OpenMP pool, and once
     the pools' threads outnumber the cores every pool's idle threads sleep instead of
-    spinning; each small op then waits for its threads to wake, and a decoding step on
-    a 2-core CPU was a third slower (BENCHMARKS.md, "Serving").
+    spinning; each small op then waits for its threads to wake, and a decoding step
+    slows down markedly. Measured: BENCHMARKS.md, "Serving".
 batch
     the sequences decoding together, at most ``max_batch``: the engine's
     :class:`~distill.engine.engine.RunningBatch` (continuous batching). Between two

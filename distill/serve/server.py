@@ -125,8 +125,42 @@ def _log_to_stderr(level: str) -> None:
     logger.setLevel(level.upper())
 
 
+def check_heads(cfg: ServeConfig) -> None:
+    """``--heads``: none, ``lookup``, or a folder holding heads or a drafter (names on disk only: nothing loads)."""
+    from distill.engine.lookup import LOOKUP
+    from distill.heads.model import check_heads_folder
+
+    if cfg.heads is not None and cfg.heads != LOOKUP:
+        check_heads_folder(Path(cfg.heads).expanduser())
+
+
+def check_port(cfg: ServeConfig) -> None:
+    """That ``--host``:``--port`` can be bound here now, as uvicorn and vLLM bind it (``SO_REUSEADDR``: a port another
+    socket listens on is refused, one left in TIME_WAIT is not); ``--port 0`` (any free port) always can."""
+    import errno
+    import socket
+
+    if cfg.port == 0:
+        return
+    family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((cfg.host, cfg.port))
+        except OSError as exc:
+            why = {errno.EADDRINUSE: "another process listens there: stop it, or choose another --port (0: any free port)",
+                   errno.EACCES: "permission denied (ports below 1024 need privileges): choose another --port",
+                   errno.EADDRNOTAVAIL: "the address is not one of this machine's: choose another --host"}
+            raise ConfigError(f"cannot serve on {cfg.host}:{cfg.port}: "
+                              + why.get(exc.errno, exc.strerror or str(exc))) from None
+
+
 def serve(cfg: ServeConfig, log_level: str = "info") -> None:
-    """Run until SIGTERM / Ctrl-C and the drain after it (``--engine vllm`` replaces this process with vLLM's server)."""
+    """Run until SIGTERM / Ctrl-C and the drain after it (``--engine vllm`` replaces this process with vLLM's server).
+
+    The heads folder and the port are checked first: an error there is one line before any model loads."""
+    check_heads(cfg)
+    check_port(cfg)
     warning = bind_warning(cfg)
     if warning:
         print(warning, file=sys.stderr, flush=True)
@@ -258,7 +292,7 @@ def vllm_env(cfg: ServeConfig) -> dict[str, str]:
     machine the thread settings of :func:`distill.runtime.vllm_cpu_env` (variables the
     user set are kept), and with ``--enforce-eager`` no torch.compile at all
     (``TORCH_COMPILE_DISABLE=1``): vLLM would still compile a sampler helper on the first
-    request that asks for logprobs, an inductor C++ build of 2-12 s on a CPU (see
+    request that asks for logprobs, an inductor C++ build of several seconds on a CPU (see
     :class:`distill.generate.backends.VLLMBackend`).
     """
     from distill.runtime import resolve_device, vllm_cpu_env

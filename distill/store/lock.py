@@ -4,7 +4,12 @@ A local folder (:class:`FolderLock`): an exclusive ``flock`` on the lock file. T
 the holder's pid, host and start time (JSON), so a second run refuses with a line naming who
 writes the folder. The kernel releases a ``flock`` when its process dies, so a lock left by a
 killed run is simply taken: the next run finds the old holder's record, sees the lock free,
-and says it took over (a warning, not an error).
+and says it took over (a warning, not an error). A run that ends (finished or stopped by an
+error) removes the file, so a ``.distill.lock`` in a folder means a run holds it or was killed.
+
+Removing the file is safe because a lock counts only on the file the path names: a run that
+opened the file just before its holder removed it gets the ``flock`` of an unlinked inode, sees
+that the path no longer names it, and starts over on the file now there (or a new one).
 
 An object store (:class:`ObjectLock`) has no ``flock``; see that class for what stands in.
 """
@@ -40,16 +45,33 @@ class FolderLock:
         except (OSError, ValueError):
             return {}
 
+    def _locked_fd(self) -> int:
+        """An open descriptor of the file at :attr:`path` holding its ``flock``; a StoreError while another run holds it."""
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = self._holder(fd)
+                os.close(fd)
+                raise StoreError(f"{self.path.parent} is being written by another run ({_holder_line(holder)}): wait for it "
+                                 "to finish or use another --out") from None
+            if self._names(fd):
+                return fd
+            os.close(fd)  # its holder removed the file between our open and our flock: lock the one there now
+
+    def _names(self, fd: int) -> bool:
+        """Whether :attr:`path` names the file open as ``fd``."""
+        try:
+            current = os.stat(self.path)
+        except FileNotFoundError:
+            return False
+        mine = os.fstat(fd)
+        return (current.st_dev, current.st_ino) == (mine.st_dev, mine.st_ino)
+
     def acquire(self) -> "FolderLock":
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = self._holder(fd)
-            os.close(fd)
-            raise StoreError(f"{self.path.parent} is being written by another run ({_holder_line(holder)}): wait for it to finish "
-                             "or use another --out") from None
+        fd = self._locked_fd()
         previous = self._holder(fd)
         if previous.get("pid"):
             log.warning("%s: took over the lock of a run that is gone (pid %s on %s, started %s)", self.path.parent,
@@ -66,11 +88,13 @@ class FolderLock:
         """Nothing to check: a ``flock`` cannot be taken away from a live holder."""
 
     def release(self) -> None:
-        """Clear the holder record and unlock (the file stays: removing it could let two runs lock two inodes)."""
+        """Remove the lock file while still holding it, then unlock (see the module docstring for why that is safe)."""
         if self._fd is None:
             return
         try:
             os.ftruncate(self._fd, 0)
+            if self._names(self._fd):  # a file another run made after ours was removed by hand stays its own
+                self.path.unlink(missing_ok=True)
             fcntl.flock(self._fd, fcntl.LOCK_UN)
         finally:
             os.close(self._fd)

@@ -412,13 +412,50 @@ def shard_files(root: Folder | Path | str) -> list[Path | str]:
     return [folder.where(s["file"]) for s in load_manifest(folder)["shards"] if s["file"]]
 
 
+def damaged_shard(folder: Folder, name: str, problem: str) -> StoreError:
+    """The one-line error of a listed shard that cannot be read as recorded, naming it and the way out."""
+    return StoreError(f"{folder.where(name)}: {problem}; run `distill data repair {folder.root}` to set damaged shards "
+                      "aside (a rerun of `distill generate` with the same options redoes their conversations)")
+
+
+def check_shards(root: Folder | Path | str) -> None:
+    """Every listed shard present with its recorded size and a readable Parquet footer and row count, else a
+    :class:`StoreError` naming the first damaged one (:func:`damaged_shard`).
+
+    For readers about to start long work on a dataset (training, calibration): it reads each shard's footer,
+    not its pages, nor its SHA-256 (``distill data validate`` does both); :func:`iter_rows` reports a damaged
+    page the same way when it reaches it.
+    """
+    folder = open_folder(root)
+    for entry in load_manifest(folder).get("shards", []):
+        if not entry.get("file"):
+            continue
+        try:
+            info = ShardInfo(**entry)
+        except TypeError:
+            raise StoreError(f"{folder.where(MANIFEST)} lists a shard entry distill cannot read ({entry}); "
+                             f"run `distill data validate {folder.root}`") from None
+        problem = shard_problem(folder, info, checksum=False)
+        if problem:
+            raise damaged_shard(folder, info.file, problem)
+
+
 def iter_rows(root: Folder | Path | str, columns: list[str] | None = None, batch_size: int = 64) -> Iterator[dict]:
-    """Stream rows from every listed shard, one record batch at a time (memory bounded)."""
+    """Stream rows from every listed shard, one record batch at a time (memory bounded); a shard that cannot be
+    read is a :class:`StoreError` naming it (:func:`damaged_shard`)."""
     folder = open_folder(root)
     for s in load_manifest(folder)["shards"]:
         if s["file"]:
-            for batch in folder.parquet(s["file"]).iter_batches(batch_size=batch_size, columns=columns):
-                yield from batch.to_pylist()
+            try:
+                for batch in folder.parquet(s["file"]).iter_batches(batch_size=batch_size, columns=columns):
+                    yield from batch.to_pylist()
+            except (OSError, pa.ArrowException) as exc:
+                if isinstance(exc, StoreError):
+                    raise
+                if not folder.is_file(s["file"]):
+                    raise damaged_shard(folder, s["file"], "listed in the manifest but missing") from None
+                detail = (str(exc).splitlines() or [type(exc).__name__])[0]
+                raise damaged_shard(folder, s["file"], f"not readable Parquet ({detail})") from None
 
 
 def iter_token_rows(root: Folder | Path | str, vocab_size: int, needs: str) -> Iterator[tuple[Any, Any]]:

@@ -131,7 +131,7 @@ def decode_row_dense(input_ids, loss_mask, teacher_ids, teacher_lp, enc: Teacher
 def manifest_encoding(meta: dict) -> TeacherEncoding | None:
     """The teacher encoding a dataset's ``meta`` records; ``None`` for a dataset without a teacher.
 
-    Datasets made by ``distill data convert --to shards`` from seed text have
+    Datasets made by ``distill data convert --format shards`` from seed text have
     ``meta.teacher = null`` and empty teacher columns: they train with hard targets only.
     """
     teacher = meta.get("teacher")

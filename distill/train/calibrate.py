@@ -29,10 +29,11 @@ import torch
 
 from distill.errors import ConfigError
 from distill.heads.eagle import EagleDrafter, is_eagle3_folder
-from distill.heads.model import MedusaHeads, read_distill_meta
+from distill.heads.model import MedusaHeads, base_model_location, read_distill_meta
 from distill.runtime import stage_dtype
 from distill.heads.tree import cartesian_tree, expected_acceptance_length, save_tree, sparse_tree
 from distill.store.atomic import atomic_write_figure, atomic_write_json
+from distill.store.shards import check_shards
 from distill.train.data import iter_batches
 from distill.train.config import CalibrateConfig  # noqa: F401 - its home is the torch-free config module
 from distill.train.losses import hard_ce, shifted_targets
@@ -145,16 +146,16 @@ def calibrate(cfg: CalibrateConfig) -> CalibrationResult:
     from distill.models import resolve_model
 
     heads_dir = Path(cfg.heads)
-    meta = read_distill_meta(heads_dir)
+    meta = read_distill_meta(heads_dir)  # not a heads folder: one line before any model loads
+    check_shards(cfg.data)  # a damaged shard: likewise
     model = cfg.model
     if model is None:
-        base = meta.get("base_model", {})
         if meta.get("merged_model"):
             model = str(heads_dir / meta["merged_model"])
         elif meta.get("adapter"):
             raise ConfigError(f"{heads_dir} holds Medusa-2 heads with an unmerged adapter: train with --merge-adapter or pass --model")
         else:
-            model = base.get("path") or base.get("id")
+            model = base_model_location(meta, heads_dir)
     resolved = resolve_model(model)
     where = stage_dtype(resolved.path, cfg.device, cfg.dtype, meta.get("teacher_dtype"), what=f"the heads in {heads_dir}")
     eagle = is_eagle3_folder(heads_dir)

@@ -59,8 +59,8 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     decay: float = 0.8  # Medusa-1 head weight decay^k; EAGLE-3 step weight decay^j
     ttt_steps: int = 3  # eagle3: training-time-test steps unrolled (draft depths trained)
-    draft_vocab: str = "auto"  # eagle3: auto (>= 99% of generated tokens) | N most frequent | 0 (full vocabulary)
-    aux_layers: str = "auto"  # eagle3: target layers fused (auto: 2, N//2, N-3) or ids like "2,15,27"
+    draft_vocab: str | int = "auto"  # eagle3: auto (>= 99% of generated tokens) | N most frequent | 0 (full vocabulary); kept as text
+    aux_layers: str | list[int] = "auto"  # eagle3: target layers fused (auto: 2, N//2, N-3) or ids like "2,15,27" (or a list); kept as text
     feature_loss: float = 0.0  # eagle3: weight of EAGLE-1's smooth-L1 feature loss (0: off, as EAGLE-3)
     loss_chunk: int = 128  # time positions per loss chunk (memory grows with it, not with T)
     lambda0: float = 0.2
@@ -90,7 +90,7 @@ class TrainConfig:
         if self.arch not in ARCHS:
             raise ConfigError(f"--arch must be one of {', '.join(ARCHS)}; got '{self.arch}'")
         if self.mode not in MODES:
-            raise ConfigError(f"--mode must be one of {', '.join(MODES)}; got '{self.mode}'")
+            raise ConfigError(f"--medusa-mode must be one of {', '.join(MODES)}; got '{self.mode}'")
         if self.targets not in TARGETS:
             raise ConfigError(f"--targets must be one of {', '.join(TARGETS)}; got '{self.targets}'")
         if self.lambda0_schedule not in LAMBDA0_SCHEDULES:
@@ -121,7 +121,7 @@ class TrainConfig:
         if self.feature_loss < 0:
             raise ConfigError(f"--feature-loss must be >= 0; got {self.feature_loss}")
         if self.merge_adapter and self.mode != "medusa2":
-            raise ConfigError("--merge-adapter only applies to --mode medusa2 (Medusa-1 leaves the backbone untouched)")
+            raise ConfigError("--merge-adapter only applies to --medusa-mode medusa2 (Medusa-1 leaves the backbone untouched)")
 
     def _check_arch_options(self) -> None:
         """Canonical forms of the EAGLE-3 options; an option of the other architecture set away from its default is an error."""
@@ -136,7 +136,8 @@ class TrainConfig:
             other = {"mode": "medusa1", "heads": 4, "layers": 1, "share_lm_head": False}
         changed = [k for k, default in other.items() if getattr(self, k) != default]
         if changed:
-            names = ", ".join("--" + k.replace("_", "-") for k in changed)
+            flags = {"mode": "medusa-mode", "heads": "num-heads"}  # the flags these fields have (docs/cli.md)
+            names = ", ".join("--" + flags.get(k, k.replace("_", "-")) for k in changed)
             owner = "eagle3" if self.arch == "medusa" else "medusa"
             raise ConfigError(f"{names} only appl{'ies' if len(changed) == 1 else 'y'} to --arch {owner} (this run is --arch {self.arch})")
 
@@ -174,4 +175,4 @@ class CalibrateConfig:
         if not 1 <= self.ranks <= 10:
             raise ConfigError(f"--ranks must be between 1 and 10; got {self.ranks}")
         if self.max_len < 3 or self.batch_size < 1 or self.max_tokens < 0:
-            raise ConfigError("--max-len must be >= 3, --batch-size >= 1, --max-tokens >= 0")
+            raise ConfigError("--max-len must be >= 3, --batch-size >= 1, --eval-tokens >= 0")

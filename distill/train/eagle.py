@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from distill.heads.eagle import DrafterConfig, EagleDrafter, parse_aux_layers
-from distill.heads.model import HEADS_MARKERS
+from distill.heads.model import HEADS_MARKERS, portable_meta
 from distill.heads.vocab import DraftVocab
 from distill.store.atomic import StagedFiles
 from distill.train.calibrate import HeadAccuracy
@@ -187,7 +187,7 @@ class EagleTrainModule(nn.Module):
         """The vLLM EAGLE-3 folder (config.json + model.safetensors), distill-heads.json and draft-vocab.json."""
         report = self.report.to_dict()
         with StagedFiles(out, HEADS_MARKERS) as stage:
-            self.drafter.float().write_files(stage.path, extra={**extra, "arch": "eagle3", "draft_vocab": report})
+            self.drafter.float().write_files(stage.path, extra=portable_meta({**extra, "arch": "eagle3", "draft_vocab": report}, out))
             (stage.path / DRAFT_VOCAB_FILE).write_text(json.dumps(report, indent=2) + "\n")
 
 

@@ -50,7 +50,7 @@ import torch
 from torch import nn
 
 from distill.errors import ConfigError
-from distill.heads.model import HEADS_MARKERS, TRAINED_FC_BIAS, HeadsConfig, MedusaHeads
+from distill.heads.model import HEADS_MARKERS, TRAINED_FC_BIAS, HeadsConfig, MedusaHeads, portable_meta
 from distill.store.atomic import StagedFiles, atomic_write_bytes
 from distill.train import checkpoint as ckpt
 from distill.runtime import Placement, dataset_dtype, stage_dtype
@@ -59,6 +59,7 @@ from distill.train.draft_vocab import choose_draft_vocab, generated_token_counts
 from distill.train.eagle import build_eagle_module
 from distill.store import manifest_encoding
 from distill.store.location import recorded_location
+from distill.store.shards import check_shards
 from distill.train.data import count_tokens, dataset_meta, decoder_inputs, iter_batches, iter_examples
 from distill.train.losses import Term, TermStats, chunked_term_losses, head_weights
 
@@ -177,7 +178,7 @@ class HeadsTrainModule(nn.Module):
 
                     AutoTokenizer.from_pretrained(extra["base_model"]["path"]).save_pretrained(str(stage.path / "merged"))
                     extra["merged_model"] = "merged"
-            self.heads.float().write_files(stage.path, extra=extra)
+            self.heads.float().write_files(stage.path, extra=portable_meta(extra, out))
 
 
 @dataclass
@@ -414,11 +415,12 @@ class Trainer:
     def _check_data(self, data: Path | str) -> dict:
         """The dataset's metadata, refused where it lacks the teacher top-k the options need."""
         cfg = self.cfg
+        check_shards(data)  # a damaged shard: named in one line now, not as pyarrow's error once the model is loaded
         ds_meta = dataset_meta(data)
         if manifest_encoding(ds_meta) is None and (cfg.targets == "soft" or cfg.mode == "medusa2"):
             raise ConfigError(
                 f"{data} has no teacher top-k (made from seed text): train it with --targets hard"
-                + (" --mode medusa1" if cfg.arch == "medusa" else "")
+                + (" --medusa-mode medusa1" if cfg.arch == "medusa" else "")
                 + ", or regenerate it with `distill generate` for soft targets and Medusa-2's KL"
             )
         return ds_meta
@@ -432,7 +434,7 @@ class Trainer:
         on_gpu = torch.cuda.is_available()
         # Medusa-2's two-stage schedule leaves the LoRA parameters without grads in stage 1.
         ddp = DistributedDataParallelKwargs(find_unused_parameters=cfg.mode == "medusa2")
-        # bf16 on CPU is autocast (fp32 master weights): 2-3x faster matmuls on CPUs with AVX512-BF16/AMX.
+        # bf16 on CPU is autocast (fp32 master weights): faster matmuls on CPUs with AVX512-BF16/AMX.
         accelerator = Accelerator(mixed_precision="bf16" if bf16 else "no", cpu=not on_gpu, kwargs_handlers=[ddp])
         device = accelerator.device
         backbone = load_backbone(model_path, device, bf16 and on_gpu)

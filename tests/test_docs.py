@@ -1,7 +1,9 @@
-"""The README's commands, run: every fenced ``bash`` and ``python`` block, in README order.
+"""The documentation's commands, run: every fenced ``bash`` and ``python`` block of README.md and of
+the guides in docs/, in the order of :data:`DOCS`, each file top to bottom.
 
-One scratch folder stands in for a user's working directory. What differs from a GPU user's
-machine is made to exist there rather than edited out of the commands:
+One scratch folder stands in for a user's working directory, shared by every file, so a guide may
+use what the README's walkthrough or an earlier guide made. What differs from a GPU user's machine
+is made to exist there rather than edited out of the commands:
 
 - ``./my-chat-model`` is a link to the bundled SmolLM2-135M-Instruct folder;
 - ``hf:HuggingFaceH4/ultrachat_200k:train_sft`` resolves to a local folder at that relative
@@ -15,8 +17,8 @@ What the test changes in the commands themselves, and only this: sizes (:data:`S
 rows, tokens, steps, prompts; GPU counts to what a 2-core CPU runs: tensor parallelism 1,
 ``accelerate launch --multi_gpu`` runs as written: on a machine without GPUs it starts
 2 CPU processes with the gloo backend; ``--precision bf16`` becomes ``auto`` on a CPU without
-native bf16, where emulated bf16 is two orders of magnitude slower), the server port, ``--enforce-eager`` for vLLM's
-server (its inductor compile is two thirds of its start-up on a CPU), and the set-up script,
+native bf16, where emulated bf16 is orders of magnitude slower), the server port, ``--enforce-eager`` for vLLM's
+server (its inductor compile is most of its start-up on a CPU), and the set-up script,
 which runs in plan mode (``DISTILL_SETUP_PLAN=1``: the CUDA wheels are not installable
 here; the plan must name the ``vllm`` extra, which pyproject.toml must declare).
 ``bash scripts/test.sh`` is the command CI runs (``.ci/run``), which includes this test.
@@ -24,8 +26,7 @@ here; the plan must name the ``vllm`` extra, which pyproject.toml must declare).
 Each subcommand runs first as the console script, as a user runs it. Its later commands, where the
 subcommand ends by itself and reaches no server (:data:`REPEATS_IN_PROCESS`) and the command is one
 plain ``distill ...`` line, run the same ``main()`` with the same arguments, environment and folder in
-this process (:func:`conftest.run_distill`): a fresh process's torch and transformers imports, ~6 s a
-command on an Intel Xeon and more on a Zen 3, are what that saves.
+this process (:func:`conftest.run_distill`), which saves a fresh process's torch and transformers imports.
 """
 
 from __future__ import annotations
@@ -53,16 +54,19 @@ from fakehub import TOKEN, FakeHub
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 README = REPO / "README.md"
+# The order the blocks run in: the README's walkthrough first, then each guide (later ones use what earlier ones made).
+DOCS = [README] + [REPO / "docs" / f"{name}.md" for name in (
+    "install", "generate", "data", "train", "serve", "bench", "run", "formats", "cli", "architecture", "development")]
 VENV_BIN = Path(sys.executable).parent
 API_KEY = "docs-test-key"
 
 # Per subcommand: option -> small value; replaced where the command sets it, appended where not.
 # (tensor parallelism 1: GPU counts are sizes too)
 SIZES: dict[str, dict[str, str]] = {
-    "generate": {"--limit": "3", "--max-new-tokens": "8", "--shard-size": "2"},
+    "generate": {"--limit": "3", "--max-tokens": "8", "--shard-size": "2"},
     "train-heads": {"--steps": "2", "--max-len": "128", "--context": "32", "--batch-size": "2", "--grad-accum": "1",
                     "--keep-checkpoints": "1"},
-    "calibrate": {"--max-len": "128", "--max-tokens": "512", "--nodes": "8"},
+    "calibrate": {"--max-len": "128", "--eval-tokens": "512", "--nodes": "8"},
     "bench": {"--limit": "1", "--max-tokens": "8", "--sweep-nodes": "1,4", "--sweep-repeats": "1", "--sweep-context": "32"},
     "data split": {"--eval-fraction": "0.34"},
 }
@@ -82,8 +86,8 @@ PIPELINE_SETS = ["generate.limit=4", "generate.max_new_tokens=8", "generate.turn
                  "train.context=32", "calibrate.max_len=128", "bench.limit=1", "bench.max_tokens=8"]
 
 
-def readme_blocks(text: str) -> list[tuple[str, str, int]]:
-    """(language, code, line number) of every fenced block."""
+def doc_blocks(text: str, name: str = "README.md") -> list[tuple[str, str, int]]:
+    """(language, code, line number) of every fenced block of one file."""
     out, lang, buf, start = [], None, [], 0
     for n, line in enumerate(text.splitlines(), 1):
         if line.startswith("```"):
@@ -94,8 +98,14 @@ def readme_blocks(text: str) -> list[tuple[str, str, int]]:
                 lang = None
         elif lang is not None:
             buf.append(line)
-    assert lang is None, f"README.md: the block opened at line {start} is never closed"
+    assert lang is None, f"{name}: the block opened at line {start} is never closed"
     return out
+
+
+def all_blocks() -> list[tuple[str, str, str]]:
+    """(language, code, "file:line") of every fenced block of :data:`DOCS`, in the order they run."""
+    return [(lang, code, f"{path.relative_to(REPO)}:{line}") for path in DOCS
+            for lang, code, line in doc_blocks(path.read_text(), path.name)]
 
 
 def _strip_comment(line: str) -> str:
@@ -309,13 +319,19 @@ def docs(tmp_path_factory, request):
         shutil.rmtree(work, ignore_errors=True)
 
 
-def test_readme_blocks_parse_into_commands():
-    blocks = readme_blocks(README.read_text())
+def test_docs_blocks_parse_into_commands():
+    blocks = all_blocks()
     runnable = [b for b in blocks if b[0] in ("bash", "python")]
     assert len(runnable) >= 15
-    assert {b[0] for b in blocks} <= {"bash", "python", "text"}, "a block in a language the docs test does not run"
+    strange = [(lang, where) for lang, _, where in blocks if lang not in ("bash", "python", "text")]
+    assert not strange, f"blocks in a language the docs test does not run: {strange}"
+    guides = sorted((REPO / "docs").glob("*.md"))
+    assert set(guides) <= set(DOCS), f"guides the docs test does not run: {sorted(set(guides) - set(DOCS))}"
+    assert len(README.read_text().splitlines()) <= 250, "README.md is the front door: at most 250 lines"
+    benchmarks = doc_blocks((REPO / "BENCHMARKS.md").read_text(), "BENCHMARKS.md")
+    assert {b[0] for b in benchmarks} <= {"text"}, "BENCHMARKS.md shows commands as text blocks: they are not run"
     assert shell_commands("a \\\n  --b 1  # note\n# whole line\n\nc '#x'") == ["a --b 1", "c '#x'"]
-    assert sized("distill generate --limit 20000 --out o") == "distill generate --limit 3 --out o --max-new-tokens 8 --shard-size 2"
+    assert sized("distill generate --limit 20000 --out o") == "distill generate --limit 3 --out o --max-tokens 8 --shard-size 2"
     loop = "for i in 0 1; do distill generate --part $i/2 --out o$i & done; wait"
     assert sized(loop).endswith("--shard-size 2 & done; wait") and "--limit 3" in sized(loop)
     assert "--stop-after 1" in sized("distill train-heads --steps 1000 --stop-after 100") and "--steps 2" in sized("distill train-heads --steps 1000")
@@ -330,9 +346,9 @@ def test_readme_blocks_parse_into_commands():
                                                       "distill generate --part $i/2", "distill env; distill env"))
 
 
-def test_every_readme_command_runs(docs, request):
+def test_every_docs_command_runs(docs, request):
     work, env = docs
-    blocks = readme_blocks(README.read_text())
+    blocks = all_blocks()
     client = [code for lang, code, _ in blocks if lang == "python" and "openai.OpenAI(" in code]
     assert len(client) == 1, "one OpenAI client block: it is run against every server the README starts"
     runner = Docs(work, env, client[0])
