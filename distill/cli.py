@@ -19,6 +19,7 @@ from typer.core import TyperCommand, TyperGroup
 
 from distill.configs import stage_options
 from distill.errors import ConfigError, DistillError
+from distill.progress import Progress, interval_from_env
 
 
 def _heads_count(value: str | None) -> str:
@@ -160,6 +161,7 @@ _state = {"debug": False}
 ChatTemplateOpt = Annotated[Optional[str], typer.Option("--chat-template", help="Chat template that renders the prompts: a Jinja file, or the template itself (default: the model's).")]
 ChatTemplateKwargsOpt = Annotated[Optional[str], typer.Option("--chat-template-kwargs", help='The chat template\'s extra variables, a JSON object, e.g. \'{"enable_thinking": false}\'.')]
 
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress on stderr: no bar, no progress lines, no stage lines.")]
 ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="Pipeline YAML (pipelines/NAME.yaml): this stage's section (or a flat file); --set and CLI options override it.")]
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override one option: KEY=VALUE, the value read as YAML (e.g. --set max_len=256); repeatable; CLI options override it.")]
 ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="Bundled default (omit), a local HF folder, or a Hub id.")]
@@ -180,6 +182,15 @@ def _main(
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if verbose else "WARNING")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "info" if verbose else "error")
+
+
+def _one_progress_style() -> None:
+    """No bar of transformers' own while a model loads (its "Loading weights"): the command's stage line says what
+    loads, and off a terminal that bar's redraws would fill the log, with --quiet too. The Hub's download bars stay."""
+    from transformers.utils import logging as transformers_logging
+
+    if hasattr(transformers_logging, "set_tqdm_hook"):
+        transformers_logging.set_tqdm_hook(lambda factory, args, kwargs: factory(*args, **dict(kwargs, disable=True)))
 
 
 def _given(ctx: typer.Context, cls: type, rename: dict[str, str] | None = None) -> dict:
@@ -237,53 +248,16 @@ def generate(
     chat_template: ChatTemplateOpt = None,
     chat_template_kwargs: ChatTemplateKwargsOpt = None,
     reasoning: Annotated[Optional[str], typer.Option(help="keep | strip | both: think blocks (<think>...</think>) in the stored messages: kept, removed, or kept only in the replies a row trains (input_ids always hold what the model saw and wrote).")] = None,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
+    quiet: QuietOpt = False,
 ) -> None:
     """Regenerate seed conversations with the model; write shards with its top-k logprobs."""
     from distill.generate import GenerateConfig, Generator
 
     cfg = GenerateConfig.from_dict(stage_options("generate", config, set_, _given(ctx, GenerateConfig, FIELDS["generate"])))
-    with _progress(quiet) as progress:
+    _one_progress_style()
+    with Progress("generate", "conversations", quiet=quiet) as progress:
         summary = Generator(cfg, progress=progress).run()
     _print_summary(summary)
-
-
-class _progress:
-    """A rich progress bar fed by the generator's (conversations, tokens) callback."""
-
-    def __init__(self, quiet: bool):
-        self.quiet = quiet or not sys.stderr.isatty() and not os.environ.get("DISTILL_PROGRESS")
-
-    def __enter__(self):
-        if self.quiet:
-            return None
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-        self.bar = Progress(
-            TextColumn("[bold]generate"), BarColumn(), MofNCompleteColumn(), TextColumn("conversations"),
-            TextColumn("{task.fields[tps]:>8.1f} tok/s"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-            console=console, transient=False,
-        )
-        self.bar.start()
-        self.task = self.bar.add_task("generate", total=None, tps=0.0)
-        self.tokens = 0
-        import time
-
-        self.t0 = time.monotonic()
-        return self.update
-
-    def update(self, conversations: int, tokens: int, total: int | None = None) -> None:
-        import time
-
-        self.tokens += tokens
-        rate = self.tokens / max(time.monotonic() - self.t0, 1e-6)
-        if total is not None:
-            self.bar.update(self.task, total=total)
-        self.bar.update(self.task, advance=conversations, tps=rate)
-
-    def __exit__(self, *exc) -> None:
-        if not self.quiet:
-            self.bar.stop()
 
 
 def _print_summary(s) -> None:
@@ -584,7 +558,7 @@ def train_heads(
     log_every: Annotated[Optional[int], typer.Option(help="Write metrics every N steps.")] = None,
     stop_after: Annotated[Optional[int], typer.Option(help="Stop this invocation after N steps (checkpointed; continue with --resume).")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the run in OUT from its latest checkpoint.")] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
+    quiet: QuietOpt = False,
 ) -> None:
     """Train Medusa heads (Medusa-1 or Medusa-2) or an EAGLE-3 drafter on self-distilled shards; write a vLLM-loadable folder."""
     from distill.train.config import TrainConfig
@@ -592,7 +566,10 @@ def train_heads(
     cfg = TrainConfig.from_dict(stage_options("train", config, set_, _given(ctx, TrainConfig, FIELDS["train-heads"])))
     from distill.train import train  # the trainer and torch: once the options are whole
 
-    s = train(cfg, progress=not quiet and (sys.stderr.isatty() or bool(os.environ.get("DISTILL_PROGRESS"))))
+    if not quiet:
+        interval_from_env()  # a bad DISTILL_PROGRESS_SECONDS: one line now, not once the model is loaded
+    _one_progress_style()
+    s = train(cfg, progress=not quiet)  # a bar on a terminal, periodic lines off one (distill.progress)
     if int(os.environ.get("RANK", "0")) != 0:  # under `accelerate launch`: the main process reports
         return
     final = s.final
@@ -626,7 +603,7 @@ def calibrate(
     plots: Annotated[Optional[bool], typer.Option("--plots/--no-plots", help="Write tree.png and acceptance.png.")] = None,
     dtype: Annotated[Optional[str], typer.Option(help="auto (the heads' teacher dtype) | float32 | bfloat16 | float16.")] = None,
     device: Annotated[Optional[str], typer.Option(help="auto (CUDA when available, else CPU) | cpu | cuda | cuda:N.")] = None,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress lines.")] = False,
+    quiet: QuietOpt = False,
 ) -> None:
     """Measure per-head top-i accuracy on held-out data and write the best sparse tree (tree.json)."""
     from distill.configs import config_from_options, stage_section
@@ -642,11 +619,11 @@ def calibrate(
     cfg = config_from_options(CalibrateConfig, options, "calibrate")
     from distill.train.calibrate import calibrate as run_calibrate  # torch: once the options are whole
 
-    if not quiet:
+    _one_progress_style()
+    with Progress("calibrate", "tokens", quiet=quiet) as progress:
         budget = f"up to {cfg.max_tokens:,} held-out tokens" if cfg.max_tokens else "every held-out token"
-        console.print(f"[dim]calibrate[/dim] {cfg.heads} on {cfg.data} ({budget}): top-{cfg.ranks} accuracy per head, "
-                      f"then the best {cfg.nodes}-node tree")
-    r = run_calibrate(cfg)
+        progress.stage(f"{cfg.heads} on {cfg.data} ({budget}): top-{cfg.ranks} accuracy per head, then the best {cfg.nodes}-node tree")
+        r = run_calibrate(cfg, progress=progress)
     typer.echo(f"{r.out}/tree.json: {r.nodes} nodes, expected acceptance length {r.expected_acceptance_length:.3f}"
                + (f" (best Cartesian {r.cartesian['spec']}: {r.cartesian['expected_acceptance_length']:.3f})" if r.cartesian else ""))
     typer.echo("  top-1 per head: " + " ".join(f"{a:.3f}" for a in r.top1) + f" over {min(r.positions):,}+ positions")
@@ -783,7 +760,7 @@ def bench(
     chat_template: ChatTemplateOpt = None,
     chat_template_kwargs: ChatTemplateKwargsOpt = None,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Folder for bench.json, bench.md, bench.png (and sweep.png, tree.json).")] = None,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress lines.")] = False,
+    quiet: QuietOpt = False,
 ) -> None:
     """Plain vs speculative (Medusa, EAGLE or lookup) decoding on the same prompts: tokens/step, step overhead, tokens/s and speedup per category; with --vllm against bare vLLM too."""
     from distill.benchmark.config import BenchConfig
@@ -798,7 +775,9 @@ def bench(
     from distill.benchmark import run_bench  # the engine and torch: once the options are whole
     from distill.benchmark.report import markdown
 
-    result, paths = run_bench(cfg, progress=None if quiet else (lambda msg: console.print(f"[dim]bench[/dim] {msg}")))
+    _one_progress_style()
+    with Progress("bench", "prompts", quiet=quiet) as progress:
+        result, paths = run_bench(cfg, progress=progress)
     typer.echo(markdown(result))
     typer.echo("wrote " + ", ".join(str(p) for p in paths.values()))
 

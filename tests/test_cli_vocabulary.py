@@ -121,7 +121,7 @@ def test_quiet_silences_calibrate_and_run_progress(tmp_path, capture):
     capture("distill.train.calibrate", "calibrate")
     loud = run_distill(["calibrate", "--heads", "h", "--data", "d"], cwd=tmp_path)
     quiet = run_distill(["calibrate", "--heads", "h", "--data", "d", "--quiet"], cwd=tmp_path)
-    assert loud.stderr.startswith("calibrate h on d") and quiet.stderr.strip() == "error: captured", (loud.stderr, quiet.stderr)
+    assert loud.stderr.startswith("calibrate: h on d") and quiet.stderr.strip() == "error: captured", (loud.stderr, quiet.stderr)
 
     import distill.pipeline
 

@@ -22,7 +22,7 @@ from typing import Callable
 from distill.benchmark.config import BenchConfig
 from distill.benchmark.stats import BenchResult, Group, Run
 from distill.errors import ConfigError
-from distill.models import load_chat_template
+from distill.models import DEFAULT_MODEL, load_chat_template
 from distill.runtime import machine
 
 log = logging.getLogger("distill.benchmark")
@@ -108,15 +108,41 @@ def break_even(engine, batch: int = 1) -> dict | None:
     return {"nodes": nodes, "expected": taus[nodes], "expected_measured": measured, "tokens_per_step": ratio}
 
 
+class _Lines:
+    """The calls of a :class:`distill.progress.Progress` told as message lines to ``say(message)`` (or to nobody)."""
+
+    def __init__(self, say: Callable[[str], None] | None):
+        self.say = say or (lambda message: None)
+        self.done, self.total, self.unit = 0, None, ""
+
+    def stage(self, message: str) -> None:
+        self.say(message)
+
+    def begin(self, total: int | None = None, done: int | None = None, unit: str | None = None) -> None:
+        self.total, self.done, self.unit = total, done or 0, unit or self.unit
+
+    def update(self, advance: int = 1, tokens: int = 0, total: int | None = None, fields: dict | None = None) -> None:
+        self.done += advance
+        self.say(f"{self.done}/{self.total} {self.unit}")
+
+
+def _progress(progress):
+    """``progress`` as a :class:`distill.progress.Progress`-like object: itself, or a ``say(message)`` callable wrapped."""
+    return progress if hasattr(progress, "update") and hasattr(progress, "stage") else _Lines(progress)
+
+
 class BenchRunner:
     """Loads the engine once; :meth:`run` measures every prompt in every mode, :meth:`sweep` the tree sizes."""
 
-    def __init__(self, config: BenchConfig, engine=None, progress: Callable[[str], None] | None = None, baseline=None):
-        """``baseline``: a :class:`~distill.benchmark.baseline.VllmBaseline` to use for ``--vllm`` (default: started here)."""
+    def __init__(self, config: BenchConfig, engine=None, progress=None, baseline=None):
+        """``baseline``: a :class:`~distill.benchmark.baseline.VllmBaseline` to use for ``--vllm`` (default: started here).
+
+        ``progress``: a :class:`distill.progress.Progress` (prompts done per pass, stage lines), or a callable
+        that takes message lines."""
         from distill.engine import Engine, EngineConfig
 
         self.config = config
-        self.progress = progress or (lambda msg: None)
+        self.progress = _progress(progress)
         if engine is None:
             ecfg = EngineConfig(acceptance="typical", typical_epsilon=config.typical_epsilon, typical_delta=config.typical_delta,
                                 tree=config.tree, max_batch=1,
@@ -124,7 +150,9 @@ class BenchRunner:
                                 compile=config.compile, cuda_graphs=config.cuda_graphs, lookup_data=config.lookup_data,
                                 lookup_history=config.lookup_history, lookup=config.lookup, lookup_nodes=config.lookup_nodes,
                                 **({"draft_nodes": config.draft_nodes} if config.draft_nodes else {}))
+            self.progress.stage(f"loading {config.model or DEFAULT_MODEL} with {config.heads}")
             engine = Engine.from_pretrained(config.model, config.heads, ecfg)
+            self.progress.stage(f"warming up the engine on {engine.device}" + (" (compiling)" if config.compile else ""))
             engine.warmup()  # compiles first (--compile): no run is timed with the compiler in it
         if engine.proposer is None:
             raise ConfigError("the benchmark compares plain and speculative (Medusa, EAGLE or lookup) decoding: "
@@ -135,6 +163,7 @@ class BenchRunner:
             from distill.benchmark.baseline import VllmBaseline
             from distill.models import context_limit, resolve_model
 
+            self.progress.stage("starting bare vLLM for the --vllm baseline")
             self.baseline = VllmBaseline.start(resolve_model(config.model).path, str(engine.dtype).removeprefix("torch."),
                                                engine.device.type, context_limit(engine.model.config), config.seed)
         if self.baseline is not None:
@@ -168,6 +197,8 @@ class BenchRunner:
         tok = self.engine.tokenizer
         template = load_chat_template(cfg.chat_template)
         encoded = [chat_ids(tok, p.messages, template, cfg.chat_template_kwargs) for p in prompts]
+        if cfg.warmup:
+            self.progress.stage(f"{cfg.warmup} untimed warm-up run{'s' if cfg.warmup > 1 else ''} of each decoding")
         for _ in range(cfg.warmup):  # untimed: first calls pay for allocations and lazy init
             for spec in (False, True):
                 self._one(prompts[0], encoded[0], "greedy", spec, cfg.seed)
@@ -178,6 +209,7 @@ class BenchRunner:
         for acceptance in cfg.modes:
             if forget is not None:  # each pass starts from none: no prompt drafts from its own warm-up or earlier reply
                 forget()
+            self.progress.begin(total=len(prompts), done=0, unit=f"{acceptance} prompts")
             for i, (p, ids) in enumerate(zip(prompts, encoded)):
                 order = ["plain", "medusa"]
                 if acceptance == "greedy" and self.baseline is not None:
@@ -185,7 +217,7 @@ class BenchRunner:
                 shift = i % len(order)  # each engine goes first as often as the others
                 for mode in order[shift:] + order[:shift]:
                     runs.append(self._vllm(p, ids) if mode == "vllm" else self._one(p, ids, acceptance, mode == "medusa", cfg.seed + i))
-                self.progress(f"{acceptance} {i + 1}/{len(prompts)} {p.id}")
+                self.progress.update(1, tokens=sum(r.tokens for r in runs[-len(order):]))  # every decoding's tokens
         groups = summarize(runs)
         proposer = self.engine.proposer
         nodes, source = proposer.max_nodes, describe_proposer(proposer)
@@ -241,16 +273,14 @@ def summarize(runs: list[Run]) -> list[Group]:
     return groups
 
 
-def run_bench(config: BenchConfig, progress: Callable[[str], None] | None = None, engine=None,
-              baseline=None) -> tuple[BenchResult, dict[str, Path]]:
+def run_bench(config: BenchConfig, progress=None, engine=None, baseline=None) -> tuple[BenchResult, dict[str, Path]]:
     """Plain vs Medusa (and bare vLLM, and the tree-size sweep, when asked); writes the artifacts into ``config.out``."""
     from distill.benchmark.report import write_all, write_tree
 
     runner = BenchRunner(config, engine=engine, progress=progress, baseline=baseline)
     result = runner.run()
     if config.sweep_tree:
-        if progress:
-            progress("tree-size sweep")
+        runner.progress.stage("timing the tree-size sweep")
         result.sweep = runner.sweep()
     paths = write_all(result, Path(config.out))
     if result.sweep is not None and result.sweep.best_nodes > 0:

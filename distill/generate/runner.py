@@ -62,6 +62,18 @@ from distill.store.teacher import TeacherEncoding, encode_topk
 ProgressFn = Callable[..., None]  # (conversations finished, tokens generated since the last call, total=None)
 
 
+def _reporters(progress) -> tuple[ProgressFn, Callable[[str], None], Callable[[], None]]:
+    """(counts, stage, begin) of ``progress``: a :class:`distill.progress.Progress` (or anything with its ``update``
+    and ``stage``), a plain ``progress(conversations, tokens, total=None)`` function, or None."""
+    if progress is None:
+        return (lambda n, t, total=None: None), (lambda message: None), (lambda: None)
+    if hasattr(progress, "update") and hasattr(progress, "stage"):
+        begin = getattr(progress, "begin", None)
+        return ((lambda n, t, total=None: progress.update(n, tokens=t, total=total)), progress.stage,
+                (lambda: begin()) if begin is not None else (lambda: None))
+    return progress, (lambda message: None), (lambda: None)
+
+
 @dataclass
 class GenerateSummary:
     """The accounting of a run, in rows (a row is one sample of one seed row): ``generated + rejected + skipped
@@ -269,15 +281,18 @@ class ConversationState:
 class Generator:
     """Runs one :class:`GenerateConfig`: opens (or resumes) the store, drives the backend."""
 
-    def __init__(self, cfg: GenerateConfig, backend: Backend | None = None, progress: ProgressFn | None = None):
+    def __init__(self, cfg: GenerateConfig, backend: Backend | None = None, progress=None):
+        """``progress``: a :class:`distill.progress.Progress` (stage lines too), or ``progress(conversations, tokens,
+        total=None)``."""
         self.cfg = cfg
-        self.progress = progress or (lambda n, t, total=None: None)
+        self.progress, self._stage, self._begin = _reporters(progress)
         self.model: ResolvedModel = resolve_model(cfg.model)
         self.backend_name = backend.name if backend is not None else resolve_backend_name(cfg.backend)
         self.source = load_seed(cfg.seed, cfg.seed_format)
         self._owns_backend = backend is None
         if backend is None and self.backend_name == "openai":
             # Servers are checked now: the dtype and version they report go into the metadata.
+            self._stage(f"checking the servers at {cfg.server} for {self.model.name}")
             backend = self._make_backend(BackendOptions(seed=cfg.sampling_seed, dtype=canonical_dtype(cfg.dtype)))
         self._backend = backend
         from transformers import AutoConfig, AutoTokenizer
@@ -393,7 +408,11 @@ class Generator:
         self.new = [0, 0]  # conversations, generated tokens appended by this invocation
         self.progress(0, 0, total=len(todo))
         if todo:
+            if self._backend is None:  # vLLM takes a while to start: say so, not a bar standing at 0
+                self._stage(f"starting the {self.backend_name} backend for {self.model.name} ({self.placement.device}, "
+                            f"{self.placement.dtype})")
             backend = self._backend or self._make_backend(self._backend_options())
+            self._begin()  # rates and ETA from here: the engine's start is no part of the generation speed
             try:
                 fmt = ChatFormat(backend.tokenizer, backend.stop_ids, self.chat_template, self.cfg.chat_template_kwargs)
                 if hasattr(backend, "agenerate"):

@@ -34,7 +34,7 @@ from distill.runtime import stage_dtype
 from distill.heads.tree import cartesian_tree, expected_acceptance_length, save_tree, sparse_tree
 from distill.store.atomic import atomic_write_figure, atomic_write_json
 from distill.store.shards import check_shards
-from distill.train.data import iter_batches
+from distill.train.data import count_tokens, iter_batches
 from distill.train.config import CalibrateConfig  # noqa: F401 - its home is the torch-free config module
 from distill.train.losses import hard_ce, shifted_targets
 
@@ -69,8 +69,11 @@ class HeadAccuracy:
 
 @torch.no_grad()
 def head_accuracy(backbone, heads: MedusaHeads, data: Path | str, max_len: int = 512, batch_size: int = 4, ranks: int = 10,
-                  max_tokens: int = 0, chunk: int = 128) -> HeadAccuracy:
-    """Per-head rank hits and CE on ``data`` (up to ``max_tokens`` input tokens; 0: all)."""
+                  max_tokens: int = 0, chunk: int = 128, progress=None) -> HeadAccuracy:
+    """Per-head rank hits and CE on ``data`` (up to ``max_tokens`` input tokens; 0: all).
+
+    ``progress``: told each batch's tokens (a :class:`distill.progress.Progress`), when given.
+    """
     K = heads.config.num_heads
     device = next(heads.parameters()).device
     acc = HeadAccuracy(ranks=ranks, counts=[0] * K, hits=[[0] * ranks for _ in range(K)], loss_sum=[0.0] * K)
@@ -79,7 +82,8 @@ def head_accuracy(backbone, heads: MedusaHeads, data: Path | str, max_len: int =
         ids = batch["input_ids"].to(device)
         hidden = decoder(input_ids=ids, attention_mask=batch["attention_mask"].to(device), use_cache=False).last_hidden_state
         hidden = hidden.to(heads.lm_heads[0].weight.dtype)  # (B, T, H)
-        acc.tokens += int(batch["attention_mask"].sum())
+        n = int(batch["attention_mask"].sum())
+        acc.tokens += n
         for k in range(K):
             tgt, valid = shifted_targets(ids, batch["loss_mask"].to(device), k + 2)  # (B, T)
             for s in range(0, ids.shape[1], chunk):
@@ -94,6 +98,8 @@ def head_accuracy(backbone, heads: MedusaHeads, data: Path | str, max_len: int =
                     acc.hits[k][i] += int(hit[i])
                 acc.counts[k] += int(v.sum())
                 acc.loss_sum[k] += float(hard_ce(logits, t).sum())
+        if progress is not None:
+            progress.update(n, tokens=n)
         if max_tokens and acc.tokens >= max_tokens:
             break
     return acc
@@ -140,7 +146,9 @@ def best_cartesian_of_size(acc: list[list[float]], nodes: int) -> tuple[list[int
     return best
 
 
-def calibrate(cfg: CalibrateConfig) -> CalibrationResult:
+def calibrate(cfg: CalibrateConfig, progress=None) -> CalibrationResult:
+    """``progress``: a :class:`distill.progress.Progress` shown the held-out tokens measured (and a line while the
+    model loads), when given."""
     from transformers import AutoModelForCausalLM
 
     from distill.models import resolve_model
@@ -159,6 +167,8 @@ def calibrate(cfg: CalibrateConfig) -> CalibrationResult:
     resolved = resolve_model(model)
     where = stage_dtype(resolved.path, cfg.device, cfg.dtype, meta.get("teacher_dtype"), what=f"the heads in {heads_dir}")
     eagle = is_eagle3_folder(heads_dir)
+    if progress is not None:
+        progress.stage(f"loading {resolved.name} ({where.device}, {where.dtype})")
     if eagle:  # per draft depth, the drafter unrolled on its own features (teacher-forced tokens)
         from distill.train.eagle import drafter_accuracy
 
@@ -170,10 +180,19 @@ def calibrate(cfg: CalibrateConfig) -> CalibrationResult:
     backbone = AutoModelForCausalLM.from_pretrained(resolved.path, dtype=where.torch_dtype()).to(where.device).eval()
     if backbone.get_output_embeddings().weight.shape[0] != heads.config.vocab_size:
         raise ConfigError(f"the heads have a {heads.config.vocab_size}-token vocabulary but {resolved.name} has another: pass the right --model")
+    if progress is not None:
+        # the tokens ahead: the budget, or at most every input token the manifest counts (a window without a target,
+        # a prompt's start, is never read: the count is settled when the data ends)
+        size = sum(count_tokens(cfg.data)[k] for k in ("prompt_tokens", "generated_tokens"))
+        progress.begin(total=min(cfg.max_tokens, size) if cfg.max_tokens and size else cfg.max_tokens or size or None)
     if eagle:
-        stats = drafter_accuracy(backbone, heads, cfg.data, cfg.max_len, cfg.batch_size, cfg.ranks, cfg.max_tokens, steps=depths)
+        stats = drafter_accuracy(backbone, heads, cfg.data, cfg.max_len, cfg.batch_size, cfg.ranks, cfg.max_tokens, steps=depths,
+                                 progress=progress)
     else:
-        stats = head_accuracy(backbone, heads, cfg.data, cfg.max_len, cfg.batch_size, cfg.ranks, cfg.max_tokens)
+        stats = head_accuracy(backbone, heads, cfg.data, cfg.max_len, cfg.batch_size, cfg.ranks, cfg.max_tokens,
+                              progress=progress)
+    if progress is not None:
+        progress.update(0, total=stats.tokens)  # what was measured is the whole of it
     if min(stats.counts) == 0:
         raise ConfigError(f"{cfg.data} has no generated token {depths + 1} positions ahead: use more held-out data")
     acc = stats.table

@@ -216,8 +216,10 @@ class DrafterAccuracy(HeadAccuracy):
 
 @torch.no_grad()
 def drafter_accuracy(backbone, drafter: EagleDrafter, data: Path | str, max_len: int = 512, batch_size: int = 4, ranks: int = 10,
-                     max_tokens: int = 0, steps: int = 3, chunk: int = 512) -> DrafterAccuracy:
+                     max_tokens: int = 0, steps: int = 3, chunk: int = 512, progress=None) -> DrafterAccuracy:
     """Teacher-forced per-depth accuracy on ``data`` (up to ``max_tokens`` input tokens; 0: all).
+
+    ``progress``: told each batch's tokens (a :class:`distill.progress.Progress`), when given.
 
     Depth j+1 is TTT step j: the drafter runs on its own features with the true tokens, so
     its rank-i hit at t is the chance that depth j+1 drafts token t+j+2 right when the
@@ -234,7 +236,8 @@ def drafter_accuracy(backbone, drafter: EagleDrafter, data: Path | str, max_len:
         ids = batch["input_ids"]
         positions = torch.arange(ids.shape[1], device=device).expand_as(ids)
         outs = unroll(drafter, drafter.fuse(aux.to(dtype)), embeds.to(dtype), positions, step0_keep(batch["attention_mask"]), steps)
-        acc.tokens += int(batch["attention_mask"].sum())
+        n = int(batch["attention_mask"].sum())
+        acc.tokens += n
         for j, out in enumerate(outs):
             tgt, valid = shifted_targets(ids, batch["loss_mask"], j + 2)  # (B, T)
             rows, t_all = out[valid], tgt[valid]  # (N, H), (N,)
@@ -251,6 +254,8 @@ def drafter_accuracy(backbone, drafter: EagleDrafter, data: Path | str, max_len:
                 acc.in_vocab[j] += int(inside.sum())
                 if inside.any():
                     acc.loss_sum[j] += float(hard_ce(logits[inside], d[inside]).sum())
+        if progress is not None:
+            progress.update(n, tokens=n)
         if max_tokens and acc.tokens >= max_tokens:
             break
     return acc

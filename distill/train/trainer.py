@@ -7,7 +7,7 @@ module* built by :func:`build_module`: :class:`HeadsTrainModule` here (Medusa) o
 
 ``forward(batch, step) -> (loss, [TermStats])``  the loss of one micro-batch at optimizer step ``step``
 ``term_names``                                  one name per stats entry (metrics ``{name}_loss``, ...)
-``progress_metric``                             the record key the progress bar shows
+``progress_metric``                             the record key the progress display shows
 ``param_groups() -> [dict]``                    optimizer groups of its trainable parameters
 ``record(step, sums) -> dict``                  its metrics from the summed stats of a step
 ``identity() -> dict``                          what a --resume must find unchanged beyond the config
@@ -50,6 +50,7 @@ import torch
 from torch import nn
 
 from distill.errors import ConfigError
+from distill.progress import Progress
 from distill.heads.model import HEADS_MARKERS, TRAINED_FC_BIAS, HeadsConfig, MedusaHeads, portable_meta
 from distill.store.atomic import StagedFiles, atomic_write_bytes
 from distill.train import checkpoint as ckpt
@@ -315,19 +316,16 @@ class _Dealer:
 
 
 class _Log:
-    """Where a step's record goes on the main process: metrics.jsonl, tensorboard (if installed), the progress bar."""
+    """Where a step's record goes on the main process: metrics.jsonl, tensorboard (if installed), the progress display."""
 
-    def __init__(self, out: Path, main: bool, bar_total: int | None, step: int, desc: str):
+    def __init__(self, out: Path, main: bool, progress: Progress):
         self.path = out / METRICS_FILE
         self.main = main
         self.writer = _tensorboard(out) if main else None
-        self.bar = None
-        if bar_total is not None and main:
-            from tqdm.auto import tqdm
+        self.progress = progress
 
-            self.bar = tqdm(total=bar_total, initial=step, desc=desc, unit="step", dynamic_ncols=True)
-
-    def record(self, record: dict, write: bool, postfix: dict) -> None:
+    def record(self, record: dict, write: bool, tokens: int, shown: dict) -> None:
+        """``tokens``: this step's, all processes; ``shown``: the fields the progress display carries beside the count."""
         if self.main and write:
             with open(self.path, "a") as f:  # one line per logged step, on disk before the next step starts
                 f.write(json.dumps(record) + "\n")
@@ -337,13 +335,10 @@ class _Log:
                 for key, v in record.items():
                     if isinstance(v, (int, float)) and key != "step":
                         self.writer.add_scalar(key, v, record["step"])
-        if self.bar is not None:
-            self.bar.update(1)
-            self.bar.set_postfix(**postfix)
+        self.progress.update(1, tokens=tokens, fields=shown)
 
     def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
+        self.progress.close()
         if self.writer is not None:
             self.writer.close()
 
@@ -381,6 +376,10 @@ class Trainer:
         random.seed(cfg.seed)
         np.random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
+        # the main process shows progress (under `accelerate launch` RANK says which one that is, before the accelerator)
+        progress = Progress("train-heads", "steps", quiet=not self.progress or int(os.environ.get("RANK", "0")) != 0)
+        progress.stage(f"loading {resolved.name} ({where.dtype}) to train {cfg.mode if cfg.arch == 'medusa' else cfg.arch} "
+                       f"on {data}")
         run = self._setup(resolved.path, ds_meta, where.dtype == "bfloat16")
         acc = run.accelerator
         step, epoch, batches = self._resume(run, resume_from) if resume_from is not None else (0, 0, 0)
@@ -388,20 +387,22 @@ class Trainer:
             (out / METRICS_FILE).unlink(missing_ok=True)
 
         dealer = _Dealer(cfg, acc.num_processes, acc.process_index, epoch, batches)
-        log = _Log(out, acc.is_main_process, run.total if self.progress else None, step,
-                   f"train-heads {cfg.mode if cfg.arch == 'medusa' else cfg.arch}")
+        log = _Log(out, acc.is_main_process, progress)
         t0, tokens_run, last = time.monotonic(), 0, {}
         stop_at = min(run.total, step + cfg.stop_after) if cfg.stop_after else run.total
-        while step < stop_at:
-            step_loss, step_tokens, sums = self._step(run, dealer, step)
-            step += 1
-            tokens_run += step_tokens * acc.num_processes
-            last = {**_record(step, step_loss, run.optimizer, tokens_run, time.monotonic() - t0), **run.core.record(step - 1, sums)}
-            log.record(last, write=step % cfg.log_every == 0 or step == stop_at,
-                       postfix={"loss": f"{step_loss:.3f}", "top1": f"{last.get(run.core.progress_metric, 0):.3f}"})
-            if (cfg.save_every and step % cfg.save_every == 0) or step == stop_at:
-                self._checkpoint(run, step, dealer)
-        log.close()
+        progress.begin(total=run.total, done=step)  # rates from the first step: loading the model is no part of them
+        try:
+            while step < stop_at:
+                step_loss, step_tokens, sums = self._step(run, dealer, step)
+                step += 1
+                tokens_run += step_tokens * acc.num_processes
+                last = {**_record(step, step_loss, run.optimizer, tokens_run, time.monotonic() - t0), **run.core.record(step - 1, sums)}
+                log.record(last, write=step % cfg.log_every == 0 or step == stop_at, tokens=step_tokens * acc.num_processes,
+                           shown={"loss": f"{step_loss:.3f}", "top-1": f"{last.get(run.core.progress_metric, 0):.3f}"})
+                if (cfg.save_every and step % cfg.save_every == 0) or step == stop_at:
+                    self._checkpoint(run, step, dealer)
+        finally:  # the bar ends (off a terminal, the last line) also when a step fails
+            log.close()
         seconds = time.monotonic() - t0
         summary = TrainSummary(out=str(out), steps=step, tokens=tokens_run, seconds=seconds,
                                tokens_per_s=tokens_run / seconds if seconds > 0 else 0.0,
