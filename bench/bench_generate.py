@@ -44,7 +44,7 @@ def first_turn_requests(n: int, max_new_tokens: int, topk: int, temperature: flo
 
     from distill.generate import GenerateConfig
     from distill.generate.runner import ConversationState, _request_seed
-    from distill.generate.templating import ChatFormat
+    from distill.templating import ChatFormat
     from distill.seeds import load_seed
 
     fmt = ChatFormat(tokenizer, stop_ids)

@@ -698,7 +698,7 @@ def serve(
     print_command: Annotated[bool, typer.Option("--print-command", help="--engine vllm: print the vLLM server command and the "
                                                 "environment distill adds (JSON), and exit.")] = False,
 ) -> None:
-    """Serve the model (with Medusa heads or an EAGLE-3 drafter) over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions).
+    """Serve the model (with Medusa heads, an EAGLE-3 drafter or the lookup proposer) over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions).
 
     With --engine vllm, everything after a literal `--` goes to vLLM's server unchanged
     (e.g. `-- --tensor-parallel-size 2 --gpu-memory-utilization 0.85`); an option before it

@@ -87,7 +87,7 @@ def turn_row_id(conv_id: str, turn: int) -> str:
     """The id of the row that continues conversation ``conv_id`` from its assistant turn ``turn`` (0-based).
 
     A conversation is one row while its chat template extends the token stream turn by
-    turn; when the template re-renders the history (``distill.generate.templating``), each
+    turn; when the template re-renders the history (``distill.templating``), each
     later part is a row of its own, ``<conversation id>#t<turn>``; the first part keeps the
     conversation's id.
     """

@@ -42,3 +42,18 @@ class TemplateError(DistillError, ValueError):
 
 class PushError(DistillError, RuntimeError):
     """A dataset that cannot be pushed to the Hub (invalid data, no token, a refused upload)."""
+
+
+def check_choice(option: str, value, choices, *, repr_value: bool = False, listed=None, note: str = "",
+                 error: type[Exception] = ConfigError) -> None:
+    """Raise ``error`` unless ``value`` is one of ``choices``, naming ``option`` and the choices in the message.
+
+    The message is ``{option} must be one of a, b, c{note}; got 'value'``: the value in quotes as typed, or
+    its ``repr`` with ``repr_value`` (for values that need not be strings). ``listed`` names the choices
+    the message shows when the caller accepts more than this check does (another path handles the rest).
+    """
+    if value in choices:
+        return
+    shown = ", ".join(map(str, choices if listed is None else listed))
+    got = repr(value) if repr_value else f"'{value}'"
+    raise error(f"{option} must be one of {shown}{note}; got {got}")

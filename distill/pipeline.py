@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from distill.configs import check_types, config_from_options, parse_value, read_yaml_mapping
-from distill.errors import ConfigError, StoreError
+from distill.errors import ConfigError, StoreError, check_choice
 from distill.store.atomic import atomic_write_json
 
 #: bench's ``lookup``: off, the lookup proposer on each prompt's context (true / "context"), or with the run's
@@ -97,9 +97,8 @@ class PipelineConfig:
             clash = sorted(owned & set(getattr(self, stage)))
             if clash:
                 raise ConfigError(f"pipeline section '{stage}' sets {', '.join(clash)}: the pipeline sets those itself under 'run: out'")
-        if self.bench.get("lookup", False) not in LOOKUP_CHOICES:
-            raise ConfigError(f"bench: lookup must be one of {', '.join(map(str, LOOKUP_CHOICES))} (data: the lookup "
-                              f"proposer with the run's training split as its datastore); got {self.bench['lookup']!r}")
+        check_choice("bench: lookup", self.bench.get("lookup", False), LOOKUP_CHOICES, repr_value=True,
+                     note=" (data: the lookup proposer with the run's training split as its datastore)")
 
     @classmethod
     def from_yaml(cls, path: Path, overrides: dict | None = None, sets: Sequence[str] = ()) -> "PipelineConfig":
@@ -143,8 +142,7 @@ class SplitOptions:
 
         if not 0 < self.eval_fraction < 1:
             raise ConfigError(f"split: eval_fraction must be in (0, 1); got {self.eval_fraction}")
-        if self.by not in SPLIT_KEYS:
-            raise ConfigError(f"split: by must be one of {', '.join(SPLIT_KEYS)}; got '{self.by}'")
+        check_choice("split: by", self.by, SPLIT_KEYS)
 
 
 @dataclass

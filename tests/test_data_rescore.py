@@ -9,20 +9,18 @@ import pytest
 
 from conftest import run_distill
 from distill.data.rescore import rescore
+from helpers import tiny_llama
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory, model_dir):
     """A random 2-layer Llama with the bundled tokenizer and chat template (cheap even where bf16 is emulated)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     out = tmp_path_factory.mktemp("tiny-model")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      vocab_size=49152, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, pad_token_id=2,
-                      tie_word_embeddings=True)
-    model = LlamaForCausalLM(cfg)
+    model = tiny_llama(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, vocab=49152, positions=1024, tied=True,
+                       bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    cfg = model.config
     with torch.no_grad():  # peaked enough that bf16 rounding moves logprobs by ~0.01 nats and reorders the tail
         model.get_input_embeddings().weight.mul_(8)
         model.get_input_embeddings().weight[cfg.eos_token_id] = 0  # (tied LM head) never ends a reply: no empty messages

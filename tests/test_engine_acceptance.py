@@ -10,10 +10,11 @@ from distill.engine.acceptance import (
     rejection_accept,
     typical_accept,
     typical_threshold,
-    warp,
 )
 from distill.engine.policy import AdaptivePolicy, candidate_sizes, choose_tree_size, taus_for
 from distill.engine.tree import build_buffers, default_accuracy, resolve_tree
+from distill.sampling import warp
+from helpers import chi2_sf
 
 # root=0, (0,)=1, (1,)=2, (0,0)=3, (0,1)=4, (1,0)=5, (0,0,0)=6
 HAND = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
@@ -99,11 +100,6 @@ def test_warp_temperature_and_top_p():
     p = warp(logits, torch.tensor([2.0]), torch.tensor([1.0]))
     q = torch.tensor([0.5, 0.3, 0.15, 0.05]).sqrt()
     assert torch.allclose(p[0, 0], q / q.sum())
-
-
-def chi2_sf(stat: float, dof: int) -> float:
-    """Survival function of the chi-square distribution: Q(dof/2, stat/2)."""
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
 
 
 def test_chi2_sf_matches_known_quantiles():

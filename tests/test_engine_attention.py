@@ -5,15 +5,11 @@ from __future__ import annotations
 import torch
 
 from distill.engine.attention import NAME, use_gqa_sdpa
+from helpers import tiny_llama
 
 
 def tiny_gqa(attn: str = "sdpa"):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=64)
-    model = LlamaForCausalLM(cfg).eval()
+    model = tiny_llama(vocab=64, hidden=32, intermediate=64, layers=2, heads=4, kv_heads=2, positions=64)
     model.set_attn_implementation(attn)
     return model
 

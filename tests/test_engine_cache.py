@@ -7,6 +7,7 @@ import torch
 
 from distill.engine import cache as kv
 from distill.errors import ModelError
+from helpers import tiny_llama_config, tiny_sizes
 
 CPU = torch.device("cpu")
 
@@ -111,12 +112,11 @@ def test_rows_leave_to_the_front_and_rows_join_with_growth():
 
 
 def test_kv_shape_probe_reads_the_models_layers_and_refuses_sliding_windows():
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+    from transformers import LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
-    small = dict(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=64)
-    s = kv.KVShape.of(LlamaForCausalLM(LlamaConfig(**small)).eval())
+    small = dict(vocab=16, hidden=16, intermediate=32, layers=2, heads=4, kv_heads=2, positions=64)
+    s = kv.KVShape.of(LlamaForCausalLM(tiny_llama_config(**small)).eval())
     assert (s.layers, s.heads, s.key_dim, s.value_dim) == (2, 2, 4, 4)
     assert s.slot_bytes == 2 * 2 * (4 + 4) * 4
     with pytest.raises(ModelError, match="full-attention"):
-        kv.KVShape.of(MistralForCausalLM(MistralConfig(**small, sliding_window=8)).eval())
+        kv.KVShape.of(MistralForCausalLM(MistralConfig(**tiny_sizes(**small), sliding_window=8)).eval())

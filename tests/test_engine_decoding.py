@@ -10,7 +10,7 @@ from conftest import mt_bench_prompts
 from distill.engine import Engine, EngineConfig, GenerationResult, SamplingParams, StepStats
 from distill.engine.policy import DEFAULT_COST_RATIO, choose_tree_size
 from distill.errors import ConfigError
-from distill.heads import HeadsConfig, MedusaHeads
+from helpers import make_heads
 
 NEW_TOKENS = 24
 QUESTIONS = 4
@@ -22,19 +22,6 @@ def prompts(tokenizer) -> list[list[int]]:
     out = mt_bench_prompts(tokenizer, QUESTIONS)
     assert len({len(p) for p in out}) > 1  # different lengths: left padding is exercised
     return out
-
-
-def make_heads(model, random_w1: bool, seed: int = 0, num_heads: int = 4, scale: float = 0.05) -> MedusaHeads:
-    """Heads initialised from the LM head; random_w1 adds random residual weights (std ``scale``) so heads disagree with it."""
-    lm = model.get_output_embeddings().weight.detach()
-    heads = MedusaHeads(HeadsConfig(lm.shape[1], lm.shape[0], num_heads=num_heads), lm_head_weight=lm)
-    if random_w1:
-        g = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for block in heads.blocks:
-                for layer in block.layers:
-                    layer.weight.copy_(torch.randn(layer.weight.shape, generator=g) * scale)
-    return heads.eval()
 
 
 @pytest.fixture(scope="module")

@@ -15,15 +15,15 @@ import torch
 
 from conftest import MT_QUESTIONS, MT_TOKENS
 from distill.engine import Engine, EngineConfig, SamplingParams
-from distill.engine.acceptance import greedy_accept, rejection_accept, typical_accept, warp
+from distill.engine.acceptance import greedy_accept, rejection_accept, typical_accept
+from distill.sampling import warp
 from distill.engine.cache import step_allowed
 from distill.engine import eagle as eagle_module
 from distill.engine.eagle import Eagle
 from distill.engine.tree import build_buffers, row_buffers
 from distill.errors import ConfigError
-from distill.heads.eagle import DrafterConfig, EagleDrafter, default_aux_layers
-from distill.heads.vocab import DraftVocab
-from test_engine_sampling import ALPHA, CONT, SAMPLES, chi2_pvalue, exact_distribution
+from helpers import (ALPHA, CONT, SAMPLES, bundled_drafter, chi2_pvalue, chi2_sf, exact_distribution, generate_watching_drafts,
+                     joining_rows_decode_as_plain, tiny_eagle)
 
 HAND = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]  # root=0, (0,)=1, (1,)=2, (0,0)=3, (0,1)=4, (1,0)=5, (0,0,0)=6
 V = 8
@@ -86,29 +86,9 @@ def test_step_mask_with_per_row_trees():
 
 
 # -- a tiny random target and drafter ------------------------------------------------------------------
-def build_tiny():
-    """A 3-layer random Llama (hidden 32, vocabulary 8) and a random EAGLE-3 drafter fusing its layers 0, 1, 2."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
-                      num_key_value_heads=1, max_position_embeddings=256, initializer_range=0.25, tie_word_embeddings=False,
-                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    model = LlamaForCausalLM(cfg).eval()
-    model.generation_config.eos_token_id = None
-    vocab = DraftVocab.full(V)
-    drafter = EagleDrafter(DrafterConfig.for_target(cfg.to_dict(), [0, 1, 2], V), vocab)
-    drafter.init_from_target(model.lm_head.weight.detach(), model.model.norm.weight.detach())
-    with torch.no_grad():  # a drafter that is partly right: the lens plus random residual branches
-        drafter.midlayer.self_attn.o_proj.weight.normal_(0, 0.05)
-        drafter.midlayer.mlp.down_proj.weight.normal_(0, 0.05)
-        drafter.norm.weight.mul_(5.0)
-    return model, drafter.eval()
-
-
 @pytest.fixture(scope="module")
 def tiny():
-    return build_tiny()
+    return tiny_eagle()
 
 
 def tiny_engine(tiny, acceptance="greedy", **tree) -> Engine:
@@ -167,42 +147,6 @@ def test_tiny_greedy_eagle_equals_plain_greedy_batched_and_joining(tiny):
     joining_rows_decode_as_plain(engine, prompts, plain)
 
 
-def joining_rows_decode_as_plain(engine, prompts, plain) -> None:
-    """Continuous batching: rows join a running batch three at a time and leave as they finish (the draft state moves
-    with them); each row's tokens equal its plain greedy ones."""
-    run = engine.running_batch()
-    done = {}
-    for k in range(0, len(prompts), 3):
-        done.update(run.add(prompts[k : k + 3], [SamplingParams(max_tokens=8 + 2 * k)] * len(prompts[k : k + 3]),
-                            list(range(k, min(k + 3, len(prompts))))))
-        for _ in range(2):
-            done.update(run.step())
-    while len(run):
-        done.update(run.step())
-    for k, p in enumerate(prompts):
-        assert done[k].token_ids == plain[k][: 8 + 2 * (k - k % 3)]
-
-
-def generate_watching_drafts(engine: Engine, eagle: Eagle, prompts, params):
-    """Generate, keeping each tree ``eagle`` drafts with its root's draft log-probabilities, and counting the drafter's
-    passes: (token ids per prompt, [(tree tokens, logp)], passes, stats)."""
-    drafts, passes = [], []
-
-    def spy(state, *args, **kwargs):
-        out = Eagle.propose(eagle, state, *args, **kwargs)  # catches up on the deferred steps first
-        drafts.append((out.tokens.clone(), state.logp.clone()))
-        return out
-
-    eagle.propose = spy
-    hook = eagle.drafter.register_forward_hook(lambda *a: passes.append(1))
-    try:
-        results, stats = engine.generate(prompts, params)
-    finally:
-        hook.remove()
-        del eagle.propose
-    return [r.token_ids for r in results], drafts, len(passes), stats
-
-
 @pytest.mark.usefixtures("one_torch_thread")
 def test_plain_steps_defer_the_drafters_catch_up_and_the_drafts_stay_the_same(tiny, monkeypatch):
     g = torch.Generator().manual_seed(5)
@@ -231,8 +175,6 @@ def test_multi_round_speculative_sampling_with_iid_drafts_emits_the_target_distr
     accepted child ~ that child's p; chi-square at the 0.1% level. Point-mass treatment of the same
     drafts is biased here (q is not a deterministic choice), which the same test catches.
     """
-    from test_engine_acceptance import chi2_sf
-
     g = torch.Generator().manual_seed(0)
     n = 200_000
     tree = build_buffers([(0,), (1,), (2,), (0, 0)])  # positions: root 0, children 1-3, grandchild 4 under 1
@@ -301,17 +243,6 @@ def test_eagle_settings_are_checked(tiny):
 
 
 # -- the bundled model on MT-Bench ---------------------------------------------------------------------
-def bundled_drafter(model, kind: str) -> EagleDrafter:
-    """``fresh``: init_from_target (the logit lens); ``random``: Llama-initialised weights (a wrong drafter)."""
-    conf = model.config.to_dict()
-    torch.manual_seed(1)
-    vocab = DraftVocab.from_target_ids(range(0, model.config.vocab_size, 2), model.config.vocab_size)
-    d = EagleDrafter(DrafterConfig.for_target(conf, default_aux_layers(model.config.num_hidden_layers), vocab.size), vocab)
-    if kind == "fresh":
-        d.init_from_target(model.get_output_embeddings().weight.detach(), model.model.norm.weight.detach())
-    return d.eval()
-
-
 @pytest.mark.parametrize("kind", ["fresh", "random"])
 def test_greedy_eagle_equals_plain_greedy_on_mt_bench(hf_model, tokenizer, mt_prompts, mt_plain, kind):
     engine = Engine(hf_model, tokenizer, bundled_drafter(hf_model, kind),

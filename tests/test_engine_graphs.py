@@ -3,7 +3,7 @@
 On a CPU the bucket logic runs without capturing (``Graphs(capture=False)``: the same calls with the same
 static windows, run eagerly); the CUDA tests record and replay real graphs and are
 skipped where torch sees no GPU (they ran on an H200 through the device tool, BENCHMARKS.md).
-Models: the tiny random Llamas (vocabulary 8) of the Medusa and EAGLE engine tests, with their heads.
+Models: the tiny random Llamas (vocabulary 8) of the Medusa and EAGLE engine tests (tests/helpers.py), with their heads.
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ from distill.engine import Engine, EngineConfig, SamplingParams
 from distill.engine import cache as kv
 from distill.engine.graphs import Graphs
 from distill.errors import ConfigError
-from test_engine_eagle import build_tiny as build_eagle
-from test_engine_sampling import build_tiny as build_medusa
+from helpers import tiny_eagle, tiny_medusa
 
 PROMPTS = [[1, 5, 2], [3, 3, 7, 0, 1, 4], [6], [2, 4, 6, 1, 3, 5, 7, 0, 2], [5, 5]]
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
@@ -24,8 +23,8 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs nee
 
 def engines(device: str, graphs: bool | None):
     """(name, engine): Medusa and EAGLE engines of the tiny models on ``device`` (plain decoding: speculative=False)."""
-    medusa_model, heads = build_medusa()
-    eagle_model, drafter = build_eagle()
+    medusa_model, heads = tiny_medusa()
+    eagle_model, drafter = tiny_eagle()
     common = dict(max_batch=len(PROMPTS), speculate_max_batch=len(PROMPTS), acceptance="greedy", cuda_graphs=graphs)
     return [
         ("medusa", Engine(medusa_model.to(device), None, heads.to(device), EngineConfig(tree="2,2,2", **common))),

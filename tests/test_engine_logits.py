@@ -14,8 +14,7 @@ import torch
 
 from distill.engine import Engine, EngineConfig, SamplingParams
 from distill.engine.lookup import Lookup
-from test_engine_decoding import make_heads
-from test_engine_sampling import ALPHA, CONT, SAMPLES, VOCAB, build_tiny, chi2_pvalue, engine_for
+from helpers import ALPHA, CONT, SAMPLES, VOCAB, chi2_pvalue, make_heads, tiny_medusa, tiny_medusa_engine
 
 OPTIONS = dict(temperature=0.9, top_k=5, min_p=0.05, repetition_penalty=1.8, frequency_penalty=0.4, presence_penalty=0.3,
                logit_bias={3: 1.5}, min_tokens=0)
@@ -54,10 +53,10 @@ def exact_with_options(model, prompt: list[int], o: dict) -> torch.Tensor:
 
 @pytest.mark.usefixtures("one_torch_thread")
 def test_penalties_top_k_min_p_and_bias_under_rejection_sampling_are_lossless():
-    tiny = build_tiny()
+    tiny = tiny_medusa()
     prompt = [1, 5, 2, 5]
     exact = exact_with_options(tiny[0], prompt, OPTIONS)
-    engine = engine_for(tiny, "rejection")
+    engine = tiny_medusa_engine(tiny, "rejection")
     for speculative, seed0 in ((True, 0), (False, 10**6)):
         params = [SamplingParams(max_tokens=CONT, seed=seed0 + i, **OPTIONS) for i in range(SAMPLES)]
         results, _ = engine.generate([prompt] * SAMPLES, params, speculative=speculative)

@@ -16,7 +16,7 @@ from conftest import MT_QUESTIONS, MT_TOKENS, run_distill
 from distill.engine import Engine, EngineConfig, SamplingParams
 from distill.engine.lookup import Lookup, LookupState, _Context
 from distill.errors import ConfigError
-from test_engine_sampling import ALPHA, CONT, SAMPLES, build_tiny, chi2_pvalue, exact_distribution
+from helpers import ALPHA, CONT, SAMPLES, chi2_pvalue, exact_distribution, tiny_medusa
 
 
 # -- the tree (pure) ----------------------------------------------------------------------------------
@@ -51,7 +51,7 @@ def test_rows_without_a_match_are_padded_with_distinct_root_children_and_the_sta
 # -- decoding ----------------------------------------------------------------------------------------
 @pytest.mark.usefixtures("one_torch_thread")
 def test_lookup_rejection_sampling_is_lossless(temperature=0.7, top_p=0.9):  # the rules themselves: test_engine_sampling
-    model, _ = build_tiny()
+    model, _ = tiny_medusa()
     prompt = [1, 5, 2, 1, 5, 2, 1, 5]
     exact = exact_distribution(model, prompt, temperature, top_p)
     params = [SamplingParams(max_tokens=CONT, temperature=temperature, top_p=top_p, seed=i) for i in range(SAMPLES)]

@@ -10,7 +10,7 @@ from torch import nn
 from distill.engine import Engine, EngineConfig, norms
 from distill.engine.norms import prepare_norms, restore_norms
 from distill.engine.weights import vllm_kernels
-from test_engine_weights import tiny_llama
+from helpers import tiny_llama
 
 needs_vllm = pytest.mark.skipif(vllm_kernels() != "", reason=f"vLLM's CPU kernels unavailable: {vllm_kernels()}")
 

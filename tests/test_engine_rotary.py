@@ -10,7 +10,7 @@ from transformers.models.llama import modeling_llama
 from distill.engine import Engine, EngineConfig, SamplingParams, rotary
 from distill.engine.rotary import prepare_rotary, restore_rotary, rotary_kernel
 from distill.engine.weights import prepare_linears, vllm_kernels
-from test_engine_weights import tiny_llama
+from helpers import tiny_llama
 
 needs_vllm = pytest.mark.skipif(vllm_kernels() != "", reason=f"vLLM's CPU kernels unavailable: {vllm_kernels()}")
 

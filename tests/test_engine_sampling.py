@@ -1,4 +1,4 @@
-"""Sampling with a tiny random model built here (vocabulary 8): rejection is lossless, typical accepts more.
+"""Sampling with the tiny random model of tests/helpers.py (vocabulary 8): rejection is lossless, typical accepts more.
 
 Losslessness: 6,000 three-token continuations of one prompt, drawn with Medusa + tree rejection
 sampling and with plain sampling, are compared with the exact continuation distribution
@@ -14,14 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distill.engine import Engine, EngineConfig, SamplingParams
-from distill.engine.acceptance import warp
-from distill.heads import HeadsConfig, MedusaHeads
-
-VOCAB = 8
-ALPHA = 1e-3
-SAMPLES = 6000
-CONT = 3
+from distill.engine import Engine, SamplingParams
+from helpers import ALPHA, CONT, SAMPLES, VOCAB, chi2_pvalue, exact_distribution, tiny_medusa, tiny_medusa_engine
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -29,60 +23,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def tiny():
-    return build_tiny()
-
-
-def build_tiny():
-    """A 1-layer random Llama (hidden 32, vocabulary 8) and 3 random heads (LM-head init + random residuals)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                      num_key_value_heads=1, max_position_embeddings=128, initializer_range=0.25, tie_word_embeddings=False,
-                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    model = LlamaForCausalLM(cfg).eval()
-    model.generation_config.eos_token_id = None
-    heads = MedusaHeads(HeadsConfig(32, VOCAB, num_heads=3), lm_head_weight=model.lm_head.weight.detach())
-    with torch.no_grad():
-        for block in heads.blocks:
-            for layer in block.layers:
-                layer.weight.normal_(0, 0.3)
-    return model, heads.eval()
-
-
-def engine_for(tiny, acceptance: str, tree: str = "2,2,2") -> Engine:
-    model, heads = tiny
-    cfg = EngineConfig(acceptance=acceptance, tree=tree, max_batch=SAMPLES, speculate_max_batch=SAMPLES)
-    return Engine(model, None, heads, cfg, model_name="tiny")
-
-
-def exact_distribution(model, prompt: list[int], temperature: float, top_p: float) -> torch.Tensor:
-    """P(x1 x2 x3 | prompt) for all VOCAB^3 continuations, flattened in lexicographic order: (VOCAB^3,)."""
-    probs = torch.ones(1)
-    prefixes: list[tuple[int, ...]] = [()]
-    with torch.inference_mode():
-        for _ in range(CONT):
-            ids = torch.tensor([prompt + list(p) for p in prefixes])
-            logits = model(ids).logits[:, -1:]  # (N, 1, V)
-            n = len(prefixes)
-            p = warp(logits, torch.full((n,), temperature), torch.full((n,), top_p))[:, 0]  # (N, V)
-            probs = (probs[:, None] * p).reshape(-1)
-            prefixes = [q + (x,) for q in prefixes for x in range(VOCAB)]
-    return probs.double()
-
-
-def chi2_pvalue(samples: list[list[int]], exact: torch.Tensor) -> float:
-    """Chi-square goodness of fit of continuations to ``exact``, bins with expected < 5 pooled."""
-    codes = torch.tensor([sum(t * VOCAB ** (CONT - 1 - i) for i, t in enumerate(s)) for s in samples])
-    counts = torch.bincount(codes, minlength=VOCAB**CONT).double()
-    expected = exact * len(samples)
-    big = expected >= 5
-    obs = torch.cat([counts[big], counts[~big].sum()[None]])
-    exp = torch.cat([expected[big], expected[~big].sum()[None]])
-    keep = exp > 0
-    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
-    dof = int(keep.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+    return tiny_medusa()
 
 
 def draw(engine: Engine, prompt: list[int], temperature: float, top_p: float, speculative: bool, seed0: int):
@@ -96,13 +37,13 @@ def draw(engine: Engine, prompt: list[int], temperature: float, top_p: float, sp
 def test_rejection_sampling_is_lossless(tiny, temperature, top_p):
     prompt = [1, 5, 2]
     exact = exact_distribution(tiny[0], prompt, temperature, top_p)
-    medusa, results = draw(engine_for(tiny, "rejection"), prompt, temperature, top_p, True, seed0=0)
+    medusa, results = draw(tiny_medusa_engine(tiny, "rejection"), prompt, temperature, top_p, True, seed0=0)
     assert max(a for r in results for a in r.accepted) >= 2  # the tree did accept candidates
     assert chi2_pvalue(medusa, exact) > ALPHA
-    plain, _ = draw(engine_for(tiny, "rejection"), prompt, temperature, top_p, False, seed0=10**6)
+    plain, _ = draw(tiny_medusa_engine(tiny, "rejection"), prompt, temperature, top_p, False, seed0=10**6)
     assert chi2_pvalue(plain, exact) > ALPHA
     # the test can fail: typical acceptance is not lossless and is caught on the same prompt
-    typical, _ = draw(engine_for(tiny, "typical"), prompt, temperature, top_p, True, seed0=0)
+    typical, _ = draw(tiny_medusa_engine(tiny, "typical"), prompt, temperature, top_p, True, seed0=0)
     assert chi2_pvalue(typical, exact) < ALPHA
 
 
@@ -110,7 +51,7 @@ def test_typical_accepts_at_least_as_much_as_rejection(tiny):
     prompts = [[1, 5, 2], [3, 3, 7, 0, 1], [6], [2, 4, 6, 1, 0, 7, 3]]
     means = {}
     for mode in ("typical", "rejection"):
-        engine = engine_for(tiny, mode, tree="3,2,2")
+        engine = tiny_medusa_engine(tiny, mode, tree="3,2,2")
         params = [SamplingParams(max_tokens=24, temperature=1.0, seed=i) for i in range(len(prompts))]
         results, _ = engine.generate(prompts, params)
         means[mode] = sum(sum(r.accepted) for r in results) / sum(len(r.accepted) for r in results)
@@ -119,9 +60,9 @@ def test_typical_accepts_at_least_as_much_as_rejection(tiny):
 
 def test_temperature_zero_requests_decode_greedily_in_every_mode(tiny):
     prompts = [[1, 5, 2], [3, 3, 7, 0, 1]]
-    greedy, _ = engine_for(tiny, "greedy").generate(prompts, [SamplingParams(max_tokens=16)] * 2, speculative=False)
+    greedy, _ = tiny_medusa_engine(tiny, "greedy").generate(prompts, [SamplingParams(max_tokens=16)] * 2, speculative=False)
     for mode in ("typical", "rejection"):
-        out, _ = engine_for(tiny, mode).generate(prompts, [SamplingParams(max_tokens=16, temperature=0.0)] * 2)
+        out, _ = tiny_medusa_engine(tiny, mode).generate(prompts, [SamplingParams(max_tokens=16, temperature=0.0)] * 2)
         assert [r.token_ids for r in out] == [r.token_ids for r in greedy]
 
 
@@ -129,7 +70,7 @@ def test_tiny_batched_greedy_equals_batch_one(tiny):
     """Many acceptance-length patterns per step (a small vocabulary makes candidates often right)."""
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (1, 4, 9, 2, 6, 3, 12, 5)]
-    engine = engine_for(tiny, "greedy", tree="3,2,2")
+    engine = tiny_medusa_engine(tiny, "greedy", tree="3,2,2")
     engine.config.max_batch = 8
     sp = SamplingParams(max_tokens=20)
     batched, _ = engine.generate(prompts, [sp] * len(prompts))
@@ -145,7 +86,7 @@ def test_tiny_batched_greedy_equals_batch_one(tiny):
 def test_mixed_batch_of_greedy_and_sampled_requests(tiny):
     """Mixed batch: greedy and sampled requests side by side keep their own semantics."""
     prompts = [[1, 5, 2], [1, 5, 2]]
-    engine = engine_for(tiny, "rejection")
+    engine = tiny_medusa_engine(tiny, "rejection")
     greedy, _ = engine.generate([prompts[0]], [SamplingParams(max_tokens=8)])
     mixed, _ = engine.generate(prompts, [SamplingParams(max_tokens=8), SamplingParams(max_tokens=8, temperature=1.0, seed=7)])
     again, _ = engine.generate([prompts[1]], [SamplingParams(max_tokens=8, temperature=1.0, seed=7)])

@@ -1,7 +1,7 @@
 """The lookup proposer's trees merged with an EAGLE drafter's (distill.engine.union): the merge, greedy == plain greedy,
 lossless rejection sampling, and the engine's and CLI's plumbing.
 
-The decoding tests run the tiny random Llama of tests/test_engine_eagle.py (vocabulary 8, where both proposers' drafts
+The decoding tests run the tiny random Llama of the EAGLE engine tests (tests/helpers.py: vocabulary 8, where both proposers' drafts
 are often right) and the bundled SmolLM2 on real MT-Bench first turns with an untrained drafter.
 """
 
@@ -19,8 +19,8 @@ from distill.engine.lookup import Lookup
 from distill.engine.proposer import host_proposal
 from distill.engine.union import REALLOCATE_EVERY, Union, allocate, merge, paths, union_tau
 from distill.errors import ConfigError
-from test_engine_eagle import build_tiny, bundled_drafter, generate_watching_drafts, joining_rows_decode_as_plain
-from test_engine_sampling import ALPHA, CONT, SAMPLES, chi2_pvalue, exact_distribution
+from helpers import (ALPHA, CONT, SAMPLES, bundled_drafter, chi2_pvalue, exact_distribution, generate_watching_drafts,
+                     joining_rows_decode_as_plain, make_heads, tiny_eagle)
 
 
 def test_the_union_s_expected_tokens_model_independent_geometric_parts():
@@ -72,7 +72,7 @@ def test_the_merged_tree_keeps_every_part_s_paths_once_parents_first():
 
 @pytest.fixture(scope="module")
 def tiny():
-    return build_tiny()
+    return tiny_eagle()
 
 
 def tiny_union(tiny, acceptance="greedy", lookup_nodes=4) -> Engine:
@@ -254,8 +254,6 @@ def test_bench_cli_runs_a_trained_drafter_with_the_lookup_merged_in(tmp_path_fac
 
 
 def test_greedy_union_with_medusa_heads_equals_plain_greedy_on_mt_bench(hf_model, tokenizer, mt_prompts, mt_plain):
-    from test_engine_decoding import make_heads
-
     heads = make_heads(hf_model, random_w1=True, seed=3)
     engine = Engine(hf_model, tokenizer, heads, EngineConfig(tree="sparse-8", speculate_max_batch=8), lookup=Lookup(max_nodes=8))
     assert engine.proposer.name == "lookup+medusa" and engine.heads is heads and len(engine.tree.paths) == 8

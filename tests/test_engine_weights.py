@@ -14,17 +14,9 @@ from torch import nn
 from distill.engine import weights
 from distill.engine.weights import (ONEDNN, PACK_ROWS, PACKED, PAD_ROWS, PADDED, VLLM, WEIGHT, DualLinear, VllmMatmul,
                                     is_output_major, prepare_linears, probe_keys, vllm_kernels, wants_output_major)
+from helpers import tiny_llama
 
 needs_vllm = pytest.mark.skipif(vllm_kernels() != "", reason=f"vLLM's CPU matmul unavailable: {vllm_kernels()}")
-
-
-def tiny_llama(tied: bool):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tied)
-    return LlamaForCausalLM(cfg).eval()
 
 
 def test_the_layout_rule_picks_wide_float32_cpu_weights():

@@ -24,7 +24,7 @@ from distill.data.stats import compute_stats
 from distill.data.validate import validate_dataset
 from distill.errors import ConfigError, StoreError
 from distill.generate import GenerateConfig, Generator
-from distill.generate.templating import strip_reasoning
+from distill.templating import strip_reasoning
 from distill.store import iter_rows, load_manifest
 
 # The shape of Qwen3's template (tools left out): a reply's think block is kept after the last user message and

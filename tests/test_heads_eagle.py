@@ -13,6 +13,7 @@ import torch
 
 from conftest import REPO, run_distill
 from distill.errors import ConfigError
+from helpers import tiny_llama_config
 
 
 def _generate_with_drafter(model_dir, drafter_dir, k: int, prompt: str) -> dict:
@@ -76,11 +77,9 @@ def test_export_refuses_the_other_architectures_format(tmp_path):
     from distill.heads.export import export_heads
     from distill.heads.model import HeadsConfig, MedusaHeads
     from distill.heads.vocab import DraftVocab
-    from transformers import LlamaConfig
 
     MedusaHeads(HeadsConfig(hidden_size=8, vocab_size=20, num_heads=2)).save(tmp_path / "medusa")
-    target = LlamaConfig(hidden_size=8, intermediate_size=16, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=2,
-                         vocab_size=20).to_dict()
+    target = tiny_llama_config(hidden=8, intermediate=16, heads=2, kv_heads=1, layers=2, vocab=20, positions=2048).to_dict()
     vocab = DraftVocab.from_target_ids([1, 5, 7], 20)
     EagleDrafter(DrafterConfig.for_target(target, [0, 1], vocab.size), vocab).save(tmp_path / "eagle")
     with pytest.raises(ConfigError, match="use --format vllm-eagle3"):

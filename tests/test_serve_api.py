@@ -14,7 +14,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,20 +24,13 @@ import httpx
 import openai
 import pytest
 
-from conftest import DISTILL, REPO
+from conftest import REPO
 from distill.store.shards import iter_rows
+from helpers import API_KEY, Server, chat, plain_answers
 
 pytestmark = pytest.mark.slow
 
-API_KEY = "test-key-123"
 MAX_TOKENS = 8
-START_TIMEOUT_S = 300  # model load on a busy 2-core machine
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -62,38 +54,6 @@ def heads_dir(tmp_path_factory, model_dir) -> Path:
     return out
 
 
-class Server:
-    def __init__(self, args: list[str], log: Path, log_level: str = "warning"):
-        self.port = free_port()
-        self.log = log
-        # OMP_NUM_THREADS as the worker has it (conftest.py, scripts/test.sh): more threads than cores spin
-        env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
-        self.proc = subprocess.Popen([DISTILL, "serve", "--port", str(self.port), "--log-level", log_level, *args],
-                                     stdout=subprocess.DEVNULL, stderr=open(log, "wb"), env=env)
-        self.url = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"distill serve exited with {self.proc.returncode}:\n{log.read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"distill serve did not become healthy in {START_TIMEOUT_S}s:\n{log.read_text()[-3000:]}")
-            time.sleep(0.5)
-
-    def client(self, key: str = API_KEY, **kw) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, timeout=300, **kw)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, heads_dir):
     srv = Server(["--heads", str(heads_dir), "--api-key", API_KEY, "--max-batch", "4", "--queue-size", "32",
@@ -106,20 +66,7 @@ def server(tmp_path_factory, heads_dir):
 @pytest.fixture(scope="module")
 def plain(model_dir):
     """The engine's plain greedy decoding (no heads), batch 1: the reference every greedy answer must equal."""
-    from distill.engine import Engine, EngineConfig, SamplingParams
-
-    engine = Engine.from_pretrained(str(model_dir), None, EngineConfig(max_batch=1))
-    tok = engine.tokenizer
-
-    def answer(messages=None, prompt=None, max_tokens=MAX_TOKENS) -> tuple[str, int]:
-        if messages is not None:
-            ids = tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
-        else:
-            ids = tok(prompt, add_special_tokens=False)["input_ids"]
-        (res,), _ = engine.generate([ids], [SamplingParams(max_tokens=max_tokens, temperature=0.0)], speculative=False)
-        return tok.decode(res.token_ids, skip_special_tokens=True), len(res.token_ids)
-
-    return answer
+    return plain_answers(model_dir, MAX_TOKENS)
 
 
 QUESTIONS = [
@@ -132,10 +79,6 @@ QUESTIONS = [
     "Describe a cat in one sentence.",
     "Why is the sky blue?",
 ]
-
-
-def chat(q: str) -> list[dict]:
-    return [{"role": "user", "content": q}]
 
 
 def test_the_start_up_lines_name_the_proposer_and_the_step_costs_measured(server):

@@ -18,14 +18,12 @@ import time
 import httpx
 import pytest
 
-import test_serve_api
-from test_serve_api import Server, chat
-
-plain = test_serve_api.plain  # the engine's own greedy answers, the reference (a module fixture of its own here)
+from helpers import Server, chat, plain_answers
 
 pytestmark = pytest.mark.slow
 
 MAX_BODY = 8_000_000
+MAX_TOKENS = 8  # the server's --max-tokens: the length of its answers and of the reference's
 LONG_QUESTION = "Tell me a very long story about a dragon."
 GRACE_S = 12  # the short request needs its few tokens (under a second at batch 3 here), 4000 tokens take minutes
 STEPS_AFTER_HANG_UP = 10  # a step or two on an idle machine; slack for a busy one, far short of 2000 tokens
@@ -34,8 +32,14 @@ QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "Wr
 
 
 @pytest.fixture(scope="module")
+def plain(model_dir):
+    """The engine's own greedy answers, the reference."""
+    return plain_answers(model_dir, MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = Server(["--host", "0.0.0.0", "--max-batch", "8", "--max-tokens", "8", "--max-body-bytes", str(MAX_BODY),
+    srv = Server(["--host", "0.0.0.0", "--max-batch", "8", "--max-tokens", str(MAX_TOKENS), "--max-body-bytes", str(MAX_BODY),
                   "--shutdown-grace", str(GRACE_S)], tmp_path_factory.mktemp("log") / "serve.log")
     yield srv
     srv.stop()

@@ -17,16 +17,14 @@ from distill.train import TrainConfig, read_metrics, train
 from distill.train.draft_vocab import choose_draft_vocab
 from distill.train.eagle import step0_keep, ttt_keep_mask, unroll
 from distill.train.losses import Term, chunked_term_losses, soft_ce, teacher_buckets
+from helpers import tiny_llama_config
 
 H, V, LAYERS = 32, 50, 4
 V_MODEL = 49152  # the bundled model's vocabulary
 
 
 def _tiny_target():
-    from transformers import LlamaConfig
-
-    return LlamaConfig(hidden_size=H, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-                       num_hidden_layers=LAYERS, vocab_size=V, max_position_embeddings=128)
+    return tiny_llama_config(hidden=H, intermediate=64, heads=4, kv_heads=2, layers=LAYERS, vocab=V, positions=128)
 
 
 def _tiny_drafter(vocab: DraftVocab | None = None, dtype=torch.float64) -> EagleDrafter:

@@ -52,7 +52,7 @@ from distill.conversation import Rejection, conversation_id, turn_row_id
 from distill.data.dataset import Dataset
 from distill.data.write import DEFAULT_SHARD_ROWS, ShardWriter, check_new_output
 from distill.store.atomic import StagedFolder, atomic_file
-from distill.errors import ConfigError
+from distill.errors import check_choice
 
 EXPORTS = ("sharegpt", "openai", "hf", "trl", "specforge")
 SHAREGPT_ROLE = {"system": "system", "user": "human", "assistant": "gpt"}
@@ -72,8 +72,8 @@ class ConvertSummary:
 
 def export(inp: Path | str, to: str, out: Path | str) -> ConvertSummary:
     """Write the dataset ``inp`` as ``to`` (see the module's exports) at ``out``, streaming row batches."""
-    if to not in EXPORTS:
-        raise ConfigError(f"--format must be one of {', '.join(EXPORTS + ('shards',))}; got {to!r}")
+    # the command line's --format also takes ``shards``, which it sends to seed_to_shards instead
+    check_choice("--format", to, EXPORTS, listed=EXPORTS + ("shards",), repr_value=True)
     d = Dataset.open(inp)
     check_new_output(out, [d.root])
     out = Path(out)
@@ -155,7 +155,7 @@ def seed_to_shards(seed: str, out: Path | str, model: str | None = None, seed_fo
     ``chat_template`` (a file or the template; None: the model's) and its extra variables ``chat_template_kwargs``."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from distill.generate.templating import ChatFormat
+    from distill.templating import ChatFormat
     from distill.models import load_chat_template, model_record, resolve_model, stop_token_ids
     from distill.models import chat_template_kwargs as parse_kwargs
     from distill.seeds import load_seed
@@ -219,7 +219,7 @@ def conversation_rows(conv, fmt) -> tuple[list[dict], int]:
     ids: list[int] = []
     mask: list[bool] = []
     turns: list[dict] = []
-    text = ""  # the stream text of ids (distill.generate.templating's terms)
+    text = ""  # the stream text of ids (distill.templating's terms)
     n_assistant = row_start = 0
     for m in msgs[len(history):]:
         if m["role"] == "user":

@@ -40,7 +40,7 @@ from pathlib import Path
 from distill.conversation import continued_turn, conversation_id, seed_conversation_id
 from distill.data.dataset import Dataset
 from distill.data.write import DEFAULT_SHARD_ROWS, ShardWriter, check_new_output, derived_meta
-from distill.errors import ConfigError
+from distill.errors import ConfigError, check_choice
 
 DEDUPE_MODES = ("exact", "normalized")
 SPLIT_KEYS = ("id", "first-turn")
@@ -126,8 +126,7 @@ def dedupe(inp: Path | str, out: Path | str, mode: str = "normalized", shard_row
     text as stored as an earlier row) and ``duplicate_normalized`` (the same only after
     normalization), so ``duplicate_exact`` equals what ``exact`` mode would drop.
     """
-    if mode not in DEDUPE_MODES:
-        raise ConfigError(f"--match must be one of {', '.join(DEDUPE_MODES)}; got {mode!r}")
+    check_choice("--match", mode, DEDUPE_MODES, repr_value=True)
     d = Dataset.open(inp)
     check_new_output(out, [d.root])
     summary = TransformSummary("dedupe", {"out": str(out)})
@@ -188,8 +187,7 @@ def split(inp: Path | str, out: Path | str, eval_fraction: float = 0.05, shard_r
     """Write ``out/train`` and ``out/eval`` (both dataset folders) by the hash of each row's split key."""
     if not 0 < eval_fraction < 1:
         raise ConfigError(f"--eval-fraction must be in (0, 1); got {eval_fraction}")
-    if by not in SPLIT_KEYS:
-        raise ConfigError(f"--by must be one of {', '.join(SPLIT_KEYS)}; got '{by}'")
+    check_choice("--by", by, SPLIT_KEYS)
     d = Dataset.open(inp)
     check_new_output(out, [d.root])
     out = Path(out)

@@ -9,7 +9,7 @@ tree tokens ``tokens`` (B, T)
 target distribution ``p_i`` (B, T, V)
     the model's next-token distribution after tree position i, read from the
     verification logits and warped by the request's temperature and top-p
-    (:func:`warp`); at temperature 0 it is the one-hot argmax.
+    (:func:`distill.sampling.warp`); at temperature 0 it is the one-hot argmax.
 accepted path
     root plus the nodes ``a_1, ..., a_L`` (depths 1..L) the rule accepts, each the
     child of the previous; ``L`` = accepted length (0..D).
@@ -72,43 +72,6 @@ class Acceptance:
     path: torch.Tensor  # (B, D + 1) long: tree positions root, a_1..a_L, then don't-care (valid positions)
     next_token: torch.Tensor  # (B,) long
     last: torch.Tensor  # (B,) long: tree position of a_L (0 when L = 0)
-
-
-def warp(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor | None = None,
-         min_p: torch.Tensor | None = None) -> torch.Tensor:
-    """Logits (B, T, V) -> target distributions (B, T, V) in float32, in vLLM's order.
-
-    ``temperature`` (B,): 0 gives the one-hot argmax; then ``min_p`` (B,): drop tokens less
-    likely than min_p times the most likely one (0 keeps everything); ``top_k`` (B,) long:
-    keep the k most likely (0 or less keeps everything); ``top_p`` (B,): keep the smallest set
-    of most likely tokens whose mass reaches top_p (1 keeps everything), renormalised.
-    """
-    logits = logits.float()
-    greedy = temperature <= 0  # (B,)
-    t = torch.where(greedy, torch.ones_like(temperature), temperature).float()
-    probs = torch.softmax(logits / t[:, None, None], dim=-1)  # (B, T, V)
-    if min_p is not None and bool((min_p > 0).any()):
-        floor = min_p.float()[:, None, None] * probs.amax(-1, keepdim=True)  # (B, T, 1)
-        probs = probs.masked_fill(probs < floor, 0.0)
-        probs = probs / probs.sum(-1, keepdim=True)
-    if top_k is not None and bool(((top_k > 0) & (top_k < probs.shape[-1])).any()):
-        k = torch.where((top_k > 0) & (top_k < probs.shape[-1]), top_k, probs.shape[-1]).long()  # (B,)
-        vals = probs.topk(int(k.max()), dim=-1).values  # (B, T, kmax), descending
-        kth = vals.gather(-1, (k - 1).clamp(max=vals.shape[-1] - 1)[:, None, None].expand(-1, probs.shape[1], 1))
-        kth = torch.where((k >= probs.shape[-1])[:, None, None], torch.zeros_like(kth), kth)
-        probs = probs.masked_fill(probs < kth, 0.0)  # ties at the k-th value are all kept (as vLLM does)
-        probs = probs / probs.sum(-1, keepdim=True)
-    if bool((top_p < 1).any()):
-        sorted_p, order = probs.sort(dim=-1, descending=True)  # (B, T, V)
-        before = sorted_p.cumsum(-1) - sorted_p  # mass strictly above each token
-        drop = before >= top_p.float()[:, None, None]
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-        probs = probs / probs.sum(-1, keepdim=True)
-    if bool(greedy.any()):
-        onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-        probs = torch.where(greedy[:, None, None], onehot, probs)
-    return probs
 
 
 def sample(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
@@ -305,5 +268,4 @@ __all__ = [
     "sample",
     "typical_accept",
     "typical_threshold",
-    "warp",
 ]

@@ -64,7 +64,6 @@ from distill.engine.acceptance import (
     greedy_accept,
     rejection_accept,
     typical_accept,
-    warp,
 )
 from distill.engine.eagle import DEFAULT_DEPTH, DEFAULT_NODES, DEFAULT_TOPK, Eagle
 from distill.engine.graphs import Graphs, cache_key
@@ -79,12 +78,13 @@ from distill.engine.proposer import DraftSampling, Proposal, Proposer
 from distill.engine.rotary import prepare_rotary, rotary_kernel
 from distill.engine.tree import ResolvedTree, TreeBuffers, build_buffers, resolve_tree
 from distill.engine.weights import prepare_linears, rowwise_modules, valid_rows
-from distill.errors import ConfigError, ModelError
+from distill.errors import ConfigError, ModelError, check_choice
 from distill.heads.eagle import EagleDrafter, is_eagle3_folder
 from distill.heads.model import MedusaHeads, read_distill_meta
 from distill.heads.tree import load_tree
 from distill.models import context_limit, distill_home
 from distill.runtime import canonical_dtype, stage_dtype, torch_dtype
+from distill.sampling import warp
 
 ACCEPTANCE_MODES = ("greedy", "typical", "rejection")
 WEIGHT_LAYOUTS = ("auto", "as-loaded")
@@ -200,8 +200,7 @@ class EngineConfig:
     cuda_graphs: bool | None = None  # decoding steps replayed as CUDA graphs (engine.graphs); None: on for CUDA unless compile
 
     def __post_init__(self) -> None:
-        if self.acceptance not in ACCEPTANCE_MODES:
-            raise ConfigError(f"acceptance must be one of {', '.join(ACCEPTANCE_MODES)}; got '{self.acceptance}'")
+        check_choice("acceptance", self.acceptance, ACCEPTANCE_MODES)
         if not (0 < self.typical_epsilon < 1 and self.typical_delta > 0):
             raise ConfigError("typical acceptance needs 0 < epsilon < 1 and delta > 0")
         if self.max_batch < 1:
@@ -209,8 +208,7 @@ class EngineConfig:
         if self.speculate_max_batch is not None and self.speculate_max_batch < 0:
             raise ConfigError(f"speculate_max_batch must be >= 0, got {self.speculate_max_batch}")
         self.dtype = canonical_dtype(self.dtype)
-        if self.weight_layout not in WEIGHT_LAYOUTS:
-            raise ConfigError(f"weight_layout must be one of {', '.join(WEIGHT_LAYOUTS)}; got '{self.weight_layout}'")
+        check_choice("weight_layout", self.weight_layout, WEIGHT_LAYOUTS)
         if self.step_cost_ratio is not None and self.step_cost_ratio < 0:
             raise ConfigError(f"step_cost_ratio must be >= 0, got {self.step_cost_ratio}")
         if self.compile and self.cuda_graphs:

@@ -4,7 +4,7 @@ The order is vLLM's (``vllm/v1/sample/sampler.py``): on the raw logits, the logi
 ``min_tokens`` (stop tokens masked until that many tokens are out), then the penalties
 (repetition on prompt and output tokens, then frequency and presence on output tokens, as
 OpenAI defines them); greedy decoding takes the argmax of the result. Sampled rows then go
-through :func:`distill.engine.acceptance.warp`: temperature, ``min_p``, ``top_k``, ``top_p``.
+through :func:`distill.sampling.warp`: temperature, ``min_p``, ``top_k``, ``top_p``.
 
 Speculation stays lossless because every tree node's logits are processed exactly as plain
 decoding would process them had the node's path been generated: node t's output so far is
@@ -25,6 +25,7 @@ from typing import Sequence
 import torch
 
 from distill.engine.tree import TreeBuffers
+from distill.sampling import repetition_penalty
 
 #: vLLM clamps each logit bias to this range (OpenAI documents -100..100).
 LOGIT_BIAS_LIMIT = 100.0
@@ -53,12 +54,6 @@ def changes_logits(params) -> bool:
     """Whether ``params`` ask for anything :func:`process` does (most requests do not: zero cost for them)."""
     return bool(params.logit_bias) or params.min_tokens > 0 or params.repetition_penalty != 1.0 \
         or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
-
-
-def repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
-    """vLLM's repetition penalty: the logits (..., V) of ``seen`` tokens (..., V) bool divided by ``penalty``
-    where positive, multiplied by it where not (a new tensor)."""
-    return torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
 
 
 def _path_counts(tokens: torch.Tensor, mask: torch.Tensor, depth: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -376,8 +376,7 @@ class RowSampler:
         """input_ids (B, P + n) left-padded, scores (B, V) raw logits -> (B, V): 0 at the chosen token, -inf elsewhere."""
         import torch
 
-        from distill.engine.acceptance import warp
-        from distill.engine.logits import repetition_penalty
+        from distill.sampling import repetition_penalty, warp
 
         x = scores.float()  # (B, V)
         if self.penalty != 1.0:

@@ -7,10 +7,10 @@ from functools import cached_property
 from pathlib import Path
 
 from distill.configs import config_from_options
-from distill.errors import ConfigError
-from distill.generate.templating import REASONING
+from distill.errors import ConfigError, check_choice
 from distill.models import chat_template_kwargs, load_chat_template
 from distill.runtime import canonical_dtype
+from distill.templating import REASONING
 
 MODES = ("multi-turn", "self-talk", "single-turn")
 PROMPTS_DIR = Path(__file__).resolve().parents[2] / "prompts"
@@ -66,8 +66,7 @@ class GenerateConfig:
     reasoning: str = "keep"  # keep | strip | both: the think blocks the stored messages keep (templating.reasoning_view)
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ConfigError(f"--mode must be one of {', '.join(MODES)}; got '{self.mode}'")
+        check_choice("--mode", self.mode, MODES)
         if not 1 <= self.topk <= MAX_TOPK:
             raise ConfigError(f"--teacher-topk must be between 1 and {MAX_TOPK}; got {self.topk}")
         if self.temperature < 0:
@@ -104,8 +103,7 @@ class GenerateConfig:
         self.dtype = canonical_dtype(self.dtype)
         load_chat_template(self.chat_template)  # a missing file is an error now, not after the engine loaded
         self.chat_template_kwargs = chat_template_kwargs(self.chat_template_kwargs)
-        if self.reasoning not in REASONING:
-            raise ConfigError(f"--reasoning must be one of {', '.join(REASONING)}; got '{self.reasoning}'")
+        check_choice("--reasoning", self.reasoning, REASONING)
         if self.max_model_len is not None and self.max_model_len <= self.max_new_tokens:
             raise ConfigError(f"--max-model-len ({self.max_model_len}) must exceed --max-tokens ({self.max_new_tokens})")
 

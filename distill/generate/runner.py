@@ -52,12 +52,12 @@ from distill.conversation import Conversation, Rejection, conversation_id, sampl
 from distill.errors import ConfigError, StoreError
 from distill.generate.backends import Backend, BackendOptions, Completion, Request, make_backend, resolve_backend_name
 from distill.generate.config import GenerateConfig
-from distill.generate.templating import THINK_OPEN, ChatFormat, reasoning_view, strip_reasoning
 from distill.models import ResolvedModel, load_chat_template, model_record, resolve_model, template_sha256
 from distill.runtime import Placement, canonical_dtype, placement
 from distill.seeds import load_seed
 from distill.store.shards import FORMAT, ShardStore
 from distill.store.teacher import TeacherEncoding, encode_topk
+from distill.templating import THINK_OPEN, ChatFormat, reasoning_view, strip_reasoning
 
 ProgressFn = Callable[..., None]  # (conversations finished, tokens generated since the last call, total=None)
 
@@ -133,7 +133,7 @@ class ConversationState:
     """One conversation being regenerated: its token stream (the row being built) and what it needs next.
 
     While the chat template extends the stream turn by turn, the conversation is one row. When it
-    re-renders the history instead (``distill.generate.templating``), the row built so far is
+    re-renders the history instead (``distill.templating``), the row built so far is
     finished with stop reason ``continued`` and the next turn starts a new row from the whole
     rendered prompt: every row holds exactly the tokens the teacher conditioned on.
     """

@@ -26,7 +26,7 @@ import json
 import shutil
 from pathlib import Path
 
-from distill.errors import ConfigError
+from distill.errors import ConfigError, check_choice
 from distill.heads.eagle import EagleDrafter, is_eagle3_folder
 from distill.heads.model import DISTILL_HEADS_FILE, MedusaHeads, read_distill_meta, relocated_meta
 from distill.store.atomic import StagedFolder
@@ -51,8 +51,7 @@ def export_heads(heads_dir: Path, out: Path, fmt: str = "medusa-repo", base_mode
     """Write ``heads_dir`` (Medusa heads or an EAGLE-3 drafter) to ``out`` in ``fmt`` (atomically: a temp folder renamed into place)."""
     from safetensors.torch import save_file
 
-    if fmt not in FORMATS:
-        raise ConfigError(f"--format must be one of {', '.join(FORMATS)}; got '{fmt}'")
+    check_choice("--format", fmt, FORMATS)
     heads_dir, out = Path(heads_dir), Path(out)
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"{out} exists and is not empty: choose a new --out")

@@ -6,7 +6,7 @@ import ipaddress
 from dataclasses import asdict, dataclass
 
 from distill.configs import check_lookup_options
-from distill.errors import ConfigError
+from distill.errors import ConfigError, check_choice
 from distill.models import chat_template_kwargs
 from distill.runtime import canonical_dtype
 
@@ -67,10 +67,8 @@ class ServeConfig:
     vllm_args: tuple[str, ...] = ()  # --engine vllm: passed to vLLM's server unchanged (what follows `--`)
 
     def __post_init__(self) -> None:
-        if self.engine not in ENGINES:
-            raise ConfigError(f"--engine must be one of {', '.join(ENGINES)}; got '{self.engine}'")
-        if self.acceptance not in ACCEPTANCE:
-            raise ConfigError(f"--acceptance must be one of {', '.join(ACCEPTANCE)}; got '{self.acceptance}'")
+        check_choice("--engine", self.engine, ENGINES)
+        check_choice("--acceptance", self.acceptance, ACCEPTANCE)
         check_lookup_options(self.heads, self.lookup_data, self.lookup_history, self.engine, self.lookup, self.lookup_nodes)
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be in 0..65535; got {self.port}")

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from distill.errors import ConfigError
+from distill.heads.accuracy import HeadAccuracy
 from distill.heads.eagle import EagleDrafter, is_eagle3_folder
 from distill.heads.model import MedusaHeads, base_model_location, read_distill_meta
 from distill.runtime import stage_dtype
@@ -42,29 +43,6 @@ CALIBRATION_FILE = "calibration.json"
 #: Draft depths measured for an EAGLE-3 drafter (its "heads"): depth j's rank-i hit given a correct prefix (teacher
 #: forced), what the engine's dynamic tree needs to predict its expected tokens per step.
 EAGLE_CALIBRATED_DEPTHS = 5
-
-
-@dataclass
-class HeadAccuracy:
-    """Counts over evaluated positions (stats only; plotting and files live elsewhere)."""
-
-    ranks: int
-    counts: list[int]  # per head: positions evaluated
-    hits: list[list[int]]  # per head, per rank: rank-i hits
-    loss_sum: list[float]  # per head: summed hard CE
-    tokens: int = 0
-
-    @property
-    def table(self) -> list[list[float]]:
-        return [[h / max(n, 1) for h in row] for row, n in zip(self.hits, self.counts)]
-
-    def topk(self, k: int) -> list[float]:
-        """Per head: fraction of positions whose true token is within the top-k."""
-        return [sum(row[:k]) / max(n, 1) for row, n in zip(self.hits, self.counts)]
-
-    @property
-    def loss(self) -> list[float]:
-        return [s / max(n, 1) for s, n in zip(self.loss_sum, self.counts)]
 
 
 @torch.no_grad()

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from distill.configs import config_from_options
-from distill.errors import ConfigError
+from distill.errors import ConfigError, check_choice
 from distill.runtime import canonical_dtype
 
 ARCHS = ("medusa", "eagle3")
@@ -87,18 +87,12 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if not self.data:
             raise ConfigError("--data is required: a dataset folder made by `distill generate`")
-        if self.arch not in ARCHS:
-            raise ConfigError(f"--arch must be one of {', '.join(ARCHS)}; got '{self.arch}'")
-        if self.mode not in MODES:
-            raise ConfigError(f"--medusa-mode must be one of {', '.join(MODES)}; got '{self.mode}'")
-        if self.targets not in TARGETS:
-            raise ConfigError(f"--targets must be one of {', '.join(TARGETS)}; got '{self.targets}'")
-        if self.lambda0_schedule not in LAMBDA0_SCHEDULES:
-            raise ConfigError(f"--lambda0-schedule must be one of {', '.join(LAMBDA0_SCHEDULES)}; got '{self.lambda0_schedule}'")
-        if self.precision not in PRECISIONS:
-            raise ConfigError(f"--precision must be one of {', '.join(PRECISIONS)}; got '{self.precision}'")
-        if self.optimizer not in OPTIMIZERS:
-            raise ConfigError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}; got '{self.optimizer}'")
+        check_choice("--arch", self.arch, ARCHS)
+        check_choice("--medusa-mode", self.mode, MODES)
+        check_choice("--targets", self.targets, TARGETS)
+        check_choice("--lambda0-schedule", self.lambda0_schedule, LAMBDA0_SCHEDULES)
+        check_choice("--precision", self.precision, PRECISIONS)
+        check_choice("--optimizer", self.optimizer, OPTIMIZERS)
         self._check_arch_options()
         for name in ("heads", "layers", "batch_size", "grad_accum", "epochs", "loss_chunk", "log_every", "lora_r", "ttt_steps"):
             if getattr(self, name) < 1:

@@ -41,11 +41,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from distill.heads.accuracy import HeadAccuracy
 from distill.heads.eagle import DrafterConfig, EagleDrafter, parse_aux_layers
 from distill.heads.model import HEADS_MARKERS, portable_meta
 from distill.heads.vocab import DraftVocab
 from distill.store.atomic import StagedFiles
-from distill.train.calibrate import HeadAccuracy
 from distill.train.config import TrainConfig
 from distill.train.data import decoder_inputs, iter_batches
 from distill.train.draft_vocab import DraftVocabReport

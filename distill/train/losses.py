@@ -54,6 +54,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from distill.errors import check_choice
+
 LOSS_KINDS = ("hard", "soft", "kl")
 
 
@@ -178,8 +180,7 @@ class Term:
     kind: str = "hard"  # hard | soft | kl
 
     def __post_init__(self) -> None:
-        if self.kind not in LOSS_KINDS:
-            raise ValueError(f"loss kind must be one of {LOSS_KINDS}; got {self.kind!r}")
+        check_choice("loss kind", self.kind, LOSS_KINDS, repr_value=True, error=ValueError)
         if self.offset < 1:
             raise ValueError(f"offset must be >= 1; got {self.offset}")
 

@@ -39,7 +39,7 @@ think block
 
 from __future__ import annotations
 
-from distill.errors import TemplateError
+from distill.errors import TemplateError, check_choice
 
 _SENTINEL_USER = "\u2063distill-user\u2063"
 _SENTINEL_ASSISTANT = "\u2063distill-assistant\u2063"
@@ -81,8 +81,7 @@ def reasoning_view(messages: list[dict], policy: str, own_from: int = 0) -> list
     ``both``: the replies the row trains (assistant messages from number ``own_from`` on)
     keep them; the earlier ones, which the row holds only as history, lose them.
     """
-    if policy not in REASONING:
-        raise ValueError(f"reasoning policy must be one of {', '.join(REASONING)}; got {policy!r}")
+    check_choice("reasoning policy", policy, REASONING, repr_value=True, error=ValueError)
     out, n = [], 0
     for m in messages:
         if m["role"] == "assistant":
