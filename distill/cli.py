@@ -199,9 +199,9 @@ def _given(ctx: typer.Context, cls: type, rename: dict[str, str] | None = None) 
     Defaults are never passed on: the config dataclass holds them (and ``--help`` shows them).
     ``rename`` maps an option's name to its field's where they differ.
     """
-    from dataclasses import fields
+    from distill.configs import option_hints
 
-    names = {f.name for f in fields(cls)}
+    names = set(option_hints(cls))
     given = {}
     for key, value in ctx.params.items():
         field = (rename or {}).get(key, key)
@@ -763,7 +763,7 @@ def bench(
     quiet: QuietOpt = False,
 ) -> None:
     """Plain vs speculative (Medusa, EAGLE or lookup) decoding on the same prompts: tokens/step, step overhead, tokens/s and speedup per category; with --vllm against bare vLLM too."""
-    from distill.benchmark.config import BenchConfig
+    from distill.bench.config import BenchConfig
     from distill.configs import config_from_options, stage_section
 
     options = stage_options("bench", config, set_, _given(ctx, BenchConfig, FIELDS["bench"]))
@@ -772,8 +772,8 @@ def bench(
     if not options.get("heads"):
         raise ConfigError("--heads is required: the folder written by `distill train-heads`")
     cfg = config_from_options(BenchConfig, options, "bench")
-    from distill.benchmark import run_bench  # the engine and torch: once the options are whole
-    from distill.benchmark.report import markdown
+    from distill.bench import run_bench  # the engine and torch: once the options are whole
+    from distill.bench.report import markdown
 
     _one_progress_style()
     with Progress("bench", "prompts", quiet=quiet) as progress:
@@ -817,7 +817,7 @@ STAGE_CONFIGS = {
     "generate": ("distill.generate.config", "GenerateConfig"),
     "train-heads": ("distill.train.config", "TrainConfig"),
     "calibrate": ("distill.train.config", "CalibrateConfig"),
-    "bench": ("distill.benchmark.config", "BenchConfig"),
+    "bench": ("distill.bench.config", "BenchConfig"),
     "serve": ("distill.serve.config", "ServeConfig"),
 }
 

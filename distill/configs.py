@@ -25,14 +25,39 @@ C = TypeVar("C")
 
 
 def config_from_options(cls: type[C], data: dict, stage: str) -> C:
-    """``cls(**data)`` with ``-`` in keys read as ``_``; an unknown key or a value of the wrong type (:func:`check_types`)
-    is a one-line error naming the stage."""
-    known = {f.name for f in fields(cls)}
+    """``cls(**data)`` (``cls.from_options(**data)`` where the config nests another) with ``-`` in keys read as ``_``;
+    an unknown key or a value of the wrong type (:func:`check_types`) is a one-line error naming the stage."""
+    known = option_hints(cls)
     data = {k.replace("-", "_"): v for k, v in data.items()}
-    unknown = sorted(set(data) - known)
+    unknown = sorted(set(data) - set(known))
     if unknown:
         raise ConfigError(f"unknown {stage} option(s): {', '.join(unknown)}")
-    return cls(**check_types(cls, data, stage))
+    build = getattr(cls, "from_options", cls)
+    return build(**check_types(cls, data, stage))
+
+
+# -- configs that nest another -----------------------------------------------------------------------
+# ServeConfig and BenchConfig hold an EngineConfig (their field ``decoding``) instead of copies of its fields, while
+# their options stay flat (``--tree``, ``tree: ...``). Such a config says which keys are its options
+# (``option_hints()``: key -> annotation), their defaults (``option_defaults()``, for --help), and builds itself from
+# them (``from_options(**options)``): the one place where flat keys meet the nested config.
+def option_hints(cls: type) -> dict[str, object]:
+    """A stage's option keys and their annotations: the config's fields, or its ``option_hints()`` where it has one
+    (an annotation that cannot be resolved is ``Any``: left to the config's own checks)."""
+    own = getattr(cls, "option_hints", None)
+    if own is not None:
+        return own()
+    hints = _hints(cls)
+    return {f.name: hints.get(f.name, Any) for f in fields(cls)}
+
+
+def nested_hints(cls: type, nested: str, keys: Sequence[str], leave_out: Sequence[str] = ()) -> dict[str, object]:
+    """The flat option keys of ``cls``, whose field ``nested`` holds another dataclass: ``cls``'s other fields (less
+    ``leave_out``) and the nested config's fields named in ``keys``."""
+    hints = _hints(cls)
+    inner = _hints(hints[nested])
+    own = {f.name: hints.get(f.name, Any) for f in fields(cls) if f.name != nested and f.name not in leave_out}
+    return own | {k: inner[k] for k in keys}
 
 
 # -- the type check of option values ---------------------------------------------------------------
@@ -53,7 +78,7 @@ class _Mismatch(Exception):
 def check_types(cls: type, data: dict, stage: str) -> dict:
     """``data`` (keys that are fields of the dataclass ``cls``) with each value checked against its field's annotation,
     and read as described above; a mismatch is ``ConfigError("<stage> option <field>: expected <type>, got <value>")``."""
-    hints = _hints(cls)
+    hints = option_hints(cls)
     out = {}
     for key, value in data.items():
         hint = hints.get(key)
@@ -245,7 +270,11 @@ def stage_options(stage: str, config: Path | None, sets: Sequence[str] | None, g
 
 
 def defaults(cls: type) -> dict:
-    """Every field's default value (fields without one, or with a factory, are left out)."""
+    """Every option's default value: the config's ``option_defaults()`` where it nests another, else every field's
+    (fields without one, or with a factory, are left out)."""
+    own = getattr(cls, "option_defaults", None)
+    if own is not None:
+        return own()
     return {f.name: f.default for f in fields(cls) if f.default is not MISSING}
 
 

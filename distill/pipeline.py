@@ -215,7 +215,7 @@ class Pipeline:
 
             return [config_from_options(CalibrateConfig, o, "calibrate")]
         if stage == "bench":
-            from distill.benchmark.config import BenchConfig
+            from distill.bench.config import BenchConfig
 
             if "modes" in o and isinstance(o["modes"], str):
                 o["modes"] = tuple(m.strip() for m in o["modes"].split(",") if m.strip())
@@ -348,14 +348,14 @@ class Pipeline:
         return {"nodes": r.nodes, "expected_acceptance_length": r.expected_acceptance_length, "top1": r.top1}
 
     def _bench(self, o: dict, cfg, lookup_cfg=None) -> dict:
-        from distill.benchmark import run_bench
+        from distill.bench import run_bench
 
         self._clear("bench")
         result, _ = run_bench(cfg)
         summary = {"tree_nodes": result.tree.get("nodes"), "overall": _overall(result)}
         if lookup_cfg is not None:  # the lookup proposer on the same prompts (stage_configs)
             summary["lookup"] = _overall(run_bench(lookup_cfg)[0])
-            summary["lookup_source"] = "context and data" if lookup_cfg.lookup_data else "context"
+            summary["lookup_source"] = "context and data" if lookup_cfg.decoding.lookup_data else "context"
         return summary
 
 

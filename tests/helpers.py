@@ -17,7 +17,7 @@ import torch
 
 from conftest import DISTILL, free_port
 from distill.engine import Engine, EngineConfig, SamplingParams
-from distill.engine.eagle import Eagle
+from distill.engine.proposers.eagle import Eagle
 from distill.heads import HeadsConfig, MedusaHeads
 from distill.heads.eagle import DrafterConfig, EagleDrafter, default_aux_layers
 from distill.heads.vocab import DraftVocab

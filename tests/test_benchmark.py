@@ -8,9 +8,9 @@ import json
 import pytest
 
 from conftest import run_distill
-from distill.benchmark import BenchConfig, BenchResult, Run, Sweep, SweepPoint, load_prompts
-from distill.benchmark.report import write_all
-from distill.benchmark.runner import summarize
+from distill.bench import BenchConfig, BenchResult, Run, Sweep, SweepPoint, load_prompts
+from distill.bench.report import write_all
+from distill.bench.runner import summarize
 from distill.errors import ConfigError
 
 
@@ -51,9 +51,9 @@ def test_vllm_runs_give_each_group_its_ratios_against_vllm():
     assert a.vllm_tokens_per_s == pytest.approx(30 / 4.0) and a.medusa_vs_vllm == pytest.approx((30 / 3.0) / (30 / 4.0))
     assert a.vllm_identical == 1 and a.identical == 2  # prompt b: vLLM's greedy output differs from ours
     assert groups["typical", "all"].vllm_tokens_per_s is None  # vLLM runs greedy only
-    res = BenchResult(BenchConfig(heads="h").to_dict(), "m", "d", "model", "h", {"nodes": 4, "source": "x", "nodes_used_at_batch_1": 4},
+    res = BenchResult(BenchConfig.from_options(heads="h").to_dict(), "m", "d", "model", "h", {"nodes": 4, "source": "x", "nodes_used_at_batch_1": 4},
                       summarize(runs), runs)
-    from distill.benchmark.report import markdown
+    from distill.bench.report import markdown
 
     md = markdown(res)
     assert "| vLLM tok/s | plain / vLLM | speculative / vLLM | identical to vLLM |" in md
@@ -82,14 +82,14 @@ def test_mt_bench_prompts_round_robin_over_categories():
                                      {"vllm": True, "modes": ("typical",)}])
 def test_bench_config_rejects_bad_options(options):
     with pytest.raises(ConfigError):
-        BenchConfig(heads="h", **options)
+        BenchConfig.from_options(heads="h", **options)
 
 
 def test_report_files_are_written_from_stats(tmp_path):
     runs = [run("a", "math", "plain", "greedy", 11, 10, 1.0, 2.0), run("a", "math", "medusa", "greedy", 11, 4, 0.6, 1.0)]
     pts = [SweepPoint(0, 1, 0.01, 1.0, 1.0, 1.0), SweepPoint(4, 5, 0.012, 1.2, 2.0, 2.0 / 1.2)]
     sweep = Sweep(128, 3, "test", [[0.5, 0.2]], pts, 4, 2.0 / 1.2, 0.05, "cpu")
-    res = BenchResult(BenchConfig(heads="h").to_dict(), "m", "d", "model", "h", {"nodes": 4, "source": "x", "nodes_used_at_batch_1": 4},
+    res = BenchResult(BenchConfig.from_options(heads="h").to_dict(), "m", "d", "model", "h", {"nodes": 4, "source": "x", "nodes_used_at_batch_1": 4},
                       summarize(runs), runs, sweep)
     paths = write_all(res, tmp_path)
     assert json.loads(paths["json"].read_text())["groups"][0]["speedup"] == pytest.approx(2.0)
@@ -102,13 +102,13 @@ def test_report_files_are_written_from_stats(tmp_path):
 def test_a_policy_that_decoded_plain_says_so_first_and_the_outputs_name_the_proposer(tmp_path, monkeypatch):
     """bench.md's first line: the full tree's tokens/step against the break-even; the columns and the plot title name
     the proposer (the lookup here, a union as its parts)."""
-    from distill.benchmark import report
-    from distill.benchmark.report import markdown
+    from distill.bench import report
+    from distill.bench.report import markdown
 
     runs = [run("a", "math", "plain", "greedy", 11, 10, 1.0, 2.0), run("a", "math", "medusa", "greedy", 11, 10, 1.1, 2.2)]
     even = {"nodes": 24, "expected": 1.31, "expected_measured": None, "tokens_per_step": 1.46}
     tree = {"nodes": 24, "source": "x", "proposer": "lookup", "nodes_used_at_batch_1": 0, "break_even_at_batch_1": even}
-    res = BenchResult(BenchConfig(heads="lookup").to_dict(), "m", "d", "model", "lookup", tree, summarize(runs), runs)
+    res = BenchResult(BenchConfig.from_options(heads="lookup").to_dict(), "m", "d", "model", "lookup", tree, summarize(runs), runs)
     first, blank, header = markdown(res).splitlines()[:3]
     assert first == ("The policy decoded plain at batch 1: the lookup proposer's full tree (24 nodes) makes 1.31 tokens/step "
                      "(expected from its acceptance table, not measured: `--full-tree` measures it), this machine breaks "
@@ -133,7 +133,7 @@ def test_a_policy_that_decoded_plain_says_so_first_and_the_outputs_name_the_prop
 def test_the_break_even_is_the_engines_own_pricing_of_the_full_tree():
     """What the report states is what tree_size_for decided on: plain exactly when the full tree's expected tokens per
     step do not beat its step cost over a plain step's (a lookup engine on the bundled model, fixed step cost ratio)."""
-    from distill.benchmark.runner import break_even
+    from distill.bench.runner import break_even
     from distill.engine import Engine, EngineConfig
 
     for ratio in (0.02, 0.5):
@@ -188,12 +188,12 @@ def test_bench_cli_runs_plain_vs_medusa_and_the_sweep_with_the_bundled_model(tmp
 @pytest.mark.vllm
 def test_bench_against_bare_vllm_interleaves_the_engines_on_the_same_prompts(tmp_path, vllm_backend):
     """--vllm: bare vLLM (the session's engine) decodes the greedy prompts between our plain and lookup runs, in turn first."""
-    from distill.benchmark import run_bench
-    from distill.benchmark.baseline import VllmBaseline
+    from distill.bench import run_bench
+    from distill.bench.baseline import VllmBaseline
     from distill.engine import Engine, EngineConfig
 
     engine = Engine.from_pretrained(None, "lookup", EngineConfig(max_batch=1))
-    cfg = BenchConfig(heads="lookup", limit=3, max_tokens=8, modes=("greedy",), vllm=True, out=str(tmp_path / "bench"))
+    cfg = BenchConfig.from_options(heads="lookup", limit=3, max_tokens=8, modes=("greedy",), vllm=True, out=str(tmp_path / "bench"))
     result, paths = run_bench(cfg, engine=engine, baseline=VllmBaseline(vllm_backend))
     assert [r.mode for r in result.runs] == ["plain", "medusa", "vllm", "medusa", "vllm", "plain", "vllm", "plain", "medusa"]
     vllm_runs = [r for r in result.runs if r.mode == "vllm"]
@@ -218,7 +218,7 @@ def test_a_baseline_whose_stop_tokens_differ_from_the_engines_is_refused():
     """vLLM ending replies at other tokens than the engine would decode other lengths: a clear error, not a skewed ratio."""
     from types import SimpleNamespace
 
-    from distill.benchmark.baseline import VllmBaseline
+    from distill.bench.baseline import VllmBaseline
 
     baseline = VllmBaseline(SimpleNamespace(stop_ids=frozenset({2})))
     baseline.check_stops({2})

@@ -52,7 +52,7 @@ RENAMED = [
     (["train-heads", "--data", "d"], "--random-seed", "--seed", "9", ("distill.train", "train"), lambda c: c.seed),
     (["calibrate", "--heads", "h", "--data", "d"], "--eval-tokens", "--max-tokens", "100",
      ("distill.train.calibrate", "calibrate"), lambda c: c.max_tokens),
-    (["bench", "--heads", "lookup"], "--random-seed", "--seed", "4", ("distill.benchmark", "run_bench"), lambda c: c.seed),
+    (["bench", "--heads", "lookup"], "--random-seed", "--seed", "4", ("distill.bench", "run_bench"), lambda c: c.seed),
 ]
 
 
@@ -73,7 +73,7 @@ def test_a_renamed_option_works_under_both_spellings(tmp_path, capture, base, ne
 
 
 def test_the_deprecation_line_names_the_old_and_the_new_spelling(tmp_path, capture):
-    capture("distill.benchmark", "run_bench")
+    capture("distill.bench", "run_bench")
     r = run_distill(["bench", "--heads", "lookup", "--seed", "4"], cwd=tmp_path)
     assert r.stderr.splitlines()[0] == "warning: --seed is deprecated: use --random-seed"
     capture("distill.train", "train")

@@ -15,7 +15,7 @@ import pytest
 from distill.engine import Engine, EngineConfig
 import distill.engine.costs as costs_module
 from distill.engine.costs import cost_key, measure_step_costs, step_costs
-from distill.engine.lookup import DEFAULT_TAUS, Lookup
+from distill.engine.proposers.lookup import DEFAULT_TAUS, Lookup
 from distill.engine.policy import AdaptivePolicy, StepCosts, choose_tree_size, step_cost
 
 

@@ -11,8 +11,8 @@ import torch
 
 from conftest import MT_QUESTIONS, MT_TOKENS, run_distill
 from distill.engine import Engine, EngineConfig, SamplingParams
-from distill.engine.datastore import Datastore
-from distill.engine.lookup import Lookup, LookupState, _Context
+from distill.engine.proposers.datastore import Datastore
+from distill.engine.proposers.lookup import Lookup, LookupState, _Context
 from distill.errors import ConfigError
 from distill.store.shards import iter_rows
 
@@ -91,18 +91,18 @@ def test_greedy_lookup_with_a_datastore_equals_plain_greedy_on_mt_bench(hf_model
 def test_engine_options_and_the_bench_cli_with_a_datastore(real_shards, tmp_path, cli_env):
     with pytest.raises(ConfigError, match="lookup"):
         Engine.from_pretrained(None, None, EngineConfig(lookup_data=str(real_shards)))
-    from distill.benchmark.config import BenchConfig
+    from distill.bench.config import BenchConfig
     from distill.serve.config import ServeConfig
 
     with pytest.raises(ConfigError, match="--heads lookup"):
-        BenchConfig(heads="some/heads", lookup_data=str(real_shards))
+        BenchConfig.from_options(heads="some/heads", lookup_data=str(real_shards))
     with pytest.raises(ConfigError, match="--heads lookup"):
-        ServeConfig(heads=None, lookup_data=str(real_shards))
+        ServeConfig.from_options(heads=None, lookup_data=str(real_shards))
     with pytest.raises(ConfigError, match="ngram"):
-        ServeConfig(heads="lookup", engine="vllm", lookup_data=str(real_shards))
+        ServeConfig.from_options(heads="lookup", engine="vllm", lookup_data=str(real_shards))
     r = run_distill(["bench", "--heads", "lookup", "--lookup-data", str(real_shards), "--limit", "1", "--max-tokens", "12", "--modes",
                      "greedy", "--out", str(tmp_path / "b")], env=cli_env)
     assert r.returncode == 0, r.stderr[-2000:]
     doc = json.loads((tmp_path / "b" / "bench.json").read_text())
-    assert doc["config"]["lookup_data"] == str(real_shards) and "datastore" in doc["tree"]["source"]
+    assert doc["config"]["decoding"]["lookup_data"] == str(real_shards) and "datastore" in doc["tree"]["source"]
     assert {g["identical"] for g in doc["groups"]} == {1}

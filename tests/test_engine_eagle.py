@@ -18,8 +18,8 @@ from distill.engine import Engine, EngineConfig, SamplingParams
 from distill.engine.acceptance import greedy_accept, rejection_accept, typical_accept
 from distill.sampling import warp
 from distill.engine.cache import step_allowed
-from distill.engine import eagle as eagle_module
-from distill.engine.eagle import Eagle
+from distill.engine.proposers import eagle as eagle_module
+from distill.engine.proposers.eagle import Eagle
 from distill.engine.tree import build_buffers, row_buffers
 from distill.errors import ConfigError
 from helpers import (ALPHA, CONT, SAMPLES, bundled_drafter, chi2_pvalue, chi2_sf, exact_distribution, generate_watching_drafts,

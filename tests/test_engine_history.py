@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from conftest import MT_TOKENS
-from distill.benchmark import BenchConfig
-from distill.benchmark.runner import BenchRunner
+from distill.bench import BenchConfig
+from distill.bench.runner import BenchRunner
 from distill.engine import Engine, EngineConfig, SamplingParams
-from distill.engine.datastore import History
-from distill.engine.lookup import DEFAULT_HISTORY_TOKENS, Lookup, LookupState, _Context
+from distill.engine.proposers.datastore import History
+from distill.engine.proposers.lookup import DEFAULT_HISTORY_TOKENS, Lookup, LookupState, _Context
 from distill.errors import ConfigError
 
 
@@ -105,10 +105,10 @@ def test_a_seeded_sampled_request_repeats_its_sample_whatever_the_history_holds(
 def test_the_bench_clears_the_history_so_no_measured_run_drafts_from_its_own_warm_up(hf_model, tokenizer):
     engine = Engine(hf_model, tokenizer, Lookup(), EngineConfig(max_batch=1))
     fresh = Engine(hf_model, tokenizer, Lookup(history_tokens=0), EngineConfig(max_batch=1))
-    cfg = BenchConfig(heads="lookup", limit=1, max_tokens=MT_TOKENS, modes=("greedy",), warmup=1, out="unused")
+    cfg = BenchConfig.from_options(heads="lookup", limit=1, max_tokens=MT_TOKENS, modes=("greedy",), warmup=1, out="unused")
     result = BenchRunner(cfg, engine=engine).run()
     (run,) = [r for r in result.runs if r.mode == "medusa"]  # the speculative run
-    from distill.benchmark.runner import chat_ids, load_prompts
+    from distill.bench.runner import chat_ids, load_prompts
 
     (ref,), _ = fresh.generate([chat_ids(tokenizer, load_prompts("mt-bench", 1)[0].messages)],
                                SamplingParams(max_tokens=MT_TOKENS))
@@ -124,10 +124,10 @@ def test_the_option_is_the_lookup_proposer_s():
     with pytest.raises(ConfigError, match=">= 0"):
         EngineConfig(lookup_history=-1)
     with pytest.raises(ConfigError, match="--heads lookup"):
-        BenchConfig(heads="some/heads", lookup_history=1000)
+        BenchConfig.from_options(heads="some/heads", lookup_history=1000)
     with pytest.raises(ConfigError, match="--heads lookup"):
-        ServeConfig(heads=None, lookup_history=1000)
+        ServeConfig.from_options(heads=None, lookup_history=1000)
     with pytest.raises(ConfigError, match="ngram"):
-        ServeConfig(heads="lookup", engine="vllm", lookup_history=1000)
+        ServeConfig.from_options(heads="lookup", engine="vllm", lookup_history=1000)
     with pytest.raises(ConfigError, match=">= 0"):
-        ServeConfig(heads="lookup", lookup_history=-1)
+        ServeConfig.from_options(heads="lookup", lookup_history=-1)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from distill.engine import Engine, EngineConfig, SamplingParams
-from distill.engine.lookup import Lookup
+from distill.engine.proposers.lookup import Lookup
 from helpers import ALPHA, CONT, SAMPLES, VOCAB, chi2_pvalue, make_heads, tiny_medusa, tiny_medusa_engine
 
 OPTIONS = dict(temperature=0.9, top_k=5, min_p=0.05, repetition_penalty=1.8, frequency_penalty=0.4, presence_penalty=0.3,

@@ -14,7 +14,7 @@ import torch
 
 from conftest import MT_QUESTIONS, MT_TOKENS, run_distill
 from distill.engine import Engine, EngineConfig, SamplingParams
-from distill.engine.lookup import Lookup, LookupState, _Context
+from distill.engine.proposers.lookup import Lookup, LookupState, _Context
 from distill.errors import ConfigError
 from helpers import ALPHA, CONT, SAMPLES, chi2_pvalue, exact_distribution, tiny_medusa
 

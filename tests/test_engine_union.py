@@ -1,4 +1,4 @@
-"""The lookup proposer's trees merged with an EAGLE drafter's (distill.engine.union): the merge, greedy == plain greedy,
+"""The lookup proposer's trees merged with an EAGLE drafter's (distill.engine.proposers.union): the merge, greedy == plain greedy,
 lossless rejection sampling, and the engine's and CLI's plumbing.
 
 The decoding tests run the tiny random Llama of the EAGLE engine tests (tests/helpers.py: vocabulary 8, where both proposers' drafts
@@ -14,10 +14,10 @@ import torch
 
 from conftest import MT_QUESTIONS, MT_TOKENS, run_distill
 from distill.engine import Engine, EngineConfig, SamplingParams
-from distill.engine.eagle import Eagle
-from distill.engine.lookup import Lookup
-from distill.engine.proposer import host_proposal
-from distill.engine.union import REALLOCATE_EVERY, Union, allocate, merge, paths, union_tau
+from distill.engine.proposers.eagle import Eagle
+from distill.engine.proposers.lookup import Lookup
+from distill.engine.proposers.base import host_proposal
+from distill.engine.proposers.union import REALLOCATE_EVERY, Union, allocate, merge, paths, union_tau
 from distill.errors import ConfigError
 from helpers import (ALPHA, CONT, SAMPLES, bundled_drafter, chi2_pvalue, exact_distribution, generate_watching_drafts,
                      joining_rows_decode_as_plain, make_heads, tiny_eagle)
@@ -141,7 +141,7 @@ def test_steps_the_drafter_has_no_share_of_defer_its_catch_up_and_its_drafts_sta
     """Union steps of the lookup alone commit different lengths per row; the drafter catches up on them in one pass."""
     from itertools import cycle
 
-    from distill.engine import eagle as eagle_module
+    from distill.engine.proposers import eagle as eagle_module
 
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 8, (n,), generator=g).tolist() for n in (4, 9, 6)]
@@ -220,21 +220,21 @@ def test_greedy_union_equals_plain_greedy_on_mt_bench(hf_model, tokenizer, mt_pr
 
 
 def test_the_lookup_switch_is_checked_where_users_give_it():
-    from distill.benchmark.config import BenchConfig
+    from distill.bench.config import BenchConfig
     from distill.serve.config import ServeConfig
 
     for heads in ("lookup", None):
         with pytest.raises(ConfigError, match="--lookup merges"):
-            ServeConfig(heads=heads, lookup=True)
+            ServeConfig.from_options(heads=heads, lookup=True)
     with pytest.raises(ConfigError, match="--lookup merges"):
-        BenchConfig(heads="lookup", lookup=True)
+        BenchConfig.from_options(heads="lookup", lookup=True)
     with pytest.raises(ConfigError, match="--lookup is for --engine distill"):
-        ServeConfig(heads="out/heads", engine="vllm", lookup=True)
+        ServeConfig.from_options(heads="out/heads", engine="vllm", lookup=True)
     with pytest.raises(ConfigError, match=r"it needs --heads lookup \(or --lookup\)"):
-        BenchConfig(heads="out/heads", lookup_data="out/data")
+        BenchConfig.from_options(heads="out/heads", lookup_data="out/data")
     with pytest.raises(ConfigError, match="--lookup-nodes must be >= 1"):
-        BenchConfig(heads="lookup", lookup_nodes=0)
-    assert BenchConfig(heads="out/heads", lookup=True, lookup_data="out/data", lookup_history=0, lookup_nodes=16).lookup
+        BenchConfig.from_options(heads="lookup", lookup_nodes=0)
+    assert BenchConfig.from_options(heads="out/heads", lookup=True, lookup_data="out/data", lookup_history=0, lookup_nodes=16).decoding.lookup
 
 
 def test_bench_cli_runs_a_trained_drafter_with_the_lookup_merged_in(tmp_path_factory, real_shards, cli_env):
@@ -250,7 +250,7 @@ def test_bench_cli_runs_a_trained_drafter_with_the_lookup_merged_in(tmp_path_fac
     doc = json.loads((b / "bench.json").read_text())
     assert doc["tree"]["proposer"] == "lookup+eagle3" and doc["tree"]["nodes"] == 12  # the lookup's 4 and the drafter's 8
     assert "datastore" in doc["tree"]["source"] and "eagle3 dynamic" in doc["tree"]["source"]
-    assert doc["config"]["lookup"] is True and {g["identical"] for g in doc["groups"]} == {1}
+    assert doc["config"]["decoding"]["lookup"] is True and {g["identical"] for g in doc["groups"]} == {1}
 
 
 def test_greedy_union_with_medusa_heads_equals_plain_greedy_on_mt_bench(hf_model, tokenizer, mt_prompts, mt_plain):

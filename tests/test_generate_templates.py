@@ -284,14 +284,14 @@ def test_seed_conversion_with_a_think_stripping_template_gives_a_row_per_turn(tm
 
 
 def test_bench_renders_its_prompts_with_the_template_and_its_kwargs(tokenizer):
-    from distill.benchmark import BenchConfig
-    from distill.benchmark.runner import chat_ids
+    from distill.bench import BenchConfig
+    from distill.bench.runner import chat_ids
 
     question = [{"role": "user", "content": "Hi"}]
     ids = chat_ids(tokenizer, question, QWEN3, THINK_OFF)
     assert _decode(tokenizer, ids) == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n" + EMPTY_THINK
     assert chat_ids(tokenizer, question) == tokenizer.apply_chat_template(question, add_generation_prompt=True,
                                                                           tokenize=True, return_dict=True)["input_ids"]
-    assert BenchConfig(heads="h", chat_template_kwargs='{"enable_thinking": false}').chat_template_kwargs == THINK_OFF
+    assert BenchConfig.from_options(heads="h", chat_template_kwargs='{"enable_thinking": false}').chat_template_kwargs == THINK_OFF
     with pytest.raises(ConfigError, match="may not set tokenize"):
-        BenchConfig(heads="h", chat_template_kwargs={"tokenize": True})
+        BenchConfig.from_options(heads="h", chat_template_kwargs={"tokenize": True})

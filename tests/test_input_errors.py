@@ -116,7 +116,7 @@ def test_a_config_file_value_of_the_wrong_type_is_refused_the_same_way(tmp_path)
 def test_values_that_read_one_way_only_are_taken():
     """An int for a float; YAML 1.1's undotted exponent (``3e-3`` is text to it); comma-separated lists; a mapping's
     JSON text; the EAGLE-3 options' counts and layer lists."""
-    from distill.benchmark.config import BenchConfig
+    from distill.bench.config import BenchConfig
     from distill.generate.config import GenerateConfig
     from distill.serve.config import ServeConfig
     from distill.train.config import TrainConfig
@@ -140,9 +140,43 @@ def test_values_that_read_one_way_only_are_taken():
         config_from_options(ServeConfig, {"engine": "vllm", "heads": "h", "vllm_args": 3}, "serve")
 
 
+def test_serve_and_bench_hold_one_engine_config_built_from_their_flat_options():
+    """The engine's settings live in EngineConfig alone: serve's and bench's configs nest one (``decoding``), built
+    from the same flat keys as before, with each stage's own defaults where they differ from EngineConfig's."""
+    from dataclasses import fields
+
+    from distill.bench.config import BenchConfig
+    from distill.engine.config import EngineConfig
+    from distill.serve.config import ServeConfig
+
+    engine_fields = {f.name for f in fields(EngineConfig)}
+    for cls in (ServeConfig, BenchConfig):
+        assert not engine_fields & {f.name for f in fields(cls)}, cls  # nothing re-declared
+    serve = config_from_options(ServeConfig, stage_options("serve", None, ["typical_epsilon=0.2", "max-batch=3"],
+                                                           {"tree": "3,2", "dtype": "float32", "adaptive": False}), "serve")
+    assert isinstance(serve.decoding, EngineConfig)
+    d = serve.decoding
+    assert (d.typical_epsilon, d.max_batch, d.tree, d.dtype, d.adaptive) == (0.2, 3, "3,2", "float32", False)
+    assert config_from_options(ServeConfig, {}, "serve").decoding.adaptive  # serve's default: the adaptive policy
+    vllm = config_from_options(ServeConfig, {"engine": "vllm", "heads": "h", "max_batch": 5}, "serve")
+    assert vllm.vllm_max_num_seqs == 5 and config_from_options(ServeConfig, {"engine": "vllm", "heads": "h"},
+                                                               "serve").vllm_max_num_seqs is None  # vLLM's own
+    bench = config_from_options(BenchConfig, {"heads": "lookup", "lookup_nodes": 4, "full_tree": True, "device": "cpu",
+                                              "typical_delta": 0.5}, "bench")
+    d = bench.decoding
+    assert (d.lookup_nodes, d.speculate_max_batch, d.device, d.typical_delta, d.max_batch) == (4, 1, "cpu", 0.5, 1)
+    assert bench.full_tree and not config_from_options(BenchConfig, {"heads": "h"}, "bench").full_tree
+    assert bench.to_dict()["decoding"]["lookup_nodes"] == 4  # bench.json records the nested config
+    for cls, stage in ((ServeConfig, "serve"), (BenchConfig, "bench")):
+        with pytest.raises(ConfigError, match=f"^unknown {stage} option\\(s\\): speculate_max_batch$"):
+            config_from_options(cls, {"heads": "h", "speculate_max_batch": 2}, stage)  # not one of the stage's keys
+        with pytest.raises(ConfigError, match=f"^{stage} option typical_epsilon: expected float, got 'big'$"):
+            config_from_options(cls, {"heads": "h", "typical_epsilon": "big"}, stage)
+
+
 @pytest.mark.parametrize("path", sorted((REPO / "pipelines").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_pipeline_file_passes_the_type_check(path):
-    from distill.benchmark.config import BenchConfig
+    from distill.bench.config import BenchConfig
     from distill.generate.config import GenerateConfig
     from distill.train.config import CalibrateConfig, TrainConfig
 

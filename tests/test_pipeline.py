@@ -93,7 +93,7 @@ def test_pipeline_runs_every_stage_then_skips_them_and_reruns_only_what_a_change
     assert bench["tree"]["nodes"] == 4  # the calibrated tree was the one benchmarked
     lookup = json.loads((ref / "bench" / "lookup" / "bench.json").read_text())  # and the lookup proposer beside it
     assert lookup["tree"]["proposer"] == "lookup" and "lookup + the data's n-grams (nothing trained), greedy:" in stdout
-    assert lookup["config"]["lookup_data"].endswith("split/train") and "datastore" in lookup["tree"]["source"]
+    assert lookup["config"]["decoding"]["lookup_data"].endswith("split/train") and "datastore" in lookup["tree"]["source"]
     assert json.loads((ref / "validate.json").read_text())["ok"] is True
 
     out = tmp_path / "a"

@@ -121,7 +121,7 @@ def test_the_interval_comes_from_the_environment(monkeypatch):
 
 
 def test_generate_and_bench_still_take_their_plain_callables():
-    from distill.benchmark.runner import _progress as bench_progress
+    from distill.bench.runner import _progress as bench_progress
     from distill.generate.runner import _reporters
 
     said: list[str] = []

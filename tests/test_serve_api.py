@@ -254,9 +254,9 @@ def test_a_new_request_joins_the_running_batch_and_finishes_first(server, plain)
 
 
 def test_vllms_own_benchmark_client_runs_against_the_server(server, model_dir, tmp_path):
-    """Conformance: `vllm bench serve --backend openai-chat` (through bench/vllm_bench_serve.py), random prompts of 32
+    """Conformance: `vllm bench serve --backend openai-chat` (through benchmarks/vllm_bench_serve.py), random prompts of 32
     tokens, 16-token answers (vLLM's client sends ignore_eos for random prompts), a TTFT and ITL to report."""
-    cmd = [sys.executable, str(REPO / "bench" / "vllm_bench_serve.py"), "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
+    cmd = [sys.executable, str(REPO / "benchmarks" / "vllm_bench_serve.py"), "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
            "--base-url", server.url, "--model", "smol", "--tokenizer", str(model_dir), "--dataset-name", "random",
            "--random-input-len", "32", "--random-output-len", "16", "--num-prompts", "4", "--temperature", "0", "--disable-tqdm",
            "--save-result", "--result-dir", str(tmp_path), "--result-filename", "result.json"]

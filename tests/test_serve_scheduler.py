@@ -250,7 +250,7 @@ def test_serve_exits_1_with_the_error_logged_when_its_engine_worker_dies(engine,
     try:
         thread.start()
         with pytest.raises(SystemExit) as exited, caplog.at_level("ERROR", logger="distill.serve"):
-            server.serve(ServeConfig(port=port), log_level="warning")
+            server.serve(ServeConfig.from_options(port=port), log_level="warning")
     finally:
         del engine.running_batch
         thread.join(60)

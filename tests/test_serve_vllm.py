@@ -22,7 +22,7 @@ def heads_dir(tmp_path, model_dir):
 
 
 def test_vllm_command_passes_the_heads_as_a_medusa_speculative_config(heads_dir, model_dir):
-    cfg = ServeConfig(engine="vllm", heads=str(heads_dir), port=9123, max_batch=4, api_key="s3cret", served_model_name="smol")
+    cfg = ServeConfig.from_options(engine="vllm", heads=str(heads_dir), port=9123, max_batch=4, api_key="s3cret", served_model_name="smol")
     cmd = vllm_command(cfg, python="/py")
     assert cmd[:3] == ["/py", "-m", "vllm.entrypoints.openai.api_server"]
     opt = {cmd[i]: cmd[i + 1] for i in range(3, len(cmd) - 1, 2)}
@@ -38,7 +38,7 @@ def test_on_a_cpu_vllms_worker_runs_inside_its_engine_core_unless_the_user_says_
 
     if resolve_device("auto") != "cpu":
         pytest.skip("GPUs keep vLLM's own process layout")
-    cfg = ServeConfig(engine="vllm", heads=str(heads_dir))
+    cfg = ServeConfig.from_options(engine="vllm", heads=str(heads_dir))
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
     assert vllm_env(cfg)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
@@ -46,11 +46,11 @@ def test_on_a_cpu_vllms_worker_runs_inside_its_engine_core_unless_the_user_says_
 
 
 def test_vllm_command_uses_fewer_heads_when_asked_and_refuses_more(heads_dir):
-    cmd = vllm_command(ServeConfig(engine="vllm", heads=str(heads_dir), num_speculative_tokens=2))
+    cmd = vllm_command(ServeConfig.from_options(engine="vllm", heads=str(heads_dir), num_speculative_tokens=2))
     spec = json.loads(cmd[cmd.index("--speculative-config") + 1])
     assert spec["num_speculative_tokens"] == 2
     with pytest.raises(ConfigError, match="exceeds the 3 heads"):
-        vllm_command(ServeConfig(engine="vllm", heads=str(heads_dir), num_speculative_tokens=5))
+        vllm_command(ServeConfig.from_options(engine="vllm", heads=str(heads_dir), num_speculative_tokens=5))
 
 
 @pytest.mark.parametrize(("options", "message"), [
@@ -65,7 +65,7 @@ def test_vllm_command_uses_fewer_heads_when_asked_and_refuses_more(heads_dir):
 ])
 def test_serve_config_rejects_bad_options(options, message):
     with pytest.raises(ConfigError, match=message):
-        ServeConfig(**options)
+        ServeConfig.from_options(**options)
 
 
 def test_serve_cli_reports_a_bad_option_in_one_line(tmp_path):
@@ -88,28 +88,28 @@ def test_serve_cli_reports_a_bad_option_in_one_line(tmp_path):
 def test_binding_beyond_loopback_without_a_key_warns(options, warns):
     from distill.serve.server import bind_warning
 
-    warning = bind_warning(ServeConfig(**options))
+    warning = bind_warning(ServeConfig.from_options(**options))
     assert (warning is not None) == warns
     if warns:
         assert options["host"] in warning and "DISTILL_API_KEY" in warning
 
 
 def test_vllm_command_keeps_vllm_defaults_and_appends_what_follows_the_double_dash(heads_dir):
-    cfg = ServeConfig(engine="vllm", heads=str(heads_dir), vllm_args=("--tensor-parallel-size", "2", "--enforce-eager"))
+    cfg = ServeConfig.from_options(engine="vllm", heads=str(heads_dir), vllm_args=("--tensor-parallel-size", "2", "--enforce-eager"))
     cmd = vllm_command(cfg)
     assert "--max-num-seqs" not in cmd  # vLLM's own default unless --max-batch is given
     assert cmd[-3:] == ["--tensor-parallel-size", "2", "--enforce-eager"]
     assert cmd[cmd.index("--dtype") + 1] == "float32"  # the bundled model's dtype, never "auto"
     with pytest.raises(ConfigError, match="need --engine vllm"):
-        ServeConfig(heads=str(heads_dir), vllm_args=("--enforce-eager",))
+        ServeConfig.from_options(heads=str(heads_dir), vllm_args=("--enforce-eager",))
 
 
 def test_vllm_command_passes_chat_template_and_generation_config_under_vllms_own_names(heads_dir):
-    cmd = vllm_command(ServeConfig(engine="vllm", heads=str(heads_dir), chat_template="t.jinja", generation_config="none"))
+    cmd = vllm_command(ServeConfig.from_options(engine="vllm", heads=str(heads_dir), chat_template="t.jinja", generation_config="none"))
     assert cmd[cmd.index("--chat-template") + 1] == "t.jinja"
     assert cmd[cmd.index("--generation-config") + 1] == "vllm"  # vLLM's name for neutral defaults
-    assert "--generation-config" not in vllm_command(ServeConfig(engine="vllm", heads=str(heads_dir)))  # auto: vLLM's default
-    cmd = vllm_command(ServeConfig(engine="vllm", heads=str(heads_dir), chat_template_kwargs='{"enable_thinking": false}'))
+    assert "--generation-config" not in vllm_command(ServeConfig.from_options(engine="vllm", heads=str(heads_dir)))  # auto: vLLM's default
+    cmd = vllm_command(ServeConfig.from_options(engine="vllm", heads=str(heads_dir), chat_template_kwargs='{"enable_thinking": false}'))
     assert json.loads(cmd[cmd.index("--default-chat-template-kwargs") + 1]) == {"enable_thinking": False}
 
 
@@ -118,7 +118,7 @@ def test_vllm_command_runs_the_heads_teacher_dtype(heads_dir, monkeypatch):
 
     monkeypatch.setattr(runtime, "cpu_has_native_bf16", lambda: True)
     (heads_dir / "distill-heads.json").write_text(json.dumps({"teacher_dtype": "bfloat16"}))
-    cmd = vllm_command(ServeConfig(engine="vllm", heads=str(heads_dir)))
+    cmd = vllm_command(ServeConfig.from_options(engine="vllm", heads=str(heads_dir)))
     assert cmd[cmd.index("--dtype") + 1] == "bfloat16"
 
 
@@ -140,9 +140,9 @@ def test_serve_cli_passes_arguments_after_the_double_dash_to_vllm(heads_dir):
 
 
 def test_vllm_command_for_lookup_is_vllm_s_ngram_prompt_lookup_with_the_same_ngram_range():
-    from distill.engine.lookup import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM
+    from distill.engine.proposers.lookup import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM
 
-    cmd = vllm_command(ServeConfig(engine="vllm", heads="lookup", num_speculative_tokens=3))
+    cmd = vllm_command(ServeConfig.from_options(engine="vllm", heads="lookup", num_speculative_tokens=3))
     spec = json.loads(cmd[cmd.index("--speculative-config") + 1])
     assert spec == {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": DEFAULT_MAX_NGRAM,
                     "prompt_lookup_min": DEFAULT_MIN_NGRAM}

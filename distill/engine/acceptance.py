@@ -47,7 +47,7 @@ rejection with draft distributions (multi-round speculative sampling, SpecInfer;
     with probability ``min(1, r(x)/q_n(x))``; on rejection ``r ← norm(max(r − q_n, 0))``;
     if all are rejected, sample the next token from r. Lossless as long as, given
     everything drafted outside n's children, their number does not depend on their values
-    and they are i.i.d. from ``q_n`` (:mod:`distill.engine.eagle`'s sampled tree keeps whole
+    and they are i.i.d. from ``q_n`` (:mod:`distill.engine.proposers.eagle`'s sampled tree keeps whole
     sibling groups for that reason).
 """
 
@@ -58,10 +58,8 @@ from typing import Sequence
 
 import torch
 
+from distill.engine.config import TYPICAL_DELTA, TYPICAL_EPSILON
 from distill.engine.tree import TreeBuffers
-
-TYPICAL_EPSILON = 0.09
-TYPICAL_DELTA = 0.3
 
 
 @dataclass

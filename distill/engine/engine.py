@@ -8,7 +8,7 @@ prefill
 root
     the next token of a sequence, decided but not yet in the KV cache.
 step
-    one forward after the prefill. The proposer (:mod:`distill.engine.proposer`: Medusa heads
+    one forward after the prefill. The proposer (:mod:`distill.engine.proposers.base`: Medusa heads
     or an EAGLE drafter) turns its draft state into tree tokens (root + candidates, one
     :class:`~distill.engine.tree.TreeBuffers` tree for all rows or one per row); the tree is
     written at each row's next slots and verified in one forward with a tree attention bias
@@ -58,36 +58,32 @@ from distill.engine import cache as kv
 from distill.engine.attention import use_gqa_sdpa
 from distill.engine.logits import RowContext, TokenLogprob, changes_logits, process, token_logprobs
 from distill.engine.acceptance import (
-    TYPICAL_DELTA,
-    TYPICAL_EPSILON,
     Acceptance,
     greedy_accept,
     rejection_accept,
     typical_accept,
 )
-from distill.engine.eagle import DEFAULT_DEPTH, DEFAULT_NODES, DEFAULT_TOPK, Eagle
+from distill.engine.config import EngineConfig, resolve_placement
 from distill.engine.graphs import Graphs, cache_key
-from distill.engine.datastore import Datastore
-from distill.engine.lookup import LOOKUP, Lookup
-from distill.engine.union import Union
-from distill.engine.medusa import Medusa
 from distill.engine.norms import prepare_norms
 from distill.engine.costs import forward_setup, step_costs
 from distill.engine.policy import DEFAULT_COST_RATIO, AdaptivePolicy, StepCosts, choose_tree_size
-from distill.engine.proposer import DraftSampling, Proposal, Proposer
+from distill.engine.proposers.base import DraftSampling, Proposal, Proposer
+from distill.engine.proposers.datastore import Datastore
+from distill.engine.proposers.eagle import DEFAULT_DEPTH, DEFAULT_NODES, DEFAULT_TOPK, Eagle
+from distill.engine.proposers.lookup import LOOKUP, Lookup
+from distill.engine.proposers.medusa import Medusa
+from distill.engine.proposers.union import Union
 from distill.engine.rotary import prepare_rotary, rotary_kernel
 from distill.engine.tree import ResolvedTree, TreeBuffers, build_buffers, resolve_tree
 from distill.engine.weights import prepare_linears, rowwise_modules, valid_rows
-from distill.errors import ConfigError, ModelError, check_choice
+from distill.errors import ConfigError, ModelError
 from distill.heads.eagle import EagleDrafter, is_eagle3_folder
-from distill.heads.model import MedusaHeads, read_distill_meta
+from distill.heads.model import MedusaHeads
 from distill.heads.tree import load_tree
 from distill.models import context_limit, distill_home
-from distill.runtime import canonical_dtype, stage_dtype, torch_dtype
 from distill.sampling import warp
 
-ACCEPTANCE_MODES = ("greedy", "typical", "rejection")
-WEIGHT_LAYOUTS = ("auto", "as-loaded")
 #: The largest token id, count (top_k, max_tokens, logprobs) SamplingParams takes: int32's, far beyond any vocabulary.
 MAX_TOKEN_ID = 2**31 - 1
 
@@ -162,68 +158,6 @@ def _number(name: str, value, low: float, high: float, low_open: bool = False) -
         else:
             bounds = f"a number in {'(' if low_open else '['}{low:g}, {high:g}]"
         raise ConfigError(f"{name} must be {bounds}, got {value!r:.80}")
-
-
-@dataclass
-class EngineConfig:
-    """Engine settings (see docs/architecture.md)."""
-
-    acceptance: str = "typical"  # what sampled (temperature > 0) requests use; temperature 0 always uses greedy
-    typical_epsilon: float = TYPICAL_EPSILON
-    typical_delta: float = TYPICAL_DELTA
-    tree: str | None = None  # Medusa: tree.json path, chain[-K], sparse-N, Cartesian "3,2,2,1"; None = heads' tree.json or sparse-24
-    draft_nodes: int | None = None  # EAGLE / lookup: node budget N of the dynamic tree (None: the proposer's default)
-    lookup_data: str | None = None  # lookup: a self-distilled dataset of this model, indexed as its datastore
-    lookup_history: int | None = None  # lookup: tokens of this engine's earlier replies it drafts from (None: the
-    # proposer's DEFAULT_HISTORY_TOKENS; 0: none)
-    lookup: bool = False  # with Medusa heads or an EAGLE drafter: the lookup proposer's tree merged into theirs every step
-    # (engine.union; draft_nodes stays the drafter's)
-    lookup_nodes: int | None = None  # the lookup proposer's node budget, alone or merged (None: draft_nodes with heads
-    # "lookup", else its DEFAULT_NODES)
-    draft_depth: int = DEFAULT_DEPTH  # EAGLE: depth D of the dynamic tree
-    draft_topk: int = DEFAULT_TOPK  # EAGLE: K, nodes expanded per depth and children per expanded node
-    sample_drafts: bool = True  # rejection mode, EAGLE: sampled rows' drafts drawn from q (multi-round speculative sampling); False: top-K point masses
-    max_batch: int = 8  # largest batch generate() runs at once
-    speculate_max_batch: int | None = None  # set: the full tree up to this batch size, plain above; None: the cost model decides
-    dtype: str = "auto"  # auto: the heads' teacher dtype, else distill.runtime's rule
-    device: str = "auto"  # auto: CUDA when available, else CPU
-    step_cost_ratio: float | None = None  # r of the policy's cost model, a line (None: measured_costs, else DEFAULT_COST_RATIO)
-    measured_costs: bool | None = None  # time forwards of 1, 2, 3, 5, 9, ... rows at start: the policy's step-cost curve
-    # (engine.costs; seconds of the first start); None: on a CPU when step_cost_ratio is not given (CUDA: the line, corrected
-    # by the adaptive policy's measured step times)
-    cached_costs: bool = True  # a curve and single-row kernel times timed before for the same machine, shapes and
-    # kernels are reused ($DISTILL_HOME/step-costs and kernels, engine.kept); False: timed at every start
-    adaptive: bool = False  # correct the policy with measured acceptance and step times (policy.AdaptivePolicy)
-    weight_layout: str = "auto"  # "auto": CPU float32 linears re-laid out and packed (engine.weights), RMSNorms and
-    # the rotary embedding on vLLM's CPU kernels where they load (engine.norms, engine.rotary); "as-loaded": as they came
-    compile: bool = False  # torch.compile the model for single-token forwards (plain steps at batch 1); see Engine._forward
-    cuda_graphs: bool | None = None  # decoding steps replayed as CUDA graphs (engine.graphs); None: on for CUDA unless compile
-
-    def __post_init__(self) -> None:
-        check_choice("acceptance", self.acceptance, ACCEPTANCE_MODES)
-        if not (0 < self.typical_epsilon < 1 and self.typical_delta > 0):
-            raise ConfigError("typical acceptance needs 0 < epsilon < 1 and delta > 0")
-        if self.max_batch < 1:
-            raise ConfigError(f"max_batch must be >= 1, got {self.max_batch}")
-        if self.speculate_max_batch is not None and self.speculate_max_batch < 0:
-            raise ConfigError(f"speculate_max_batch must be >= 0, got {self.speculate_max_batch}")
-        self.dtype = canonical_dtype(self.dtype)
-        check_choice("weight_layout", self.weight_layout, WEIGHT_LAYOUTS)
-        if self.step_cost_ratio is not None and self.step_cost_ratio < 0:
-            raise ConfigError(f"step_cost_ratio must be >= 0, got {self.step_cost_ratio}")
-        if self.compile and self.cuda_graphs:
-            raise ConfigError("compile and cuda_graphs are two ways to run the decoding step: choose one")
-        if self.lookup_history is not None and self.lookup_history < 0:
-            raise ConfigError(f"lookup_history must be >= 0 tokens; got {self.lookup_history}")
-        if self.lookup_nodes is not None and self.lookup_nodes < 1:
-            raise ConfigError(f"lookup_nodes must be >= 1; got {self.lookup_nodes}")
-        if min(1 if self.draft_nodes is None else self.draft_nodes, self.draft_depth, self.draft_topk) < 1:
-            raise ConfigError(f"draft_nodes, draft_depth and draft_topk must be >= 1; got {self.draft_nodes}, "
-                              f"{self.draft_depth}, {self.draft_topk}")
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return torch_dtype(self.dtype)
 
 
 @dataclass
@@ -308,7 +242,7 @@ class Engine:
     """Plain, Medusa and EAGLE decoding (see the module docstring). One generate() at a time per instance.
 
     ``heads``: Medusa heads (:class:`MedusaHeads`), an EAGLE-3 drafter (:class:`EagleDrafter`), or
-    the lookup proposer (:class:`~distill.engine.lookup.Lookup`: n-gram matches in the context). The engine prepares the model (and heads) it is given, in place, values unchanged: weights
+    the lookup proposer (:class:`~distill.engine.proposers.lookup.Lookup`: n-gram matches in the context). The engine prepares the model (and heads) it is given, in place, values unchanged: weights
     re-laid out per ``EngineConfig.weight_layout`` (:mod:`distill.engine.weights`), RMS normalisations and the
     rotary embedding on one kernel each (:mod:`distill.engine.norms`, :mod:`distill.engine.rotary`; same switch; a
     compiled forward traces the modules' own code) and ``sdpa`` attention switched to ``distill_sdpa`` (:mod:`distill.engine.attention`).
@@ -325,7 +259,7 @@ class Engine:
         lookup: Lookup | None = None,
     ):
         """``tree``: Medusa's resolved tree; for an EAGLE drafter, its calibrated accuracy only (no paths). ``lookup``:
-        a lookup proposer whose trees are merged with the heads' or drafter's (:class:`~distill.engine.union.Union`)."""
+        a lookup proposer whose trees are merged with the heads' or drafter's (:class:`~distill.engine.proposers.union.Union`)."""
         self.config = config or EngineConfig()
         self.model = model.eval()
         # the model's linear layers, prepared in place (values unchanged) where the rule says they multiply faster
@@ -440,7 +374,8 @@ class Engine:
                 raise ConfigError("an EAGLE drafter drafts a dynamic tree: set draft_nodes / draft_depth / draft_topk "
                                   "(--draft-nodes ...), not a Medusa tree")
             c = self.config
-            return Eagle(heads, model.get_input_embeddings(), c.draft_nodes or DEFAULT_NODES, c.draft_depth, c.draft_topk,
+            return Eagle(heads, model.get_input_embeddings(), c.draft_nodes or DEFAULT_NODES, c.draft_depth or DEFAULT_DEPTH,
+                         c.draft_topk or DEFAULT_TOPK,
                          accuracy=tree.accuracy if tree is not None and tree.accuracy else None)
         return Medusa(heads, tree or resolve_tree(self.config.tree, hc.num_heads), self.device)
 
@@ -488,8 +423,7 @@ class Engine:
                               f"'{LOOKUP}' with it")
         if config.lookup_history is not None and not (lookup or config.lookup):
             raise ConfigError(f"lookup_history is the lookup proposer's: pass heads '{LOOKUP}' with it")
-        teacher = read_distill_meta(Path(heads)).get("teacher_dtype") if heads is not None and not lookup else None
-        where = stage_dtype(resolved.path, config.device, config.dtype, teacher, what=f"the heads in {heads}")
+        where = resolve_placement(config, resolved.path, heads)
         config = dataclasses.replace(config, device=where.device, dtype=where.dtype)
         device = torch.device(config.device)
         lm = AutoModelForCausalLM.from_pretrained(resolved.path, dtype=config.torch_dtype).to(device).eval()
@@ -711,7 +645,7 @@ class _Batch:
 
     Row b's state: ``ends[b]`` its committed length (host), ``root[b]`` its next token (device),
     and, when the batch speculates, its row of the proposer's draft state ``draft``
-    (:mod:`distill.engine.proposer`; None for plain decoding throughout).
+    (:mod:`distill.engine.proposers.base`; None for plain decoding throughout).
     """
 
     def __init__(self, engine: Engine, seqs: list[_Seq], cache: kv.SlotCache, ends: list[int], root: torch.Tensor, draft):

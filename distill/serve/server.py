@@ -40,7 +40,7 @@ def bind_warning(cfg: ServeConfig) -> str | None:
 
 def build_app(cfg: ServeConfig, worker_thread: bool = True):
     """Load the engine and make the app (no socket yet); ``worker_thread``: see :func:`~distill.serve.app.create_app`."""
-    from distill.engine import Engine, EngineConfig
+    from distill.engine import Engine
     from distill.models import load_chat_template, resolve_model, stop_token_ids
     from distill.serve.app import AppSettings, create_app
     from distill.serve.protocol import request_defaults
@@ -55,13 +55,7 @@ def build_app(cfg: ServeConfig, worker_thread: bool = True):
     for name, value in unhonoured.items():
         log.warning("the generation config sets %s=%s, which this server does not honour yet: requests that omit %s "
                     "decode without it", name, value, name)
-    engine_cfg = EngineConfig(
-        acceptance=cfg.acceptance, typical_epsilon=cfg.typical_epsilon, typical_delta=cfg.typical_delta,
-        tree=cfg.tree, max_batch=cfg.engine_batch, dtype=cfg.dtype, device=cfg.device, step_cost_ratio=cfg.step_cost_ratio,
-        adaptive=cfg.adaptive, compile=cfg.compile, cuda_graphs=cfg.cuda_graphs, lookup_data=cfg.lookup_data,
-        lookup_history=cfg.lookup_history, lookup=cfg.lookup, lookup_nodes=cfg.lookup_nodes, **({"draft_nodes": cfg.draft_nodes} if cfg.draft_nodes else {}),
-    )
-    engine = Engine.from_pretrained(cfg.model, cfg.heads, engine_cfg)
+    engine = Engine.from_pretrained(cfg.model, cfg.heads, cfg.decoding)
     if getattr(engine.proposer, "datastore", None) is not None:
         log.info("lookup datastore: %s", engine.proposer.datastore.describe())
     if getattr(engine.proposer, "history", None) is not None:
@@ -69,7 +63,7 @@ def build_app(cfg: ServeConfig, worker_thread: bool = True):
     if engine.step_costs is not None:
         when = f"kept from an earlier start in {engine.step_costs.source}" if engine.step_costs.source else "measured at start"
         log.info("step costs %s (rows: cost of a forward over a one-row one): %s", when, engine.step_costs.to_dict())
-    if cfg.compile:
+    if cfg.decoding.compile:
         t0 = time.perf_counter()
         engine.warmup()
         log.info("compiled the engine's single-token forward in %.0f s", time.perf_counter() - t0)
@@ -83,7 +77,7 @@ def build_app(cfg: ServeConfig, worker_thread: bool = True):
         max_model_len=max_len,
         stop_token_ids=tuple(sorted(stop_token_ids(engine.tokenizer, resolved.path))),
         queue_size=cfg.queue_size,
-        max_batch=cfg.engine_batch,
+        max_batch=cfg.decoding.max_batch,
         default_max_tokens=cfg.default_max_tokens,
         api_key=cfg.api_key,
         speculative=engine.proposer is not None,
@@ -127,7 +121,7 @@ def _log_to_stderr(level: str) -> None:
 
 def check_heads(cfg: ServeConfig) -> None:
     """``--heads``: none, ``lookup``, or a folder holding heads or a drafter (names on disk only: nothing loads)."""
-    from distill.engine.lookup import LOOKUP
+    from distill.engine.proposers.lookup import LOOKUP
     from distill.heads.model import check_heads_folder
 
     if cfg.heads is not None and cfg.heads != LOOKUP:
@@ -227,20 +221,20 @@ def vllm_command(cfg: ServeConfig, python: str | None = None) -> list[str]:
     (``--heads lookup``: vLLM's ``ngram`` prompt lookup, with the lookup proposer's n-gram range).
 
     vLLM proposes one chain (each head's top-1 token) and verifies it; it has no
-    tree attention, so ``--tree`` does not apply. The dtype follows the one rule
-    (:func:`distill.runtime.stage_dtype`: the heads' teacher dtype by default); vLLM's
+    tree attention, so ``--tree`` does not apply. The dtype and its one rule are the distill
+    engine's (:func:`distill.engine.config.resolve_placement`: the heads' teacher dtype by default); vLLM's
     own defaults stand for everything else, and ``cfg.vllm_args`` (what followed ``--``
     on the command line) are appended unchanged.
     """
-    from distill.engine.lookup import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, LOOKUP
+    from distill.engine.proposers.lookup import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, LOOKUP
     from distill.heads.eagle import is_eagle3_folder
-    from distill.heads.model import HeadsConfig, check_heads_folder, read_distill_meta
+    from distill.heads.model import HeadsConfig, check_heads_folder
+    from distill.engine.config import resolve_placement
     from distill.models import resolve_model
-    from distill.runtime import stage_dtype
 
     if cfg.heads == LOOKUP:  # vLLM's prompt lookup: one chain from the context's n-gram match, nothing loaded
         resolved = resolve_model(cfg.model)
-        where = stage_dtype(resolved.path, "auto", cfg.dtype, None, what="the model")
+        where = resolve_placement(cfg.decoding, resolved.path, cfg.heads)
         spec = {"method": "ngram", "num_speculative_tokens": cfg.num_speculative_tokens or VLLM_LOOKUP_TOKENS,
                 "prompt_lookup_max": DEFAULT_MAX_NGRAM, "prompt_lookup_min": DEFAULT_MIN_NGRAM}
         return _vllm_server_command(cfg, python, resolved, spec, where.dtype)
@@ -258,7 +252,7 @@ def vllm_command(cfg: ServeConfig, python: str | None = None) -> list[str]:
         if k > hcfg.num_heads:
             raise ConfigError(f"--num-speculative-tokens {k} exceeds the {hcfg.num_heads} heads in {heads}")
     resolved = resolve_model(cfg.model)
-    where = stage_dtype(resolved.path, "auto", cfg.dtype, read_distill_meta(heads).get("teacher_dtype"), what=f"the heads in {heads}")
+    where = resolve_placement(cfg.decoding, resolved.path, heads)
     spec = {"method": method, "model": str(heads), "num_speculative_tokens": k}
     return _vllm_server_command(cfg, python, resolved, spec, where.dtype)
 
@@ -272,8 +266,8 @@ def _vllm_server_command(cfg: ServeConfig, python: str | None, resolved, spec: d
         "--speculative-config", json.dumps(spec),
         "--dtype", dtype,
     ]
-    if cfg.max_batch is not None:
-        cmd += ["--max-num-seqs", str(cfg.max_batch)]
+    if cfg.vllm_max_num_seqs is not None:
+        cmd += ["--max-num-seqs", str(cfg.vllm_max_num_seqs)]
     if cfg.max_model_len is not None:
         cmd += ["--max-model-len", str(cfg.max_model_len)]
     if cfg.chat_template is not None:  # vLLM's options of the same names and meanings

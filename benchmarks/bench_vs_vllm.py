@@ -1,0 +1,358 @@
+"""`distill serve` against `vllm serve`, measured by vLLM's own benchmark client ("Benchmark").
+
+    nice -n 10 .venv/bin/python benchmarks/bench_vs_vllm.py --drafter lookup --drafter out/heads \\
+        --concurrency 1,4,16 --max-tokens 128 --repeats 2
+
+Servers (``--servers``, a subset of ``abcd``), each started on 127.0.0.1 by this script, measured at
+every concurrency, then stopped, one at a time, all in the same dtype (:func:`distill.runtime.placement`):
+
+a  ``vllm serve MODEL``: ``python -m vllm.entrypoints.openai.api_server --model DIR --dtype D``, vLLM's
+   defaults otherwise (on a CPU its KV cache size from :func:`distill.runtime.vllm_cpu_env`; its process layout
+   is vLLM's own: engine core and worker processes, one core reserved for the engine core).
+b  ``distill serve``: plain decoding.
+c  ``distill serve --heads H``: our engine with drafter H, once per ``--drafter`` (a Medusa or EAGLE-3 folder,
+   or ``lookup``: n-gram matches in the context, nothing trained; the default when no drafter is given). The
+   lookup servers run without their history of earlier replies (each concurrency level resends the prompts);
+   ``--lookup-history N`` adds a twin of each with it (``c:lookup+history``), measured in one pass.
+d  ``distill serve --engine vllm --heads H``: vLLM with H as its speculator (``lookup``: vLLM's ``ngram``).
+
+``distill serve`` gets ``--max-batch`` = the largest concurrency (its default, 8, would queue requests at
+concurrency 16 that vLLM runs); ``--vllm-arg`` options go to the vLLM servers (a, d) only.
+
+The request set: the first user turn of each bundled MT-Bench question (the first ``--limit``, seed
+order), written as the JSONL of vLLM's ``--dataset-name custom`` and sent unshuffled through
+``--backend openai-chat`` with ``--skip-chat-template``, so every server applies the model's chat template
+itself; greedy (``--temperature 0``), ``--max-tokens`` output tokens each, forced with ``--ignore-eos`` (both
+engines honour ``ignore_eos``); ``--max-concurrency C`` at an unbounded request rate, after ``--warmups``
+untimed requests per server start. ``--repeats R`` starts every server R times, the order reversed every
+other repeat (a b c d, d c b a, ...), so a drift in the machine's load hits all alike.
+
+Figures (per server and concurrency, all repeats pooled; vLLM's own definitions):
+
+output tok/s
+    output tokens of the successful requests / wall seconds of the run (vLLM's ``output_throughput``).
+TTFT
+    seconds from sending a request to its first streamed token.
+ITL
+    seconds between consecutive streamed chunks of a request. A speculating server may stream several
+    tokens in one chunk, so its ITL is per chunk; TPOT is per token.
+TPOT
+    (latency - TTFT) / (output tokens - 1) of each request.
+vs a
+    output tok/s / server a's at the same concurrency, measured in the same run.
+same as a
+    fraction of requests whose text equals server a's for the same prompt and concurrency (greedy:
+    equal up to the engines' numerics; a low value means the servers did not do the same work).
+
+The JSON (``--out``, default ``benchmarks/results/vs-vllm-<cpu>.json``) names the machine and holds the
+summary, the table, every run's vLLM result (per-request lists left out) and the server commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+from bench_serve import free_port
+from distill.store.atomic import atomic_write_bytes
+
+REPO = Path(__file__).resolve().parents[1]
+DISTILL = str(Path(sys.executable).with_name("distill"))
+SERVERS = "abcd"
+PER_REQUEST = ("input_lens", "output_lens", "ttfts", "itls", "latencies", "start_times", "queue_times",
+               "generated_texts", "errors")
+
+
+# -- servers -----------------------------------------------------------------------------------------
+class Server:
+    """A server command on 127.0.0.1 in its own process group (vLLM's engine core is a child process)."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str], log: Path):
+        self.cmd, self.log = cmd, log
+        self.proc = subprocess.Popen(cmd, env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(self, url: str, timeout: float) -> str:
+        """Poll ``/v1/models`` until it answers; -> the served model id."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"exited ({self.proc.returncode}); {self.log}:\n{self.log.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(f"{url}/v1/models", timeout=5) as r:
+                    return json.loads(r.read())["data"][0]["id"]
+            except OSError:
+                time.sleep(1)
+        self.stop()
+        raise RuntimeError(f"not ready in {timeout:.0f} s; {self.log}:\n{self.log.read_text()[-3000:]}")
+
+    def stop(self, grace: float = 60) -> None:
+        """SIGTERM to the server, which stops its children in order; then SIGKILL to what is left of the group
+        (a SIGTERM to the whole group kills vLLM's engine core under its API server, which logs an EngineDeadError)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the engine core, if the API server left it behind
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+
+def server_commands(args, model_dir: Path, dtype: str, max_batch: int) -> dict[str, list[str]]:
+    """Server key ('a', 'b', 'c:lookup', 'd:out/heads', ...) -> its command, without ``--port``."""
+    vllm_extra = list(args.vllm_arg)
+    distill = [DISTILL, "serve", "--model", str(model_dir), "--dtype", dtype, "--log-level", "warning",
+               "--max-batch", str(max_batch), "--queue-size", str(max(64, 2 * max_batch))]
+    cmds = {}
+    if "a" in args.servers:
+        cmds["a"] = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+                     "--host", "127.0.0.1", "--dtype", dtype, *vllm_extra]
+    if "b" in args.servers:
+        cmds["b"] = distill
+    # the lookup servers' history of earlier replies (--lookup-history): off, because every concurrency level and
+    # the client's warm-ups send the same prompts, whose replies a history would replay; --lookup-history N adds a
+    # twin of each lookup server with it (main() then requires one pass over the prompts)
+    lookups = {}
+    for h in args.drafter:
+        if "c" in args.servers:
+            cmds[f"c:{h}"] = [*distill, "--heads", h]
+            if h == "lookup":
+                lookups[f"c:{h}"] = cmds[f"c:{h}"]
+    for data in args.lookup_data:  # the lookup proposer with a self-distilled dataset as its datastore
+        if "c" in args.servers:
+            cmds[f"c:lookup+{Path(data).name}"] = lookups[f"c:lookup+{Path(data).name}"] = [
+                *distill, "--heads", "lookup", "--lookup-data", data]
+    for key, cmd in lookups.items():
+        cmds[key] = [*cmd, "--lookup-history", "0"]
+        if args.lookup_history:
+            cmds[f"{key}+history"] = [*cmd, "--lookup-history", str(args.lookup_history)]
+    for h in args.drafter:
+        if "d" in args.servers:
+            cmds[f"d:{h}"] = [DISTILL, "serve", "--engine", "vllm", "--model", str(model_dir), "--heads", h,
+                              "--dtype", dtype, *(["--", *vllm_extra] if vllm_extra else [])]
+    return cmds
+
+
+def server_env() -> dict[str, str]:
+    """This environment for the servers: on a CPU, the KV cache size of :func:`distill.runtime.vllm_cpu_env`
+    (vLLM's own default does not fit a small machine) and nothing else of it: server a is vLLM's own process
+    layout, as ``vllm serve`` starts it; ``distill serve --engine vllm`` (d) sets the rest itself."""
+    from distill.runtime import resolve_device, vllm_cpu_env
+
+    env = dict(os.environ)
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    if resolve_device("auto") == "cpu":
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", vllm_cpu_env()["VLLM_CPU_KVCACHE_SPACE"])
+    return env
+
+
+def with_port(cmd: list[str], port: int) -> list[str]:
+    """The port goes before a ``--`` (what follows it is vLLM's)."""
+    i = cmd.index("--") if "--" in cmd else len(cmd)
+    return [*cmd[:i], "--port", str(port), *cmd[i:]]
+
+
+# -- the request set and the client --------------------------------------------------------------------
+def write_prompts(path: Path, limit: int | None) -> int:
+    """MT-Bench first user turns -> JSONL ``{"prompt": ...}`` lines (vLLM's custom dataset); -> how many."""
+    from distill.seeds import load_seed
+
+    prompts = [next(m.content for m in conv.messages if m.role == "user") for conv in load_seed("mt-bench")]
+    prompts = prompts[:limit] if limit else prompts
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    return len(prompts)
+
+
+def client_argv(url: str, model_id: str, tokenizer: Path, dataset: Path, n: int, max_tokens: int, concurrency: int,
+                warmups: int, ignore_eos: bool) -> list[str]:
+    return ["--backend", "openai-chat", "--endpoint", "/v1/chat/completions", "--base-url", url, "--model", model_id,
+            "--tokenizer", str(tokenizer), "--dataset-name", "custom", "--dataset-path", str(dataset),
+            "--skip-chat-template", "--disable-shuffle", "--num-prompts", str(n), "--custom-output-len", str(max_tokens),
+            "--temperature", "0", *(["--ignore-eos"] if ignore_eos else []), "--max-concurrency", str(concurrency),
+            "--num-warmups", str(warmups), "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
+            "--save-detailed", "--disable-tqdm"]
+
+
+# -- figures ---------------------------------------------------------------------------------------------
+def summarize(runs: list[dict]) -> dict:
+    """vLLM result dicts (``--save-detailed``) of one server and concurrency, pooled over repeats."""
+    ok = [[not e for e in r["errors"]] for r in runs]
+    pick = lambda key: [x for r, m in zip(runs, ok) for x, good in zip(r[key], m) if good]  # noqa: E731
+    ttft = np.array(pick("ttfts")) * 1000
+    itl = np.array([x for xs in pick("itls") for x in xs]) * 1000
+    tpot = np.array([(lat - t) / (n - 1) for lat, t, n in zip(pick("latencies"), pick("ttfts"), pick("output_lens")) if n > 1]) * 1000
+    q = lambda a, p: float(np.percentile(a, p)) if a.size else None  # noqa: E731
+    accept = [r["spec_decode_acceptance_length"] for r in runs if "spec_decode_acceptance_length" in r]
+    return {
+        "completed": sum(r["completed"] for r in runs), "failed": sum(r["failed"] for r in runs),
+        "output_tokens": sum(r["total_output_tokens"] for r in runs), "seconds": sum(r["duration"] for r in runs),
+        "output_tok_s": sum(r["total_output_tokens"] for r in runs) / sum(r["duration"] for r in runs),
+        "median_ttft_ms": q(ttft, 50), "p99_ttft_ms": q(ttft, 99), "median_itl_ms": q(itl, 50), "p99_itl_ms": q(itl, 99),
+        "median_tpot_ms": q(tpot, 50), "p99_tpot_ms": q(tpot, 99),
+        "output_lens": sorted(set(pick("output_lens"))),
+        "acceptance_length": float(np.mean(accept)) if accept else None,
+        "errors": sorted({e for r in runs for e in r["errors"] if e})[:5],
+    }
+
+
+def same_text(runs: list[dict], reference: list[dict]) -> float | None:
+    """Fraction of requests whose text equals the reference's for the same prompt (repeats paired in order)."""
+    pairs = [(x, y) for r, s in zip(runs, reference) for x, y, ex, ey in
+             zip(r["generated_texts"], s["generated_texts"], r["errors"], s["errors"]) if not ex and not ey]
+    return sum(x == y for x, y in pairs) / len(pairs) if pairs else None
+
+
+def table(summary: dict[str, dict[int, dict]], levels: list[int]) -> list[str]:
+    def f(v, spec: str = ".1f", suffix: str = "") -> str:
+        return "-" if v is None else f"{v:{spec}}{suffix}"
+
+    rows = ["| conc | server | out tok/s | vs a | TTFT med / p99 ms | ITL med / p99 ms | TPOT med ms | accept len | same as a | failed |",
+            "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for c in levels:
+        for name, per_c in summary.items():
+            if c in per_c:
+                s = per_c[c]
+                rows.append(f"| {c} | {name} | {f(s['output_tok_s'])} | {f(s['vs_a'], '.2f', 'x')} | "
+                            f"{f(s['median_ttft_ms'])} / {f(s['p99_ttft_ms'])} | {f(s['median_itl_ms'])} / {f(s['p99_itl_ms'])} | "
+                            f"{f(s['median_tpot_ms'])} | {f(s['acceptance_length'], '.2f')} | {f(s['same_as_a'], '.2f')} | {s['failed']} |")
+    return rows
+
+
+def cpu_slug() -> str:
+    """The CPU's model name as a file-name part: 'AMD EPYC 7B13' -> 'amd-epyc-7b13'."""
+    from distill.runtime import cpu_info
+
+    name = re.sub(r"\((r|tm)\)", "", cpu_info().model.lower())
+    return re.sub(r"[^a-z0-9]+", "-", name).strip("-") or "cpu"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="model name, folder or Hub id (default: the bundled one)")
+    ap.add_argument("--drafter", action="append", default=[], metavar="H",
+                    help="drafter of servers c and d: a heads folder or `lookup` (repeatable; default: lookup)")
+    ap.add_argument("--lookup-history", type=int, default=0, metavar="TOKENS",
+                    help="also each lookup server with --lookup-history TOKENS (keys ...+history); needs one concurrency "
+                         "level and --warmups 0, and skips the client's ready-check request, so that every prompt is "
+                         "sent once (the lookup servers otherwise run with no history)")
+    ap.add_argument("--lookup-data", action="append", default=[], metavar="DATA",
+                    help="also (c) `distill serve --heads lookup --lookup-data DATA` (repeatable)")
+    ap.add_argument("--servers", default=SERVERS, help="which servers, e.g. ab or abcd (default: abcd)")
+    ap.add_argument("--limit", type=int, default=None, help="the first N MT-Bench first turns (default: all 80)")
+    ap.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
+    ap.add_argument("--concurrency", default="1,4,16", help="comma-separated client concurrencies")
+    ap.add_argument("--repeats", type=int, default=2, help="server starts each, the order reversed every other repeat")
+    ap.add_argument("--warmups", type=int, default=2, help="untimed requests after each server start")
+    ap.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false", help="let requests end at EOS")
+    ap.add_argument("--dtype", default="auto", help="all servers' dtype (auto: distill.runtime's rule for the model)")
+    ap.add_argument("--max-batch", type=int, default=None, help="distill serve's --max-batch (default: the largest concurrency)")
+    ap.add_argument("--vllm-arg", action="append", default=[], metavar="ARG",
+                    help="an argument for the vLLM servers (a, d), e.g. --vllm-arg=--enforce-eager (repeatable)")
+    ap.add_argument("--start-timeout", type=float, default=900)
+    ap.add_argument("--out", default=None, help="result JSON (default: benchmarks/results/vs-vllm-<cpu>.json)")
+    args = ap.parse_args()
+    args.drafter = args.drafter or ["lookup"]
+    if not set(args.servers) <= set(SERVERS) or not args.servers:
+        ap.error(f"--servers takes letters of {SERVERS}; got {args.servers!r}")
+    levels = [int(c) for c in args.concurrency.split(",")]
+    if args.lookup_history and (len(levels) != 1 or args.warmups):
+        ap.error("--lookup-history measures one pass over the prompts: give one --concurrency and --warmups 0")
+
+    import vllm
+
+    import distill
+    from distill.models import resolve_model
+    from distill.runtime import machine, placement
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from vllm_bench_serve import run as vllm_bench
+
+    resolved = resolve_model(args.model)
+    dtype = placement(resolved.path, "auto", args.dtype).dtype
+    cmds = server_commands(args, resolved.path, dtype, args.max_batch or max(levels))
+    work = Path(tempfile.mkdtemp(prefix="bench_vs_vllm-"))
+    dataset = work / "mt-bench-first-turns.jsonl"
+    n = write_prompts(dataset, args.limit)
+    env = server_env()
+    print(f"{machine()}; {resolved.name} {dtype}; {n} prompts x {args.max_tokens} tokens; servers {', '.join(cmds)}; "
+          f"logs in {work}", flush=True)
+
+    runs: dict[str, dict[int, list[dict]]] = {name: {c: [] for c in levels} for name in cmds}
+    failures: dict[str, list[str]] = {}
+    for r in range(args.repeats):
+        for name in (list(cmds) if r % 2 == 0 else list(cmds)[::-1]):
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            t0 = time.monotonic()
+            server = Server(with_port(cmds[name], port), env, work / f"{name.replace('/', '_')}-{r}.log")
+            try:
+                model_id = server.wait_ready(url, args.start_timeout)
+                print(f"[{r + 1}/{args.repeats}] {name}: up in {time.monotonic() - t0:.0f} s", flush=True)
+                for i, c in enumerate(levels):
+                    argv = client_argv(url, model_id, resolved.path, dataset, n, args.max_tokens, c,
+                                       args.warmups if i == 0 else 0, args.ignore_eos)
+                    if args.lookup_history:  # its ready check sends the first prompt once more: skipped for every server
+                        argv += ["--ready-check-timeout-sec", "0"]
+                    res = vllm_bench(argv)
+                    runs[name][c].append(res)
+                    print(f"[{r + 1}/{args.repeats}] {name} c={c}: {res['output_throughput']:.1f} tok/s, "
+                          f"{res['failed']} failed", flush=True)
+            except (RuntimeError, ValueError, OSError) as exc:  # a server that does not start or answer: the others still run
+                failures.setdefault(name, []).append(f"repeat {r + 1}: {exc}")
+                print(f"[{r + 1}/{args.repeats}] {name}: FAILED: {str(exc)[-1500:]}", flush=True)
+            finally:
+                server.stop()
+
+    summary: dict[str, dict[int, dict]] = {}
+    for name, per_c in runs.items():
+        summary[name] = {}
+        for c, rs in per_c.items():
+            if not rs:
+                continue
+            s = summarize(rs)
+            ref = runs.get("a", {}).get(c) or []
+            s["same_as_a"] = same_text(rs, ref) if ref else None
+            s["vs_a"] = None
+            if ref:
+                s["vs_a"] = s["output_tok_s"] / summarize(ref)["output_tok_s"]
+            if args.ignore_eos and s["output_lens"] not in ([], [args.max_tokens]):
+                print(f"warning: {name} c={c}: output lengths {s['output_lens']} with ignore_eos, not all {args.max_tokens}")
+            summary[name][c] = s
+    rows = table(summary, levels)
+    print("\n".join(rows))
+    for name, errs in failures.items():
+        print(f"{name} failed: {errs[0][:300]}")
+
+    out = Path(args.out) if args.out else REPO / "benchmarks" / "results" / f"vs-vllm-{cpu_slug()}.json"
+    doc = {
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": machine(),
+        "model": resolved.name, "model_path": str(resolved.path), "dtype": dtype, "prompts": n,
+        "versions": {"vllm": vllm.__version__, "distill": distill.__version__},
+        "args": vars(args), "servers": cmds,
+        "summary": {name: {str(c): s for c, s in per_c.items()} for name, per_c in summary.items()},
+        "table": rows, "failures": failures, "logs": str(work),
+        "runs": {name: {str(c): [{k: v for k, v in res.items() if k not in PER_REQUEST} for res in rs] for c, rs in per_c.items()}
+                 for name, per_c in runs.items()},
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(out, (json.dumps(doc, indent=1, default=str) + "\n").encode())
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
