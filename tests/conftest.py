@@ -230,7 +230,7 @@ def run_distill(args, env: dict | None = None, cwd: Path | None = None, timeout:
     imports (torch and transformers: seconds of CPU each), which this worker has done
     already. For commands that end by themselves in one process: not ``serve`` (signal handlers, a port), not
     vLLM's ``generate`` (one in-process vLLM engine a process; the session's is :func:`vllm_backend`), not a
-    run a test kills: those keep their processes, and the README walkthrough runs each subcommand first as
+    run a test kills: those keep their processes, and the docs walkthrough runs each subcommand first as
     the console script. A command still running after ``timeout`` seconds ends this worker with every thread's
     traceback on stderr (:func:`faulthandler.dump_traceback_later`): a hang fails, as the subprocess's timeout
     made it fail, instead of stalling the suite.

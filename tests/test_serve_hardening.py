@@ -113,6 +113,32 @@ def test_sampling_values_the_engine_cannot_take_get_a_400_naming_the_field(serve
     assert param in r.json()["error"]["message"]
 
 
+LONE = "a\ud800b"  # a lone surrogate: JSON can carry it (json.dumps escapes it as \\ud800), UTF-8 cannot
+
+
+@pytest.mark.parametrize(("path", "payload", "param"), [
+    ("/v1/chat/completions", body(LONE), "messages.0.content"),
+    ("/v1/chat/completions", {**body("Hi!"), "messages": [{"role": "user", "content": [{"type": "text", "text": LONE}]}]},
+     "messages.0.content.0.text"),
+    ("/v1/chat/completions", body("Hi!", stop=["x", LONE]), "stop.1"),
+    ("/v1/chat/completions", body("Hi!", chat_template_kwargs={LONE: True}), "chat_template_kwargs"),  # a key: not echoed
+    ("/v1/completions", {"model": "smollm2-135m-instruct", "prompt": LONE, "max_tokens": 2}, "prompt"),
+    ("/v1/completions", {"model": "smollm2-135m-instruct", "prompt": ["ok", LONE], "max_tokens": 2}, "prompt.1"),
+    ("/tokenize", {"prompt": LONE}, "prompt"),
+    ("/tokenize", {"messages": chat(LONE)}, "messages.0.content"),
+])
+def test_text_utf8_cannot_encode_gets_a_400_naming_the_field(server, path, payload, param):
+    """A lone surrogate in any request text is a 400 naming the field (once a 500 from the tokenizer), and the
+    server goes on answering."""
+    raw = json.dumps(payload).encode("ascii")
+    r = httpx.post(f"{server.url}{path}", content=raw, headers={"Content-Type": "application/json"}, timeout=300)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["message"].startswith(f"{param}: ") and error["type"] == "invalid_request_error", error
+    assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
+    assert httpx.post(f"{server.url}/tokenize", json={"prompt": "Hi!"}, timeout=60).status_code == 200
+
+
 def test_a_non_streaming_client_that_hangs_up_frees_the_engine(server):
     """The client sends a 2000-token request and closes its connection once the engine decodes it: the
     sequence ends as `abort` within a few decoding steps of the hang-up (the handler awaits the disconnect

@@ -277,3 +277,81 @@ def test_pathological_json_becomes_a_rejection_or_a_one_line_error(tmp_path):
     r = run_distill(["data", "convert", str(doc), "--format", "shards", "--out", str(tmp_path / "o2")])
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         f"error: seed file '{doc}' nests JSON deeper than Python's parser allows: not a list of conversations"]
+
+
+def _victim(tmp_path):
+    """A shard-like file outside every dataset folder, and a snapshot of the folder that holds it."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "f.parquet").write_bytes(b"not yours to touch\n")
+    return victim, lambda: {p.name: p.read_bytes() for p in victim.iterdir()}
+
+
+@pytest.mark.parametrize("escape", ["../victim/f.parquet", "ABSOLUTE"])
+def test_a_manifest_entry_naming_a_file_outside_the_folder_is_refused_by_every_command(plain_shards, tmp_path, escape):
+    """A shard entry whose ``file`` leaves the dataset folder: repair, convert and push --dry-run refuse with one
+    line naming the entry, validate lists it as a problem (exit 1), and the file outside stays as it was."""
+    victim, snapshot = _victim(tmp_path)
+    before = snapshot()
+    ds = tmp_path / "ds"
+    shutil.copytree(plain_shards, ds)
+    name = str(victim / "f.parquet") if escape == "ABSOLUTE" else escape
+    manifest = json.loads((ds / "manifest.json").read_text())
+    manifest["shards"][0]["file"] = name
+    (ds / "manifest.json").write_text(json.dumps(manifest))
+    runs = {
+        "repair": ["data", "repair", ds],
+        "convert": ["data", "convert", ds, "--format", "openai", "--out", tmp_path / "o.jsonl"],
+        "push": ["push", ds, "--repo", "me/x", "--dry-run", tmp_path / "preview"],
+    }
+    for what, args in runs.items():
+        r = run_distill(args)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode != 0 and len(lines) == 1 and "shards[0].file" in lines[0] and repr(name) in lines[0], (what, r.stderr)
+        assert snapshot() == before, what
+    assert not (tmp_path / "o.jsonl").exists() and not (tmp_path / "preview" / "data").exists()
+    r = run_distill(["data", "validate", ds])
+    assert r.returncode == 1 and "shards[0].file" in r.stdout + r.stderr, r.stdout + r.stderr
+    with pytest.raises(StoreError, match=r"shards\[0\]\.file"):
+        load_manifest(ds)
+    assert snapshot() == before
+
+
+def test_a_lock_file_that_is_a_symlink_is_refused_and_its_target_kept(plain_shards, tmp_path):
+    victim, snapshot = _victim(tmp_path)
+    before = snapshot()
+    ds = tmp_path / "ds"
+    shutil.copytree(plain_shards, ds)
+    (ds / LOCK_FILE).symlink_to("../victim/f.parquet")
+    with pytest.raises(StoreError, match="symbolic link"):
+        FolderLock(ds).acquire()
+    r = run_distill(["data", "repair", ds])  # a command that takes the folder's lock
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode != 0 and len(lines) == 1 and LOCK_FILE in lines[0] and "symbolic link" in lines[0], r.stderr
+    (ds / LOCK_FILE).unlink()
+    (ds / LOCK_FILE).symlink_to("../victim/new")  # dangling: O_CREAT would make the target
+    with pytest.raises(StoreError, match="symbolic link"):
+        FolderLock(ds).acquire()
+    assert snapshot() == before and (ds / LOCK_FILE).is_symlink()
+
+
+@pytest.mark.parametrize("target", ["f.parquet", "new"])
+def test_a_journal_that_is_a_symlink_is_refused_and_its_target_kept(tmp_path, target):
+    from conftest import tiny_row, tiny_store
+    from distill.store.journal import JOURNAL
+
+    victim, snapshot = _victim(tmp_path)
+    before = snapshot()
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    (ds / JOURNAL).symlink_to(f"../victim/{target}")
+    with pytest.raises(StoreError, match="symbolic link"):
+        tiny_store(ds)
+    assert snapshot() == before and (ds / JOURNAL).is_symlink()
+    (ds / JOURNAL).unlink()
+    store = tiny_store(ds)  # a link made while a run holds the folder: the next journal file is not written through it
+    (ds / JOURNAL).symlink_to(f"../victim/{target}")
+    with pytest.raises(StoreError, match="symbolic link"):
+        store.append([tiny_row(0)])
+    store.close()
+    assert snapshot() == before

@@ -52,7 +52,7 @@ import pyarrow.parquet as pq
 from distill.conversation import conversation_id
 from distill.data.dataset import BATCH_ROWS
 from distill.store.location import Folder, open_folder
-from distill.store.shards import FORMAT, MANIFEST, META_KEY, REJECTS, SHARD_RE, shard_schema
+from distill.store.shards import FORMAT, MANIFEST, META_KEY, REJECTS, SHARD_RE, shard_entry_problem, shard_schema
 from distill.store.teacher import TeacherEncoding, manifest_encoding
 
 MAX_LISTED = 10  # problems listed per (file, check); the rest are counted
@@ -320,8 +320,16 @@ def validate_dataset(root: Path | str, checksums: bool = True) -> ValidationRepo
     except (ValueError, UnicodeDecodeError) as exc:
         out.add(MANIFEST, "manifest", f"not valid JSON ({exc})")
         return report
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("shards", []), list):
+        out.add(MANIFEST, "manifest", "not a distill manifest (no list of shards)")
+        return report
     if manifest.get("format") != FORMAT:
         out.add(MANIFEST, "manifest", f"format is {manifest.get('format')!r}, expected {FORMAT!r}")
+        return report
+    unsafe = [p for i, entry in enumerate(manifest.get("shards", [])) if (p := shard_entry_problem(i, entry))]
+    for problem in unsafe:  # nothing such an entry names is opened: it may lie outside the folder
+        out.add(MANIFEST, "manifest", problem)
+    if unsafe:
         return report
     meta = manifest.get("meta") or {}
     try:

@@ -34,7 +34,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from distill.models import TEMPLATE_PARAMS
 from distill.serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from distill.serve.protocol import (ENGINE, FIELDS, APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                   TokenizeRequest, new_id, now, usage)
+                                   InvalidText, TokenizeRequest, new_id, now, usage)
 from distill.serve.scheduler import Delta, Done, Failed, Job, QueueFull, Scheduler, Sequence, ShuttingDown
 from distill.engine.logits import TokenLogprob
 from distill.serve.text import StreamDecoder
@@ -422,6 +422,8 @@ def create_app(engine, settings: AppSettings, worker_thread: bool = True) -> Fas
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
+        if isinstance(bad := (first.get("ctx") or {}).get("error"), InvalidText):  # a whole-body check: names its field
+            return JSONResponse(APIError(400, str(bad), param=bad.param).body(), status_code=400)
         loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         msg = first.get("msg", "invalid request")
         return JSONResponse(APIError(400, f"{loc}: {msg}" if loc else msg, param=loc or None).body(), status_code=400)

@@ -165,6 +165,52 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+class InvalidText(ValueError):
+    """A request string UTF-8 cannot encode (a lone surrogate, which JSON's ``\\ud800`` escape can carry): no tokenizer
+    takes it, so it is a 400 naming the field (``param``), not a failure deep in tokenizing or in writing the answer."""
+
+    def __init__(self, param: str):
+        super().__init__(f"{param}: not valid Unicode text (it holds a lone surrogate, which UTF-8 cannot encode)")
+        self.param = param
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _first_invalid_text(value: Any) -> str | None:
+    """The dotted path (as the other 400s name fields) of the first string in ``value``, a key or a value, that UTF-8
+    cannot encode, or None. Walked with a stack, not recursion: a body nested as deep as JSON allows is no 500."""
+    todo: list[tuple[str, Any]] = [("", value)]
+    while todo:
+        path, item = todo.pop()
+        if isinstance(item, str):
+            if not _encodes(item):
+                return path or "body"
+        elif isinstance(item, (dict, list, tuple)):
+            pairs = list(item.items() if isinstance(item, dict) else enumerate(item))
+            for key, _ in pairs:  # a bad key is named by the object that holds it (the key cannot be echoed)
+                if isinstance(key, str) and not _encodes(key):
+                    return path or "body"
+            todo += [(f"{path}.{key}" if path else str(key), child) for key, child in reversed(pairs)]  # popped in order
+    return None
+
+
+class _Request(BaseModel):
+    """A request body: every string in it, keys included, must be valid Unicode (see :class:`InvalidText`)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_text(cls, data):
+        if (bad := _first_invalid_text(data)) is not None:
+            raise InvalidText(bad)
+        return data
+
+
 class TextPart(BaseModel):
     type: Literal["text"]
     text: str
@@ -189,7 +235,7 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False  # vLLM's: usage in every chunk (refused when true)
 
 
-class _Sampling(BaseModel):
+class _Sampling(_Request):
     """Fields shared by chat and text completions (the honoured ones; the rest of :data:`FIELDS` arrive as extras)."""
 
     model_config = ConfigDict(extra="allow")
@@ -328,7 +374,7 @@ class CompletionRequest(_Sampling):
         return self.max_tokens
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_Request):
     """``POST /tokenize``: a text ``prompt``, or chat ``messages`` rendered by the chat template (vLLM's two forms)."""
 
     model_config = ConfigDict(extra="allow")
@@ -357,7 +403,7 @@ class TokenizeRequest(BaseModel):
         return refused(self.model_extra or {}, _CHAT)
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(_Request):
     """``POST /detokenize``: token ids back to text."""
 
     model_config = ConfigDict(extra="allow")

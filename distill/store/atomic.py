@@ -39,6 +39,21 @@ def public_mode(path: Path, mode: int = 0o644) -> None:
     os.chmod(path, (0o755 if Path(path).is_dir() else mode) & ~umask)
 
 
+def open_no_follow(path: Path, flags: int, mode: int = 0o644) -> int:
+    """``os.open(path, flags | O_NOFOLLOW)``: a file distill opens in place (a lock, a journal, a marker) is never
+    reached through a symlink, which could point anywhere (writing through it would truncate or overwrite the
+    target); a symlink there is a one-line StoreError naming it."""
+    from distill.errors import StoreError
+
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW, mode)
+    except OSError as exc:
+        if os.path.islink(path):
+            raise StoreError(f"{path} is a symbolic link; distill does not write through links: remove it "
+                             "(or move the folder aside) and run again") from None
+        raise
+
+
 @contextmanager
 def atomic_file(path: Path) -> Iterator[Path]:
     """A temp file beside ``path`` to write by name; fsynced and renamed to ``path`` on a normal exit.
@@ -171,7 +186,8 @@ class StagedFiles(_Staging):
             public_mode(p)
         _fsync_tree(self.path)
         incomplete = self.folder / COMMIT_INCOMPLETE
-        with open(incomplete, "wb") as f:  # from here until the last marker is in, readers refuse the folder
+        fd = open_no_follow(incomplete, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        with open(fd, "wb") as f:  # from here until the last marker is in, readers refuse the folder
             f.write(b"a set of files was being moved into this folder and did not finish: its files may mix two writes\n")
             f.flush()
             os.fsync(f.fileno())

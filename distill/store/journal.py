@@ -34,7 +34,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from distill.errors import StoreError
-from distill.store.atomic import atomic_file, fsync_dir
+from distill.store.atomic import atomic_file, fsync_dir, open_no_follow
 
 log = logging.getLogger("distill.store")
 
@@ -82,6 +82,9 @@ class Journal:
 
     def recover(self) -> list[pa.RecordBatch]:
         """Read the journal a previous run left (see the module docstring); -> its good batches."""
+        if self.path.is_symlink():  # its target is no journal of this folder, and is never removed nor written
+            raise StoreError(f"{self.path} is a symbolic link; distill does not write through links: remove it "
+                             "(or move the folder aside) and run again")
         if not self.path.exists():
             return []
         data = self.path.read_bytes()
@@ -151,7 +154,8 @@ class Journal:
         batch = pa.RecordBatch.from_pylist(rows, schema=self.schema)
         created = self._writer is None
         if created:  # the first entry since the last compaction: a new file
-            self._file = open(self.path, "wb", buffering=0)
+            fd = open_no_follow(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            self._file = open(fd, "wb", buffering=0)
             self._writer = pa.ipc.new_stream(self._file, self.schema)
         self._writer.write_batch(batch, custom_metadata={_SUM: _checksum(batch)})
         os.fsync(self._file.fileno())

@@ -26,6 +26,7 @@ import uuid
 from pathlib import Path
 
 from distill.errors import StoreError
+from distill.store.atomic import open_no_follow
 
 LOCK_FILE = ".distill.lock"
 log = logging.getLogger("distill.store")
@@ -48,7 +49,7 @@ class FolderLock:
     def _locked_fd(self) -> int:
         """An open descriptor of the file at :attr:`path` holding its ``flock``; a StoreError while another run holds it."""
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = open_no_follow(self.path, os.O_RDWR | os.O_CREAT)  # a symlink here would truncate its target
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

@@ -212,6 +212,7 @@ class ShardStore:
                 manifest = json.loads(folder.read_bytes(MANIFEST))
             except ValueError as exc:
                 raise StoreError(f"{folder.where(MANIFEST)} is not valid JSON ({exc}); move the folder aside or fix it") from None
+            manifest = checked_manifest(folder, manifest)
             if manifest.get("format") != FORMAT:
                 raise StoreError(f"{self.root} holds a '{manifest.get('format')}' dataset, not {FORMAT}")
             shards = [ShardInfo(**s) for s in manifest.get("shards", [])]
@@ -398,12 +399,41 @@ class ShardStore:
         write_json(self.folder, MANIFEST, manifest)  # the commit point
 
 
+def shard_entry_problem(index: int, entry: object) -> str | None:
+    """What makes the manifest's shard entry ``index`` unsafe to follow, naming it, or None.
+
+    A shard's ``file`` must be a plain file name: one inside the dataset folder, whatever the
+    manifest says, so that no command reads, renames, copies or overwrites a file elsewhere
+    (``../x.parquet``, ``/etc/x``). The same rule holds for an object-store prefix.
+    """
+    if not isinstance(entry, dict):
+        return f"shards[{index}] is not an object"
+    name = entry.get("file", "")
+    if not isinstance(name, str):
+        return f"shards[{index}].file is not a string ({name!r})"
+    if name and ("/" in name or "\\" in name or "\0" in name or name in (".", "..")):
+        return f"shards[{index}].file {name!r} is not a plain file name inside the dataset folder"
+    return None
+
+
+def checked_manifest(folder: Folder, manifest: object) -> dict:
+    """``manifest`` if it is an object whose shard entries all name files inside ``folder``, else a StoreError
+    naming the first entry that does not (:func:`shard_entry_problem`)."""
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("shards", []), list):
+        raise StoreError(f"{folder.where(MANIFEST)} is not a distill manifest (no list of shards)")
+    for i, entry in enumerate(manifest.get("shards", [])):
+        if problem := shard_entry_problem(i, entry):
+            raise StoreError(f"{folder.where(MANIFEST)}: {problem}; refusing to touch it")
+    return manifest
+
+
 def load_manifest(root: Folder | Path | str) -> dict:
-    """The manifest of the dataset at ``root`` (a local folder or an object-store URL)."""
+    """The manifest of the dataset at ``root`` (a local folder or an object-store URL), its shard entries checked
+    to name files inside it (:func:`checked_manifest`)."""
     folder = open_folder(root)
     if not folder.is_file(MANIFEST):
         raise StoreError(f"{folder} has no {MANIFEST}: not a distill dataset folder")
-    return json.loads(folder.read_bytes(MANIFEST))
+    return checked_manifest(folder, json.loads(folder.read_bytes(MANIFEST)))
 
 
 def shard_files(root: Folder | Path | str) -> list[Path | str]:
