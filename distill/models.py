@@ -166,6 +166,10 @@ def _convert_bundled(target: Path) -> Path:
     return target
 
 
+#: How a local folder's revision reads (a content hash, :func:`_folder_revision`); a Hub model's is its commit.
+LOCAL_REVISIONS = ("sha256:", "files:")
+
+
 def _folder_revision(folder: Path) -> str:
     record = folder / CONVERSION_FILE
     if record.is_file():

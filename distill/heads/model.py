@@ -310,9 +310,9 @@ def base_model_location(meta: dict, folder: Path) -> str | None:
         if os.path.isdir(where):
             return where
     model_id = base.get("id")
-    if model_id and str(base.get("revision") or "").startswith(("files:", "sha256:")) and not Path(model_id).is_dir():
-        from distill.models import BUNDLED_HUB_ID
+    from distill.models import BUNDLED_HUB_ID, LOCAL_REVISIONS
 
+    if model_id and str(base.get("revision") or "").startswith(LOCAL_REVISIONS) and not Path(model_id).is_dir():
         if model_id != BUNDLED_HUB_ID:
             raise ConfigError(f"{folder} was trained on the local model folder '{model_id}' (revision {base['revision']}), "
                               "which is not where its metadata says: pass --model with that folder")

@@ -23,10 +23,6 @@ SIZE_CATEGORIES = ((1_000, "n<1K"), (10_000, "1K<n<10K"), (100_000, "10K<n<100K"
                    (10_000_000, "1M<n<10M"), (100_000_000, "10M<n<100M"), (1_000_000_000, "100M<n<1B"))
 
 
-#: How a local folder's revision reads (a content hash, ``distill.models._folder_revision``); a Hub model's is its commit.
-LOCAL_REVISIONS = ("sha256:", "files:")
-
-
 def size_category(rows: int) -> str:
     return next((name for limit, name in SIZE_CATEGORIES if rows < limit), "n>1T")
 
@@ -75,7 +71,7 @@ def model_argument(meta: dict) -> tuple[str, str | None]:
     A Hub model is its id; a local folder is its folder's name (its path is the machine's that made the data), with its
     content hash to check a copy by.
     """
-    from distill.models import BUNDLED_GGUF, BUNDLED_HUB_ID, DEFAULT_MODEL
+    from distill.models import BUNDLED_GGUF, BUNDLED_HUB_ID, DEFAULT_MODEL, LOCAL_REVISIONS
 
     model = meta.get("model") or {}
     name, model_id = model.get("name"), model.get("id") or (meta.get("config_key") or {}).get("model_id")
