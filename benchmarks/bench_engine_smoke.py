@@ -32,14 +32,14 @@ def measure_cost(engine, context: int = 128, sizes=(1, 2, 4, 8, 16, 32, 64), rep
                 ids = torch.randint(0, 1000, (1, context), device=dev)
                 slots = torch.arange(context, device=dev)[None]
                 cache.prepare(slots, context)
-                engine._forward(ids, slots, kv.attention_bias(kv.prefill_allowed(context, dev), engine.dtype), cache, keep=1)
+                engine.target.forward(ids, slots, kv.attention_bias(kv.prefill_allowed(context, dev), engine.dtype), cache, keep=1)
                 tree = torch.ones(m, m, dtype=torch.bool, device=dev).tril()
                 step_ids = torch.randint(0, 1000, (1, m), device=dev)
                 step_pos = context + torch.arange(m, device=dev)[None]
                 t0 = time.perf_counter()
                 cache.prepare(step_pos, context + m)
                 bias = kv.attention_bias(kv.step_allowed(torch.tensor([context], device=dev), tree, context + m), engine.dtype)
-                engine._forward(step_ids, step_pos, bias, cache)
+                engine.target.forward(step_ids, step_pos, bias, cache)
                 best = min(best, time.perf_counter() - t0)
             out[m] = best
     # least-squares slope over the tree-sized forwards (m <= 32), relative to the one-token forward

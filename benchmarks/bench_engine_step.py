@@ -66,6 +66,7 @@ import torch  # noqa: E402
 
 from distill.runtime import machine  # noqa: E402
 from distill.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
+from distill.engine.target import Target  # noqa: E402
 from bench_batching import mt_bench_prompts  # noqa: E402  (one MT-Bench first-turn prompt set for the engine benches)
 from distill.store.atomic import atomic_write_bytes  # noqa: E402
 
@@ -433,7 +434,7 @@ def main() -> None:
         extra["cuda_graphs"] = args.cuda_graphs == "on"
     config = EngineConfig(max_batch=max(args.batch, 1), device=args.device, dtype=args.dtype, **extra)
     if args.no_fuse:  # no example forward: prepare_linears finds no linears that read one input
-        Engine._example = staticmethod(lambda model: None)
+        Target._example = lambda self: None
     if args.shape:
         engine = shaped_engine(args.model, args.shape, config, args.layers)
     else:
@@ -462,7 +463,7 @@ def main() -> None:
         memory["kv_bytes_per_token"] = engine.kv_shape.slot_bytes
     if engine.device.type == "cuda":
         memory["ours_cuda_peak_allocated_mib"] = torch.cuda.max_memory_allocated(engine.device) / 2**20
-    result["linear_prep"] = getattr(engine, "linear_prep", None)  # packed kinds and single-row kernels (engine.weights)
+    result["linear_prep"] = getattr(engine, "linear_prep", None)  # packed kinds and single-row kernels (engine.cpu.linears)
     print("linear preparation", result["linear_prep"])
     llm = None
     if not args.no_vllm:

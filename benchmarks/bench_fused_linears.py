@@ -6,16 +6,16 @@
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_fused_linears.py --compare rotary --rounds 150 --out benchmarks/results/rotary.json
 
 ``--compare norms`` compares the RMS normalisations on vLLM's kernel (the engine's default,
-``distill.engine.norms``) with the modules' own forwards, everything else prepared alike.
-``--compare rotary``: one engine's forward inside :func:`distill.engine.rotary.rotary_kernel` (as the
-engine runs its forwards: the rotation on vLLM's kernel) and outside it (transformers' function).
+``distill.engine.cpu.norms``) with the modules' own forwards, everything else prepared alike.
+``--compare rotary``: attention with the rotation on vLLM's kernel (``distill.engine.cpu.rotary``, the engine's
+default) against transformers' own attention modules, everything else prepared alike.
 
 ``--compare kind`` instead compares the two packed kinds, both engines fused: vLLM's CPU matmul
 for every weight against torch's oneDNN copy for every weight (why the engine does not let its
-start-up probe choose between them: ``distill.engine.weights.choose_kernels``).
+start-up probe choose between them: ``distill.engine.cpu.linears.choose_kernels``).
 
 Two engines over the bundled model in one process: one prepared as the engine does by default
-(attention's q/k/v and the MLP's gate/up each one product, ``distill.engine.weights``), one with
+(attention's q/k/v and the MLP's gate/up each one product, ``distill.engine.cpu.linears``), one with
 every linear its own product (no example forward, so no groups). Both keep the same packed kind
 for every weight (vLLM's CPU matmul where it loads, else torch's), so only the fusion differs: the
 start-up probe picks a kind per weight shape, and on a noisy machine its pick alone moves a forward
@@ -28,7 +28,6 @@ over the same token ids, no cache, for 1 row, 8 rows (a batch-8 plain step's sha
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as dt
 import json
 import statistics
@@ -39,8 +38,9 @@ import numpy as np
 import torch
 
 from distill.engine import Engine, EngineConfig, weights
-from distill.engine.norms import restore_norms
-from distill.engine.rotary import rotary_kernel
+from distill.engine.cpu.norms import restore_norms
+from distill.engine.cpu.rotary import restore_rotary
+from distill.engine.target import Target
 from distill.runtime import machine
 from distill.store.atomic import atomic_write_bytes
 
@@ -82,19 +82,20 @@ def main() -> None:
         engines = {"kernel": kernel, "own": own}
     elif args.compare == "rotary":
         kind = loaded_kind()
-        engine = Engine.from_pretrained(None, None, EngineConfig(max_batch=8))
-        if not engine.linear_prep.get("rotary_vllm"):
-            raise SystemExit("--compare rotary needs vLLM's CPU kernels (no rotation was replaced)")
-        engines = {"kernel": engine, "own": engine}
+        kernel = Engine.from_pretrained(None, None, EngineConfig(max_batch=8))
+        own = Engine.from_pretrained(None, None, EngineConfig(max_batch=8))
+        if not kernel.linear_prep.get("rotary_vllm") or restore_rotary(own.model) != kernel.linear_prep["rotary_vllm"]:
+            raise SystemExit("--compare rotary needs vLLM's CPU kernels (no attention was replaced)")
+        engines = {"kernel": kernel, "own": own}
     else:
         kind = loaded_kind()
         fused = Engine.from_pretrained(None, None, EngineConfig(max_batch=8))
-        example = Engine._example
-        Engine._example = staticmethod(lambda model: None)  # the same preparation without the example forward: no groups
+        example = Target._example
+        Target._example = lambda self: None  # the same preparation without the example forward: no groups
         try:
             separate = Engine.from_pretrained(None, None, EngineConfig(max_batch=8))
         finally:
-            Engine._example = example
+            Target._example = example
         engines = {"fused": fused, "separate": separate}
     result = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
               "threads": torch.get_num_threads(), "kind": kind, "prep": {k: e.linear_prep for k, e in engines.items()}, "shapes": {}}
@@ -105,8 +106,7 @@ def main() -> None:
             positions = torch.arange(tokens)[None].expand(batch, tokens)  # per row, as the engine passes them
 
             def forward(name):
-                with rotary_kernel() if args.compare == "rotary" and name == "kernel" else contextlib.nullcontext():
-                    engines[name].model(input_ids=ids, position_ids=positions, use_cache=False)
+                engines[name].model(input_ids=ids, position_ids=positions, use_cache=False)
 
             for name in engines:
                 forward(name)  # warm-up

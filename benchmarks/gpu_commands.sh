@@ -12,7 +12,7 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-export PYTHONPATH=$PWD:$PWD/bench${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+export PYTHONPATH=$PWD:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 M=$(SRC=$src $PY -c "import os, torch; from bench_engine_step import random_weights_model
 print(random_weights_model(os.environ['SRC'], torch.bfloat16))" 2>/dev/null | tail -1)
 [ -f "$M/config.json" ] || { echo "no random-weights model made from $src"; exit 1; }

@@ -1,20 +1,31 @@
-"""Tokens per step of the lookup proposer's sources, replayed on the model's own greedy replies.
+"""Tokens per step of the lookup proposer on the model's own greedy replies: replayed, and in the real engine.
 
-    VLLM_ENABLE_V1_MULTIPROCESSING=0 PYTHONPATH=.:bench .venv/bin/python benchmarks/replay_lookup.py \\
-        --lookup-data DATA --replies benchmarks/results/mt-bench-replies.json --out benchmarks/results/lookup-replay.json
+    OMP_NUM_THREADS=2 PYTHONPATH=.:benchmarks .venv/bin/python benchmarks/replay_lookup.py --engine \\
+        --out benchmarks/results/lookup-replay-heldout.json
 
-The bundled model's greedy replies to the 80 MT-Bench first turns (``--max-tokens`` each, by vLLM in
-this process, batch 80; saved to ``--replies`` and read from there when it exists) are replayed through
-the lookup proposer (:class:`distill.engine.proposers.lookup.Lookup`, its own merge and tree code): at each step
-the tree of ``nodes`` nodes is drafted from the reply's context so far, the step accepts the longest
-drafted path the reply follows, then the next token. No model runs in the replay, so every source and
-budget is measured on the same text, in seconds, as the engine would accept it greedily with the full
-tree of that budget every step (the static policy may draft fewer nodes).
+Prompts (``--prompts``): ``heldout`` (default; ``benchmarks/heldout-chat-prompts.json``, chat requests in nine
+categories that no default of the proposer was chosen on) or ``mt-bench`` (its 80 first turns, on which they were).
+The bundled model's greedy replies (``--max-tokens`` each, plain decoding in our engine) are saved to
+``--replies`` and read from there when it exists.
 
-Sources (rows): ``context`` (the prompt and the reply so far), ``+data`` (``--lookup-data``: a dataset's
-replies as the datastore), ``+history`` (the replies to the prompts before it, in MT-Bench's order, one
-category after the other; ``+history-shuffled`` in a seeded random order), and their combinations.
-Columns: ``--nodes`` budgets, and the reply length (``--lengths``: the first N tokens of each reply).
+Replay (always): at each step the proposer (:class:`distill.engine.proposers.lookup.Lookup`) drafts its tree of
+``nodes`` nodes from the reply's context so far, the step accepts the longest drafted path the reply follows, then
+the next token, as the engine would greedily with that budget every step. No model runs, so every source and budget
+is measured on the same text, in seconds. Rows: ``context`` (the prompt and the reply so far), ``+history`` (the
+replies to the prompts before it, in the file's order; ``+history-shuffled`` in a seeded random order),
+``+data`` (``--lookup-data``: a dataset's replies as the datastore) and their combinations. Columns: ``--nodes``
+budgets and reply lengths (``--lengths``: the first N tokens of each reply). ``lookup_us_per_step``: the median
+CPU time of one row's draft (matching, scoring, the tree) over the replays.
+
+``--engine``: the real engine at batch 1 with the default proposer (context and history, the datastore when given),
+greedy, ``--engine-tokens`` a prompt, the full tree of ``--engine-nodes`` every step (so that tokens per step do not
+depend on the machine's timings), checking every output against plain decoding's. Wall times are indicative
+(they depend on the machine's load).
+
+``--vllm ngram,suffix``: vLLM's own speculation on the same prompts, batch 1, greedy, its tokens per step from its
+spec-decode counters (``suffix`` needs the ``arctic-inference`` package importable).
+
+``memory``: bytes a million stored tokens take in a store's index (built from the replies), and in a row's context.
 """
 
 from __future__ import annotations
@@ -24,21 +35,49 @@ import datetime as dt
 import json
 import os
 import random
+import statistics
 import time
 from pathlib import Path
 
+import numpy as np
+
 from distill.engine.proposers.datastore import Datastore
-from distill.engine.proposers.lookup import DEFAULT_HISTORY_TOKENS, Lookup, LookupState, _Context, _tree
+from distill.engine.proposers.lookup import DEFAULT_HISTORY_TOKENS, DEFAULT_NODES, Lookup, LookupState, _Context
 from distill.store.atomic import atomic_write_bytes
 
+HELDOUT = Path(__file__).with_name("heldout-chat-prompts.json")
 
-def greedy_replies(model_path: str, tokenizer, max_tokens: int) -> dict:
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from bench_engine_step import mt_bench_prompts, vllm, vllm_llm
 
-    prompts = mt_bench_prompts(tokenizer, 80)
-    _, _, replies = vllm(vllm_llm(model_path), prompts, max_tokens, len(prompts), [tokenizer.eos_token_id])
-    return {"prompts": prompts, "replies": replies}
+def chat_prompts(tokenizer, which: str) -> list[list[int]]:
+    """The chat-templated first turns of the held-out file or of MT-Bench (token ids)."""
+    if which == "heldout":
+        texts = [q for qs in json.loads(HELDOUT.read_text())["categories"].values() for q in qs]
+    else:
+        from distill.seeds import load_seed
+
+        texts = [next(m.content for m in conv.messages if m.role == "user") for conv in load_seed("mt-bench")
+                 if hasattr(conv, "messages")]
+    return [list(tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                               tokenize=True, return_dict=True)["input_ids"]) for t in texts]
+
+
+def load_model(model: str | None):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from distill.models import resolve_model
+
+    resolved = resolve_model(model)
+    tok = AutoTokenizer.from_pretrained(resolved.path)
+    return resolved, AutoModelForCausalLM.from_pretrained(resolved.path, dtype=torch.float32).eval(), tok
+
+
+def plain_replies(lm, tok, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Plain greedy decoding, 16 prompts at a time (the replay needs the model's replies, not their step times)."""
+    from distill.engine import Engine, EngineConfig, SamplingParams
+
+    engine = Engine(lm, tok, None, EngineConfig(max_batch=16, dtype="float32", device="cpu"))
+    return [r.token_ids for r in engine.generate(prompts, SamplingParams(max_tokens=max_tokens))[0]]
 
 
 def accepted(paths: set[tuple[int, ...]], truth: list[int]) -> int:
@@ -49,21 +88,28 @@ def accepted(paths: set[tuple[int, ...]], truth: list[int]) -> int:
 
 
 def replay(lookup: Lookup, prompts: list[list[int]], replies: list[list[int]], order: list[int], nodes: int,
-           length: int) -> float:
-    """Tokens per step of ``lookup`` with a full tree of ``nodes`` nodes, the replies taken in ``order``."""
+           length: int, seconds: list[float] | None = None, drafted: list[int] | None = None) -> float:
+    """Tokens per step of ``lookup`` with a tree of up to ``nodes`` nodes, the replies taken in ``order``; ``seconds``
+    collects each draft's time, ``drafted`` each tree's nodes."""
     steps = tokens = 0
     for k in order:
         prompt, reply = prompts[k], replies[k][:length]
         if not reply:
             continue
-        ctx = _Context(prompt + reply[:1], lookup.max_ngram, first=len(prompt))  # reply[0]: the prefill's token
+        ctx = _Context(prompt + reply[:1], lookup.max_match, first=len(prompt))  # reply[0]: the prefill's token
         i = 1
         while i < len(reply):
+            t0 = time.thread_time()  # the lookup's own CPU time: a loaded machine's waits are not its cost
+            tree = lookup.draft(ctx, nodes)
+            if seconds is not None:
+                seconds.append(time.thread_time() - t0)
+            if drafted is not None:
+                drafted.append(len(tree))
             paths, where = set(), [()]
-            for parent, tok in _tree(lookup._weighted(ctx), nodes):
+            for parent, tok in tree:
                 where.append(where[parent] + (tok,))
                 paths.add(where[-1])
-            new = reply[i : i + accepted(paths, reply[i : i + lookup.depth]) + 1]
+            new = reply[i : i + accepted(paths, reply[i : i + nodes]) + 1]
             ctx.extend(new)
             i += len(new)
             steps += 1
@@ -72,36 +118,128 @@ def replay(lookup: Lookup, prompts: list[list[int]], replies: list[list[int]], o
     return tokens / steps
 
 
+def run_engine(lm, tok, prompts, tokens: int, nodes: int, store) -> dict:
+    """The real engine at batch 1, the full tree every step: tokens per step, outputs against plain, lookup time."""
+    from distill.engine import Engine, EngineConfig, SamplingParams
+
+    plain = Engine(lm, tok, None, EngineConfig(max_batch=1, dtype="float32", device="cpu"))
+    lk = Lookup(max_nodes=nodes, datastore=store)
+    spent: dict[str, list[float]] = {"propose": [], "commit": []}
+    for name in spent:  # the lookup's own CPU time
+        inner = getattr(lk, name)
+
+        def timed(*a, _inner=inner, _into=spent[name], **k):
+            t0 = time.thread_time()
+            out = _inner(*a, **k)
+            _into.append(time.thread_time() - t0)
+            return out
+        setattr(lk, name, timed)
+    engine = Engine(lm, tok, lk, EngineConfig(max_batch=1, dtype="float32", device="cpu", speculate_max_batch=1))
+    sp = SamplingParams(max_tokens=tokens)
+    same = steps = emitted = 0
+    wall = {"plain": 0.0, "lookup": 0.0}
+    for p in prompts:
+        out = {}
+        for name, e in (("plain", plain), ("lookup", engine)):
+            t0 = time.perf_counter()
+            (out[name],), _ = e.generate([p], sp)
+            wall[name] += time.perf_counter() - t0
+        same += out["lookup"].token_ids == out["plain"].token_ids
+        steps += len(out["lookup"].accepted)
+        emitted += sum(out["lookup"].accepted)
+    return {"prompts": len(prompts), "tokens": tokens, "nodes": nodes, "identical_to_plain": same,
+            "tokens_per_step": round(emitted / steps, 4), "steps": steps,
+            "lookup_us_per_step": round(1e6 * sum(map(sum, spent.values())) / steps, 1),  # propose and commit, mean
+            "propose_us_median": round(1e6 * statistics.median(spent["propose"]), 1),
+            "commit_us_median": round(1e6 * statistics.median(spent["commit"]), 1),
+            "wall_s_indicative": {k: round(v, 2) for k, v in wall.items()},
+            "history_tokens": lk.history.tokens if lk.history is not None else 0}
+
+
+def run_vllm(model_path: str, prompts, replies, tokens: int, method: str, num_spec: int) -> dict:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import LLM, SamplingParams as VSP
+    from vllm.inputs import TokensPrompt
+
+    spec = {"method": method} | ({"num_speculative_tokens": num_spec} if num_spec else {})  # 0: vLLM's default
+    if method == "ngram":
+        from distill.engine.proposers.lookup import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM
+
+        spec.update(prompt_lookup_max=DEFAULT_MAX_NGRAM, prompt_lookup_min=DEFAULT_MIN_NGRAM)
+    llm = LLM(model=model_path, dtype="float32", enforce_eager=True, seed=0, max_model_len=2048, max_num_seqs=1,
+              speculative_config=spec, disable_log_stats=False)
+    sp = VSP(temperature=0.0, max_tokens=tokens, detokenize=False)
+
+    def counter(name: str) -> float:
+        return sum(getattr(m, "value", 0) for m in llm.get_metrics() if m.name == name)
+
+    before = counter("vllm:spec_decode_num_accepted_tokens")
+    same = emitted = 0
+    t0 = time.perf_counter()
+    for p, ref in zip(prompts, replies):
+        (out,) = llm.generate([TokensPrompt(prompt_token_ids=p)], sp, use_tqdm=False)
+        ids = list(out.outputs[0].token_ids)
+        same += ids == ref[:tokens]  # our engine's plain replies (vLLM's float sums may break a tie otherwise)
+        emitted += len(ids) - 1  # after the prefill's token
+    seconds = time.perf_counter() - t0
+    acc = counter("vllm:spec_decode_num_accepted_tokens") - before
+    # a decoding step emits its accepted drafts and one token of its own
+    return {"method": method, "spec": spec, "identical_to_replies": same, "prompts": len(prompts),
+            "tokens_per_step": round(emitted / (emitted - acc), 4), "accepted": acc,
+            "wall_s_indicative": round(seconds, 2)}
+
+
+def memory(replies: list[list[int]], prompts: list[list[int]]) -> dict:
+    """Bytes per million stored tokens: a store's index built from the replies (its arrays), and a row's context (the
+    Python objects it allocates, traced)."""
+    import tracemalloc
+
+    store = Datastore([(p[-8:] + r, min(8, len(p))) for p, r in zip(prompts, replies)])
+    tokens = [t for r in replies for t in r]
+    tracemalloc.start()
+    ctx = _Context(tokens)
+    held = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    return {"store_bytes_per_million_tokens": round(1e6 * store.memory_bytes() / store.generated_tokens),
+            "store_tokens": store.generated_tokens,
+            "context_bytes_per_million_tokens": round(1e6 * held / len(ctx.tokens))}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
-    ap.add_argument("--replies", type=Path, default=Path("benchmarks/results/mt-bench-replies.json"),
-                    help="the greedy replies (written here when missing)")
+    ap.add_argument("--prompts", choices=("heldout", "mt-bench"), default="heldout")
+    ap.add_argument("--replies", type=Path, default=None,
+                    help="the greedy replies (default benchmarks/results/<prompts>-replies.json; written when missing)")
     ap.add_argument("--max-tokens", type=int, default=192, help="reply length when generating them")
     ap.add_argument("--lookup-data", type=Path, default=None, help="a dataset this model generated, as the datastore")
     ap.add_argument("--history-tokens", type=int, default=DEFAULT_HISTORY_TOKENS)
     ap.add_argument("--nodes", default="1,2,4,8,16")
     ap.add_argument("--lengths", default="64,128")
-    ap.add_argument("--out", default="benchmarks/results/lookup-replay.json")
+    ap.add_argument("--engine", action="store_true", help="also run the real engine (batch 1, full tree)")
+    ap.add_argument("--engine-tokens", type=int, default=64)
+    ap.add_argument("--engine-nodes", type=int, default=DEFAULT_NODES)
+    ap.add_argument("--vllm", default="", help="vLLM speculation methods to run on the same prompts: ngram,suffix")
+    ap.add_argument("--vllm-tokens", type=int, default=0,
+                    help="vLLM's num_speculative_tokens (0: suffix's default, its tree depth; --engine-nodes for others)")
+    ap.add_argument("--out", default="benchmarks/results/lookup-replay-heldout.json")
     args = ap.parse_args()
-
-    from transformers import AutoConfig, AutoTokenizer
 
     from bench_engine_step import cpu_description
 
-    from distill.models import resolve_model
-
-    resolved = resolve_model(args.model)
-    if args.replies.is_file():
-        data = json.loads(args.replies.read_text())
+    resolved, lm, tok = load_model(args.model)
+    path = args.replies or Path(f"benchmarks/results/{args.prompts}-replies.json")
+    if path.is_file():
+        data = json.loads(path.read_text())
     else:
-        data = greedy_replies(str(resolved.path), AutoTokenizer.from_pretrained(resolved.path), args.max_tokens)
-        args.replies.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(args.replies, (json.dumps(data) + "\n").encode())
+        prompts = chat_prompts(tok, args.prompts)
+        data = {"prompts": prompts, "replies": plain_replies(lm, tok, prompts, args.max_tokens)}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(path, (json.dumps(data) + "\n").encode())
     prompts, replies = data["prompts"], data["replies"]
     store = None
     if args.lookup_data is not None:
-        store = Datastore.from_dataset(args.lookup_data, AutoConfig.from_pretrained(resolved.path).vocab_size)
+        store = Datastore.from_dataset(args.lookup_data, lm.config.vocab_size)
     nodes = [int(x) for x in args.nodes.split(",")]
     lengths = [int(x) for x in args.lengths.split(",")]
     in_order = list(range(len(prompts)))
@@ -113,18 +251,29 @@ def main() -> None:
         sources.update({"+data": (store, 0, in_order), "+data+history": (store, args.history_tokens, in_order),
                         "+data+history-shuffled": (store, args.history_tokens, shuffled)})
     table: dict[str, dict[str, float]] = {}
+    seconds: list[float] = []
     t0 = time.perf_counter()
     for name, (ds, history, order) in sources.items():
         for n in nodes:
             for length in lengths:
                 lk = Lookup(max_nodes=max(nodes), datastore=ds, history_tokens=history)  # a fresh history per replay
                 table.setdefault(name, {})[f"{n} nodes, {length} tokens"] = round(
-                    replay(lk, prompts, replies, order, n, length), 4)
+                    replay(lk, prompts, replies, order, n, length, seconds), 4)
         print(name, json.dumps(table[name]), flush=True)
     result = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "cpu": cpu_description(),
-              "model": resolved.name, "replies": str(args.replies), "reply_tokens": sum(map(len, replies)),
+              "model": resolved.name, "prompts": args.prompts, "replies": str(path),
+              "reply_tokens": sum(map(len, replies)),
               "datastore": store.describe() if store is not None else None, "history_tokens": args.history_tokens,
-              "seconds": round(time.perf_counter() - t0, 1), "tokens_per_step": table}
+              "seconds": round(time.perf_counter() - t0, 1), "tokens_per_step": table,
+              "lookup_us_per_step": round(1e6 * statistics.median(seconds), 1), "memory": memory(replies, prompts)}
+    print("lookup µs per step (replay, median):", result["lookup_us_per_step"], "| memory:", result["memory"], flush=True)
+    if args.engine:
+        result["engine"] = run_engine(lm, tok, prompts, args.engine_tokens, args.engine_nodes, store)
+        print("engine:", json.dumps(result["engine"]), flush=True)
+    for method in filter(None, args.vllm.split(",")):
+        result.setdefault("vllm", {})[method] = run_vllm(str(resolved.path), prompts, replies, args.engine_tokens, method,
+                                                         args.vllm_tokens or (0 if method == "suffix" else args.engine_nodes))
+        print("vllm:", json.dumps(result["vllm"][method]), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(Path(args.out), (json.dumps(result, indent=1) + "\n").encode())
 

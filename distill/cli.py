@@ -168,7 +168,7 @@ ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="Bundled 
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto (CUDA when available, else CPU) | cpu | cuda | cuda:1 ...")]
 CudaGraphsOpt = Annotated[Optional[bool], typer.Option(
     "--cuda-graphs/--no-cuda-graphs", help="distill engine on a GPU: replay its decoding steps (and an EAGLE drafter's passes) "
-    "as CUDA graphs, one per batch size and tree size (default: on with CUDA, unless --compile).")]
+    "as CUDA graphs, one per batch size and tree size (default: on with CUDA).")]
 OutOpt = Annotated[Optional[str], typer.Option("--out", "-o", help="Output folder for shards, manifest.json and rejects.jsonl: a path, or an object-store URL (s3://BUCKET/PREFIX, gs://...).")]
 
 
@@ -222,7 +222,7 @@ def generate(
     model: ModelOpt = None,
     backend: Annotated[Optional[str], typer.Option(help="auto (vLLM when installed) | vllm | hf | openai (running vLLM OpenAI servers: --server).")] = None,
     mode: Annotated[Optional[str], typer.Option(help="multi-turn (replay the seed's user turns) | self-talk (the model plays the user too) | single-turn.")] = None,
-    turns: Annotated[Optional[int], typer.Option(help="self-talk: max assistant turns (default 4); multi-turn: replay at most N user turns (default 0 = all).")] = None,
+    turns: Annotated[Optional[int], typer.Option(help="Turns per conversation at most. self-talk: assistant turns (default 4); multi-turn: seed user turns replayed (default 64; 0 = all), a longer seed row ending as truncated_turns.")] = None,
     temperature: Annotated[Optional[float], typer.Option(help="Sampling temperature (0 = greedy).")] = None,
     top_p: Annotated[Optional[float], typer.Option(help="Nucleus sampling threshold.")] = None,
     top_k: Annotated[Optional[int], typer.Option(help="Sample from the K most likely tokens only (0 = all); not --teacher-topk. The stored teacher top-k stays the raw model's.")] = None,
@@ -558,6 +558,11 @@ def train_heads(
     log_every: Annotated[Optional[int], typer.Option(help="Write metrics every N steps.")] = None,
     stop_after: Annotated[Optional[int], typer.Option(help="Stop this invocation after N steps (checkpointed; continue with --resume).")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the run in OUT from its latest checkpoint.")] = False,
+    eval_data: Annotated[Optional[str], typer.Option("--eval-data", help="Held-out rows measured while training, as calibrate measures them: a dataset or split folder (its eval side), or none (default: the eval side of a split --data folder, which then trains on its train side).")] = None,
+    eval_every: Annotated[Optional[int], typer.Option(help="Measure the held-out rows every N steps and at the end (0: only at the end); the best weights by expected tokens/step go to OUT/best.")] = None,
+    eval_tokens: Annotated[Optional[int], typer.Option("--eval-tokens", help="Held-out tokens measured per evaluation, whole batches (0: all).")] = None,
+    eval_nodes: Annotated[Optional[int], typer.Option(help="Node budget of the sparse tree whose expected tokens/step the evaluation reports and picks the best weights by.")] = None,
+    report_to: Annotated[Optional[str], typer.Option(help="tensorboard (OUT/tensorboard) | wandb | none: where metrics go beside OUT/metrics.jsonl.")] = None,
     quiet: QuietOpt = False,
 ) -> None:
     """Train Medusa heads (Medusa-1 or Medusa-2) or an EAGLE-3 drafter on self-distilled shards; write a vLLM-loadable folder."""
@@ -582,6 +587,10 @@ def train_heads(
         v = s.draft_vocab
         typer.echo(f"  draft vocabulary: {v['size']:,} of {v['target_vocab']:,} tokens ({v['frequent']:,} most frequent + "
                    f"{v['special_added']} special), covering {v['coverage']:.2%} of {v['generated_tokens']:,} generated tokens")
+    if s.last_eval:
+        last, best = s.last_eval, s.best_eval
+        typer.echo(f"  held-out expected tokens/step ({cfg.eval_nodes}-node tree / chain): last step {last['step']} {last['tree']:.3f} / "
+                   f"{last['chain']:.3f}, best step {best['step']} {best['tree']:.3f} / {best['chain']:.3f} in {s.best}")
     typer.echo(f"  stopped after {s.steps} steps: continue with --resume" if s.stopped_early
                else f"  {'heads' if cfg.arch == 'medusa' else 'drafter'}: {s.out} (config.json + model.safetensors), metrics: {s.out}/metrics.jsonl")
 
@@ -665,7 +674,7 @@ def serve(
         "chain of each head's top-1 guess, no tree, so --tree does not apply.")] = None,
     host: Annotated[Optional[str], typer.Option(help="Address to bind: 127.0.0.1 is this machine only, 0.0.0.0 every interface (without an API key, a warning).")] = None,
     port: Annotated[Optional[int], typer.Option(help="Port (0 = any free port).")] = None,
-    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="DISTILL_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1/*. Give it in the environment variable DISTILL_API_KEY: a --api-key on the command line is visible to every user of the machine (ps).")] = None,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="DISTILL_API_KEY", help="Require 'Authorization: Bearer KEY' on every route but /health and /metrics (with --engine vllm: vLLM's rule, /v1/* only). Give it in the environment variable DISTILL_API_KEY: a --api-key on the command line is visible to every user of the machine (ps).")] = None,
     served_model_name: Annotated[Optional[str], typer.Option(help="Model id clients send (default: the model's name).")] = None,
     queue_size: Annotated[Optional[int], typer.Option(help="Requests that may wait for the engine; more get HTTP 503.")] = None,
     max_batch: Annotated[Optional[int], typer.Option(help="Sequences decoded together (default 8); waiting ones join the running batch as rows free up. --engine vllm: its --max-num-seqs (default: vLLM's).")] = None,
@@ -687,7 +696,7 @@ def serve(
     adaptive: Annotated[Optional[bool], typer.Option(
         "--adaptive/--static", help="adaptive: the tree size per batch size follows the acceptance and step "
         "times measured while serving, plain decoding when that is faster; static: the calibrated prediction alone.")] = None,
-    compile: Annotated[Optional[bool], typer.Option("--compile/--no-compile", help="torch.compile the engine's single-token forwards (plain decoding at batch 1), compiled before the server listens (tens of seconds).")] = None,
+    compile: Annotated[Optional[bool], typer.Option("--compile/--no-compile", help="torch.compile the engine's decoding steps, compiled before the server listens (with CUDA graphs, every step, then recorded; on a CPU, single-token steps only).")] = None,
     cuda_graphs: CudaGraphsOpt = None,
     num_speculative_tokens: Annotated[Optional[int], typer.Option(help="--engine vllm: heads used (default: all).")] = None,
     dtype: Annotated[Optional[str], typer.Option(help="auto (the heads' teacher dtype, else the model's; bf16 on CPUs only where native) | float32 | bfloat16 | float16.")] = None,
@@ -748,7 +757,7 @@ def bench(
     lookup_nodes: LookupNodesOpt = None,
     vllm: Annotated[Optional[bool], typer.Option("--vllm/--no-vllm", help="Also decode the greedy prompts with bare vLLM (in this process; the same model, dtype and max tokens) and report plain and speculative tok/s against it.")] = None,
     full_tree: Annotated[Optional[bool], typer.Option("--full-tree/--policy-tree", help="Verify the whole tree every step (speculation policy off): measures the tree itself.")] = None,
-    compile: Annotated[Optional[bool], typer.Option("--compile/--no-compile", help="torch.compile the engine's single-token forwards, for plain and speculative runs alike (compiled before timing).")] = None,
+    compile: Annotated[Optional[bool], typer.Option("--compile/--no-compile", help="torch.compile the engine's decoding steps, compiled before timing (with CUDA graphs, every step, then recorded; on a CPU, single-token steps only).")] = None,
     cuda_graphs: CudaGraphsOpt = None,
     sweep_tree: Annotated[Optional[bool], typer.Option("--sweep-tree/--no-sweep-tree", help="Also time step latency against tree size here and pick the node budget with the best predicted speedup (writes tree.json).")] = None,
     sweep_nodes: Annotated[Optional[str], typer.Option(help="Tree sizes of the sweep, comma-separated.")] = None,
@@ -841,14 +850,14 @@ PANELS = {
         "Engine": "backend batch_size tensor_parallel_size server concurrency api_key_env retries",
         "Output": "out shard_size quiet", "Config": _CONFIG},
     "train-heads": {
-        "Data": "data max_len context batch_size shuffle_buffer pack",
+        "Data": "data max_len context batch_size shuffle_buffer pack eval_data eval_tokens",
         "Model": "model arch precision",
         "Training": "targets steps epochs grad_accum lr warmup_steps weight_decay max_grad_norm decay loss_chunk optimizer random_seed",
         "Medusa": "medusa_mode num_heads layers share_lm_head",
         "Medusa-2": "heads_lr_ratio lambda0 lambda0_schedule lambda0_warmup lora_r lora_alpha lora_dropout lora_targets "
                     "gradient_checkpointing merge_adapter",
         "EAGLE-3": "ttt_steps draft_vocab aux_layers feature_loss",
-        "Output": "out save_every keep_checkpoints log_every stop_after resume quiet", "Config": _CONFIG},
+        "Output": "out save_every keep_checkpoints log_every eval_every eval_nodes report_to stop_after resume quiet", "Config": _CONFIG},
     "calibrate": {
         "Data": "data max_len batch_size eval_tokens",
         "Model": "heads model dtype device",
@@ -908,6 +917,13 @@ def main() -> None:
         if _state["debug"]:
             raise
         typer.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    except OSError as exc:  # a full disk or a folder that cannot be written, wherever a command met it: one line too
+        from distill.store.atomic import cannot_write
+
+        if _state["debug"] or (found := cannot_write(exc)) is None:
+            raise
+        typer.echo(f"error: {str(exc.filename) + ': ' if exc.filename else ''}{found[0]}", err=True)
         sys.exit(2)
     except KeyboardInterrupt:
         typer.echo("interrupted; run the same command again to resume", err=True)

@@ -32,7 +32,7 @@ class EnvReport:
     threads: dict[str, str | int | None]
     distill_home: str
     bundled_model: dict = field(default_factory=dict)
-    cpu_linears: str = ""  # the packed kinds the engine's float32 CPU linears may use (distill.engine.weights)
+    cpu_linears: str = ""  # the packed kinds the engine's float32 CPU linears may use (distill.engine.cpu.linears)
     step_costs_kept: int = 0  # the policy's step-cost curves timed here before ($DISTILL_HOME/step-costs, engine.costs)
     kernel_times_kept: int = 0  # single-row kernel probes timed here before, one per weight shape ($DISTILL_HOME/kernels)
 
@@ -124,12 +124,12 @@ def collect(model: str | None = None) -> EnvReport:
             server = runtime.vllm_cpu_env()
             stages["serve --engine vllm"] = {"device": device, "dtype": pick.dtype, "why": pick.reason,
                                              "env": " ".join(f"{k}={v}" for k, v in server.items())}
-    from distill.engine.weights import PAD_ROWS, vllm_kernels
+    from distill.engine.cpu.linears import PAD_ROWS, vllm_kernels
 
     why_not = vllm_kernels()
     kind = "vLLM's CPU matmul (packed copies)" if not why_not else "torch's oneDNN packed copies"
     swaps = [name for name, op in (("RMS norms", "rms_norm"), ("the rotary embedding", "rotary_embedding"))
-             if not why_not and hasattr(torch.ops._C, op)]  # distill.engine.norms / .rotary, where a model's modules check out
+             if not why_not and hasattr(torch.ops._C, op)]  # distill.engine.cpu.norms / .rotary, where a model's modules check out
     cpu_linears = (f"{kind}; single rows by MKL on the weight, the packed copy, or the packed copy padded to "
                    f"{PAD_ROWS} rows (then 2-{PAD_ROWS - 1} rows too), per weight shape as a probe at start finds fastest"
                    + (f" (vLLM's CPU matmul unavailable: {why_not})" if why_not else "")

@@ -92,6 +92,50 @@ def reasoning_view(messages: list[dict], policy: str, own_from: int = 0) -> list
     return out
 
 
+#: Text whose token ids :class:`ChatFormat` keeps (the samples of a conversation share their prompts), in characters.
+ENCODED_CACHE_CHARS = 1 << 22
+
+
+def _library_tokenizer_class(tokenizer) -> type:
+    """The class whose methods run a call to ``tokenizer``.
+
+    vLLM hands out its tokenizer wrapped in a pool (``vllm.tokenizers.hf.maybe_make_thread_pool``): each
+    call runs on a deep copy of the same tokenizer, so what counts is the class the pool wraps.
+    """
+    cls = type(tokenizer)
+    while cls.__module__ == "vllm.tokenizers.hf" and cls.__name__.startswith("TokenizerPool") and cls.__bases__:
+        cls = cls.__bases__[0]
+    return cls
+
+
+def rust_tokenizer(tokenizer):
+    """The ``tokenizers.Tokenizer`` behind ``tokenizer`` when calling it gives what the tokenizer's own calls give;
+    None otherwise.
+
+    A transformers tokenizer built on the Rust library whose class keeps the library's ``__call__``, ``decode``,
+    ``_encode_plus`` and ``_decode`` hands the text or the ids to the Rust tokenizer and returns what it returns (with
+    no truncation, no padding, special tokens not split and no clean-up of spaces, as :class:`ChatFormat` asks); its
+    own layers around that call (argument checks, batching, ``BatchEncoding``, a pass over every id to convert it)
+    cost several times the Rust call on short texts. A class that overrides any of them (another model's own text
+    handling) is called as it is.
+    """
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return None
+    if not isinstance(tokenizer, TokenizersBackend):
+        return None
+    cls = _library_tokenizer_class(tokenizer)
+    for name, base in (("__call__", PreTrainedTokenizerBase), ("decode", PreTrainedTokenizerBase),
+                       ("_encode_plus", TokenizersBackend), ("_decode", TokenizersBackend)):
+        if getattr(cls, name, None) is not getattr(base, name):
+            return None
+    if getattr(tokenizer, "split_special_tokens", False):
+        return None
+    return tokenizer.backend_tokenizer
+
+
 class ChatFormat:
     """Token-level chat templating for one tokenizer, one template and its extra variables."""
 
@@ -104,6 +148,10 @@ class ChatFormat:
                                 "or --chat-template")
         self.kwargs = dict(template_kwargs or {})
         self.stop_ids = stop_ids
+        self._rust = rust_tokenizer(tokenizer)
+        self._encoded: dict[str, tuple[int, ...]] = {}  # text -> its ids: a prompt is encoded once for all samples
+        self._encoded_chars = 0
+        self._stop_texts: dict[int, str] = {}
         user = {"role": "user", "content": _SENTINEL_USER}
         reply = {"role": "assistant", "content": _SENTINEL_ASSISTANT}
         rendered = self.render([user, reply], False)
@@ -134,7 +182,27 @@ class ChatFormat:
             raise TemplateError(f"the chat template fails to render: {exc}") from None
 
     def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+        if not text:
+            return []
+        ids = self._encoded.get(text)
+        if ids is None:
+            rust = self._rust
+            # The tokenizer's own call first turns off a truncation or padding someone set on it: it does that here
+            if rust is not None and rust.truncation is None and rust.padding is None and not rust.encode_special_tokens:
+                ids = tuple(rust.encode(text, add_special_tokens=False).ids)
+            else:
+                ids = tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            if self._encoded_chars + len(text) > ENCODED_CACHE_CHARS:
+                self._encoded.clear()
+                self._encoded_chars = 0
+            self._encoded[text] = ids
+            self._encoded_chars += len(text)
+        return list(ids)
+
+    def _decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        if self._rust is not None:
+            return self._rust.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
 
     def prompt(self, messages: list[dict]) -> str:
         """The text of the prompt that asks for the next assistant turn after ``messages``."""
@@ -152,12 +220,14 @@ class ChatFormat:
 
     def generated_text(self, generated: list[int]) -> str:
         """The stream text of a generated turn: every token, special ones (the stop token) included."""
-        return self.tokenizer.decode(generated, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        return self._decode(generated, False)
 
     def closing(self, generated: list[int]) -> str:
         """Template text to append after a generated assistant turn so the stream matches the template."""
         if generated and generated[-1] in self.stop_ids:
-            stop_text = self.tokenizer.decode([generated[-1]], skip_special_tokens=False)
+            stop_text = self._stop_texts.get(generated[-1])
+            if stop_text is None:
+                stop_text = self._stop_texts[generated[-1]] = self.tokenizer.decode([generated[-1]], skip_special_tokens=False)
             if self.assistant_suffix.startswith(stop_text):
                 return self.assistant_suffix[len(stop_text):]
         return self.assistant_suffix
@@ -165,7 +235,7 @@ class ChatFormat:
     def decode_reply(self, generated: list[int]) -> str:
         """The text of a generated turn (stop token and special tokens dropped)."""
         ids = generated[:-1] if generated and generated[-1] in self.stop_ids else generated
-        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return self._decode(ids, True)
 
     def reply_content(self, generated: list[int]) -> str:
         """An assistant message's content: the reply prefix the prompt gave it, then what the model generated."""

@@ -53,7 +53,7 @@ def test_the_engine_measures_the_curve_on_a_cpu_unless_given_a_line(hf_model, to
     assert costs(33) > 1.2  # 33 rows cost more than one on any CPU; a measurement that could not tell would fail here
     engine = Engine(hf_model, tokenizer, Lookup(max_nodes=8), EngineConfig(max_batch=1, dtype="float32", device="cpu"))
     assert engine.step_costs is not None and sorted(engine.step_costs.points) == [1, 2, 3, 5, 9]
-    assert engine.tree_size_for(1) == choose_tree_size(1, engine._taus, engine.step_costs)
+    assert engine.tree_size_for(1) == choose_tree_size(1, engine.pricing.taus, engine.step_costs)
     line = Engine(hf_model, tokenizer, Lookup(max_nodes=8), EngineConfig(max_batch=1, device="cpu", step_cost_ratio=0.08))
     assert line.step_costs is None and line.tree_size_for(1) == 2  # the given line, as before
     off = Engine(hf_model, tokenizer, Lookup(max_nodes=8), EngineConfig(max_batch=1, device="cpu", measured_costs=False))

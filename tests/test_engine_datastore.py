@@ -1,5 +1,5 @@
-"""The lookup proposer's datastore: the n-gram index over a dataset's generated text, its merge with the context's
-matches, greedy == plain with it on MT-Bench, and the errors a wrong dataset gets (real shards from the real generator)."""
+"""The lookup proposer's datastore: the suffix index over a dataset's generated text, its drafts merged with the
+context's, greedy == plain with it on MT-Bench, and the errors a wrong dataset gets (real shards from the real generator)."""
 
 from __future__ import annotations
 
@@ -18,45 +18,47 @@ from distill.store.shards import iter_rows
 
 
 # -- the index (pure) ---------------------------------------------------------------------------------
-def test_the_longest_matching_suffix_and_its_continuations_within_generated_text():
+def conts(store, context, occurrences=8, min_ngram=1):
+    """{match length: (continuations, occurrences in all)} of a store's levels."""
+    return {lv.n: (lv.continuations, lv.total) for lv in store.levels(context, 3, occurrences, min_ngram)}
+
+
+def test_every_matching_suffix_and_its_continuations_within_generated_text():
     #        context | generated
     docs = [([9, 1, 2], 2),           # position 2 (token 2) only: after (1), after (9, 1)
             ([5, 1, 2, 3, 4], 1),     # 1 2 3 4 generated
             ([7, 1, 2, 3, 8], 3)]     # 3 8 generated: (1, 2) is followed by 3 8 here, but 1 and 2 are context only
     store = Datastore(docs, max_ngram=4, depth=3)
     assert store.generated_tokens == 1 + 4 + 2 and store.documents == 3
-    n, found = store.continuations([0, 5, 1, 2], occurrences=8)
-    assert n == 3 and found == [(3, 4)]  # (5, 1, 2): the second document only; stops at its end
-    n, found = store.continuations([6, 1, 2], occurrences=8)  # (6, 1, 2) never occurred: (1, 2) did, twice
-    assert n == 2 and sorted(found) == [(3, 4), (3, 8)]
-    n, found = store.continuations([4, 9, 1], occurrences=8)  # (9, 1) precedes the first document's 2
-    assert n == 2 and found == [(2,)]
-    assert store.continuations([4, 9, 1], occurrences=8, min_ngram=3) == (0, [])
-    assert store.continuations([6], occurrences=8) == (0, [])  # 6 never occurred
+    # (5, 1, 2): the second document only, and stops at its end; (1, 2) and (2): both, the newest first
+    assert conts(store, [0, 5, 1, 2]) == {1: ([[3, 8], [3, 4]], 2), 2: ([[3, 8], [3, 4]], 2), 3: ([[3, 4]], 1)}
+    assert conts(store, [6, 1, 2]) == {1: ([[3, 8], [3, 4]], 2), 2: ([[3, 8], [3, 4]], 2)}  # (6, 1, 2) never occurred
+    assert conts(store, [4, 9, 1]) == {1: ([[2, 3, 4], [2]], 2), 2: ([[2]], 1)}  # (9, 1) precedes the first's 2
+    assert conts(store, [4, 9, 1], min_ngram=2) == {2: ([[2]], 1)}
+    assert conts(store, [6]) == {} and conts(store, [70_000]) == {}  # never occurred; an id no document holds
     # a token that is only context (7, 5, 9 at a document's start) is never a continuation
     for t in (1, 2, 3):
-        assert not {5, 7, 9} & {x for cont in store.continuations([t], 8)[1] for x in cont}
-    n, few = store.continuations([2], occurrences=1)  # at most `occurrences`, evenly spread over the range
-    assert n == 1 and len(few) == 1
-    assert Datastore([], max_ngram=3).continuations([1, 2], 4) == (0, [])
+        assert not {5, 7, 9} & {x for cs, _ in conts(store, [t]).values() for c in cs for x in c}
+    assert conts(store, [2], occurrences=1) == {1: ([[3, 4]], 2)}  # a sample of the range; the total stays
+    assert Datastore([], max_ngram=3).levels([1, 2], 3, 4) == []
+    # 2-byte keys for a vocabulary under 65,535 ids, 4-byte positions: 2 x max_ngram + 8 bytes an indexed token
+    assert store.keys.dtype == np.uint16 and store.positions.dtype == np.int32
+    assert Datastore([([70_000, 1, 2], 1)], max_ngram=2).keys.dtype == np.int32
 
 
-def test_the_merged_tree_ranks_the_context_first_and_drafts_from_the_datastore_where_the_context_has_no_match():
+def test_the_tree_merges_the_context_s_draft_and_the_datastore_s_and_the_datastore_drafts_where_the_context_cannot():
     store = Datastore([([1, 2, 3, 4, 5], 1), ([2, 3, 6], 1)], max_ngram=3, depth=3)
-    lk = Lookup(max_nodes=4, depth=3, datastore=store, store_weight=0.5)
-    # row 0 repeats (2 3): the context says 9, the datastore 4 5 and 6; row 1 has no repeat of its own
-    state = LookupState([_Context([2, 3, 9, 0, 2, 3], 6), _Context([8, 2, 3], 6)])
+    lk = Lookup(max_nodes=4, depth=3, datastore=store, history_tokens=0, spec_factor=4.0)
+    # row 0 repeats (2 3): the context says 9 0 2 (1/2 a node); in the datastore (2, 3) was followed by 4 5 and by 6
+    # (1/3 each, the newer document's 6 first); row 1 has no repeat of its own
+    state = LookupState([_Context([2, 3, 9, 0, 2, 3]), _Context([8, 2, 3])])
     prop = lk.propose(state, torch.tensor([3, 3]), torch.tensor([5, 2]), 5, 4)
     row0 = list(zip(prop.buffers.parent[0, 1:].tolist(), prop.tokens[0, 1:].tolist()))
-    # the context's own continuation 9 0 2 (weight 1 a node) is kept whole; the datastore's two, 6 and 4 5 (0.5 shared:
-    # 0.25 each), fill the budget in the index's order (6 first); parents come before children
-    assert row0 == [(0, 9), (0, 6), (1, 0), (3, 2)]
+    assert row0 == [(0, 9), (0, 6), (1, 0), (3, 2)]  # the context's chain (1/2) first, then the store's best (1/3)
     row1 = list(zip(prop.buffers.parent[1, 1:].tolist(), prop.tokens[1, 1:].tolist()))
     assert (0, 4) in row1 and (0, 6) in row1  # no context match: the datastore alone drafts
-    assert Lookup(max_nodes=4, depth=3).propose(LookupState([_Context([8, 2, 3], 6)]), torch.tensor([3]),
-                                                torch.tensor([2]), 2, 4).tokens.shape == (1, 1)  # without it: plain
-    with pytest.raises(ConfigError, match="weight"):
-        Lookup(datastore=store, store_weight=0)
+    assert Lookup(max_nodes=4, depth=3, history_tokens=0).propose(
+        LookupState([_Context([8, 2, 3])]), torch.tensor([3]), torch.tensor([2]), 2, 4).tokens.shape == (1, 1)
 
 
 # -- from a dataset ------------------------------------------------------------------------------------
@@ -67,8 +69,8 @@ def test_a_dataset_s_generated_spans_are_indexed_and_a_wrong_dataset_is_refused(
     row = next(iter_rows(real_shards, columns=["input_ids", "loss_mask"]))
     ids, mask = np.asarray(row["input_ids"]), np.asarray(row["loss_mask"], bool)
     first = int(np.argmax(mask))  # the first reply's first token, after its assistant header
-    n, found = store.continuations(ids[:first].tolist(), occurrences=64)
-    assert n == store.max_ngram and tuple(ids[first:first + store.depth]) in found
+    (*_, deepest) = store.levels(ids[:first].tolist(), store.depth, occurrences=64)
+    assert deepest.n == store.max_ngram and ids[first:first + store.depth].tolist() in deepest.continuations
     with pytest.raises(ConfigError, match="vocabulary"):
         Datastore.from_dataset(real_shards, vocab_size=1000)
     with pytest.raises(ConfigError, match="another tokenizer"):

@@ -9,6 +9,7 @@ import torch
 from conftest import mt_bench_prompts
 from distill.engine import Engine, EngineConfig, GenerationResult, SamplingParams, StepStats
 from distill.engine.policy import DEFAULT_COST_RATIO, choose_tree_size
+from distill.engine.target import Target
 from distill.errors import ConfigError
 from helpers import make_heads
 
@@ -190,7 +191,7 @@ def test_policy_shrinks_the_tree_as_the_batch_grows_and_turns_speculation_off(hf
     measured = Engine(hf_model, tokenizer, heads, EngineConfig(tree="sparse-24"))
     assert measured.step_costs is not None
     assert [measured.tree_size_for(b) for b in batches] == [
-        choose_tree_size(b, measured._taus, measured.step_costs, None, measured._proposal) for b in batches]
+        choose_tree_size(b, measured.pricing.taus, measured.step_costs, None, measured.pricing.proposal) for b in batches]
     assert measured.tree_size_for(64) == 0
     forced = Engine(hf_model, tokenizer, engine.heads, EngineConfig(tree="chain", speculate_max_batch=1, max_batch=2))
     assert forced.tree_size_for(1) == 4 and forced.tree_size_for(2) == 0
@@ -232,7 +233,7 @@ def first_layers(model_dir, layers: int):
 def _pin_single_row_kernels(model) -> dict[str, int]:
     """Give the prepared linears of ``model`` single-row kernels by name, in turn: MKL on the weight, vLLM's packed copy,
     the packed copy padded (MKL on the weight only where there is no vLLM copy) -> how many linears got each."""
-    from distill.engine.weights import PACKED, PADDED, WEIGHT, DualLinear
+    from distill.engine.cpu.linears import PACKED, PADDED, WEIGHT, DualLinear
 
     count = {WEIGHT: 0, PACKED: 0, PADDED: 0}
     linears = sorted((name, m) for name, m in model.named_modules() if type(m) is DualLinear)
@@ -252,11 +253,11 @@ def test_compiled_single_token_forwards_decode_as_eager(model_dir, tokenizer, pr
     compiled single-token path, the eager fallbacks around it) does not depend on the depth."""
     from torch.profiler import ProfilerActivity, profile
 
-    from distill.engine.weights import PACKED, PADDED
+    from distill.engine.cpu.linears import PACKED, PADDED
 
     reference_model = first_layers(model_dir, 2)
     with monkeypatch.context() as m:  # the reference's linears unfused, as the compiled engine's: the same products
-        m.setattr(Engine, "_example", staticmethod(lambda model: None))
+        m.setattr(Target, "_example", lambda self: None)
         reference = Engine(reference_model, tokenizer, None, EngineConfig())
     pinned = _pin_single_row_kernels(reference_model)
     vllm_products = pinned[PACKED] + pinned[PADDED]

@@ -21,11 +21,12 @@ PROMPTS = [[1, 5, 2], [3, 3, 7, 0, 1, 4], [6], [2, 4, 6, 1, 3, 5, 7, 0, 2], [5, 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
 
 
-def engines(device: str, graphs: bool | None):
+def engines(device: str, graphs: bool | None = None, **config):
     """(name, engine): Medusa and EAGLE engines of the tiny models on ``device`` (plain decoding: speculative=False)."""
     medusa_model, heads = tiny_medusa()
     eagle_model, drafter = tiny_eagle()
-    common = dict(max_batch=len(PROMPTS), speculate_max_batch=len(PROMPTS), acceptance="greedy", cuda_graphs=graphs)
+    common = dict(max_batch=len(PROMPTS), speculate_max_batch=len(PROMPTS), acceptance="greedy", cuda_graphs=graphs,
+                  **config)
     return [
         ("medusa", Engine(medusa_model.to(device), None, heads.to(device), EngineConfig(tree="2,2,2", **common))),
         ("eagle", Engine(eagle_model.to(device), None, drafter.to(device),
@@ -57,14 +58,14 @@ def test_static_window_calls_decode_as_the_eager_calls_batched_and_continuous():
         plain, spec, cont = decode(engine, False), decode(engine, True), continuous(engine)
         assert spec == plain, name
         steps, drafts = [], []
-        forward = engine._forward
+        forward = engine.target.forward
 
-        def spy(ids, positions, bias, cache, keep=0, layers=None):
-            if isinstance(keep, int):  # a decoding step (a prefill keeps given positions)
+        def spy(ids, positions, bias, cache, keep=0, layers=None, step=False):
+            if step:
                 steps.append((bias.shape[-1], cache.slots, ids.shape))
-            return forward(ids, positions, bias, cache, keep, layers)
+            return forward(ids, positions, bias, cache, keep, layers, step)
 
-        engine._forward = spy
+        engine.target.forward = spy
         if name == "eagle":  # the drafter's keep-mask (B, 1, q, W) and its cache
             engine.heads.register_forward_pre_hook(lambda m, args: drafts.append((args[3].shape[-1], args[4].slots)))
         engine.use_graphs(Graphs(capture=False))
@@ -121,9 +122,22 @@ def test_graphs_replay_their_buckets_and_forget_the_oldest():
     assert len(calls) == 4 and graphs.keys() == [("double", 1), ("double", 3)]  # bucket 2 was the least recently used
 
 
+def test_compiled_steps_decode_as_eager_steps_trees_batches_and_features():
+    """Every step's forward compiled (weights as loaded, as on a GPU), through the graph buckets run eagerly: the
+    same tokens as eager steps, plain and speculative, Medusa and EAGLE-3 (whose feature layers come from hooks
+    registered once); prefills stay eager."""
+    torch._dynamo.reset()  # no compiled code of another test's model to guard against
+    eager = {name: (decode(e, False), decode(e, True)) for name, e in engines("cpu", None)}
+    try:
+        for name, engine in engines("cpu", None, compile=True, weight_layout="as-loaded"):
+            engine.use_graphs(Graphs(capture=False))
+            assert (decode(engine, False), decode(engine, True)) == eager[name], name
+            assert engine.compiled_forwards > 12, name
+    finally:
+        torch._dynamo.reset()
+
+
 def test_cuda_graph_settings_are_checked():
-    with pytest.raises(ConfigError, match="choose one"):
-        EngineConfig(compile=True, cuda_graphs=True)
     with pytest.raises(ConfigError, match="CUDA device"):
         engines("cpu", True)
 
@@ -157,3 +171,13 @@ def test_cuda_graphs_keep_sampled_decoding_seeded():
         a = [r.token_ids for r in eager.generate(PROMPTS, sp)[0]]
         b = [r.token_ids for r in graphed.generate(PROMPTS, sp)[0]]
         assert a == b, name
+
+
+@cuda
+def test_compiled_cuda_graphs_decode_as_eager_steps():
+    """The GPU's fastest step: each step's forward compiled, then recorded as a CUDA graph and replayed."""
+    eager = {name: (decode(e, False), decode(e, True)) for name, e in engines("cuda", False)}
+    for name, engine in engines("cuda", None, compile=True):
+        assert engine.graphs is not None, name
+        assert (decode(engine, False), decode(engine, True)) == eager[name], name
+        assert engine.compiled_forwards >= engine.graphs.recorded >= 2, name

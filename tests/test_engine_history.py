@@ -15,30 +15,36 @@ from distill.bench import BenchConfig
 from distill.bench.runner import BenchRunner
 from distill.engine import Engine, EngineConfig, SamplingParams
 from distill.engine.proposers.datastore import History
-from distill.engine.proposers.lookup import DEFAULT_HISTORY_TOKENS, Lookup, LookupState, _Context
+from distill.engine.proposers.lookup import DEFAULT_HISTORY_TOKENS, Lookup
 from distill.errors import ConfigError
 
 
 # -- the index of replies (pure) ----------------------------------------------------------------------
+def longest(h: History, context: list[int]) -> tuple[int, list]:
+    """(n, continuations) of the longest suffix of ``context`` the history holds ((0, []) when none)."""
+    levels = h.levels(context, depth=2, occurrences=4)
+    return (levels[-1].n, [tuple(c) for c in levels[-1].continuations]) if levels else (0, [])
+
+
 def test_replies_are_indexed_as_they_accumulate_and_the_oldest_go_first_past_the_budget():
     h = History(max_tokens=12, max_ngram=3, depth=2)
-    assert h.continuations([1, 2], 4) == (0, []) and h.tokens == 0
+    assert longest(h, [1, 2]) == (0, []) and h.tokens == 0
     h.add([1, 2, 3, 4], first=2)  # 1 2 is the prompt's tail: only 3 4 are continuations
-    assert h.rebuilds == 1 and h.continuations([9, 1, 2], 4) == (2, [(3, 4)])
-    assert h.continuations([0, 1], 4) == (0, [])  # 2 is context, never drafted
+    assert h.rebuilds == 1 and longest(h, [9, 1, 2]) == (2, [(3, 4)])
+    assert longest(h, [0, 1]) == (0, [])  # 2 is context, never drafted
     h.add([5, 6, 7, 8], first=1)  # a second reply, 8 tokens held, 4 queued >= 4/16 indexed: rebuilt at once
-    assert h.rebuilds == 2 and h.continuations([5, 6], 4) == (2, [(7, 8)])
+    assert h.rebuilds == 2 and longest(h, [5, 6]) == (2, [(7, 8)])
     h.add([9, 3, 4, 10, 11], first=1)  # 13 tokens > 12: the first reply is dropped
     assert h.tokens == 9
-    assert h.continuations([2], 4) == (0, [])  # its n-grams are gone with it
-    assert h.continuations([3, 4], 4) == (2, [(10, 11)])
+    assert longest(h, [2]) == (0, [])  # its n-grams are gone with it
+    assert longest(h, [3, 4]) == (2, [(10, 11)])
     h.add(list(range(100, 130)), first=25)  # longer than the budget: its last 12 tokens, the generated 5 among them
-    assert h.tokens == 12 and h.continuations([124], 4) == (1, [(125, 126)])
-    assert h.continuations([5, 6], 4) == (0, [])
+    assert h.tokens == 12 and longest(h, [124]) == (1, [(125, 126)])
+    assert longest(h, [5, 6]) == (0, [])
     h.add([1, 2], first=2)  # nothing generated: nothing added
     assert h.tokens == 12
     h.clear()
-    assert h.tokens == 0 and h.continuations([124], 4) == (0, [])
+    assert h.tokens == 0 and longest(h, [124]) == (0, [])
     with pytest.raises(ConfigError, match=">= 0"):
         History(-1)
 
@@ -49,9 +55,9 @@ def test_large_histories_rebuild_only_once_a_sixteenth_more_has_queued():
     assert h.rebuilds == 1
     for i in range(9):  # 9 x 10 = 90 queued tokens < 1599 / 16: not yet indexed
         h.add([7, 8] * 5, first=0)
-    assert h.rebuilds == 1 and h.continuations([7], 4) == (0, [])
+    assert h.rebuilds == 1 and longest(h, [7]) == (0, [])
     h.add([7, 8] * 5, first=0)  # 100 queued: rebuilt, the queued replies searchable
-    assert h.rebuilds == 2 and h.continuations([7], 4)[1][0] == (8, 7)
+    assert h.rebuilds == 2 and (8, 7) in longest(h, [7])[1]
 
 
 def test_rows_that_leave_the_batch_give_their_replies_and_later_rows_draft_from_them():

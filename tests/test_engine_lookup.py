@@ -1,4 +1,5 @@
-"""The lookup proposer: its tree from n-gram matches, greedy == plain on MT-Bench, lossless rejection sampling, the bench CLI.
+"""The lookup proposer: suffix matching and frequency scoring on handcrafted contexts, greedy == plain on MT-Bench,
+lossless rejection sampling, the bench CLI.
 
 Losslessness as in tests/test_engine_sampling.py: 6,000 three-token continuations of a prompt that repeats itself (so
 the proposer drafts), drawn with lookup + tree rejection sampling, against the exact continuation distribution by a
@@ -15,28 +16,59 @@ import torch
 from conftest import MT_QUESTIONS, MT_TOKENS, run_distill
 from distill.engine import Engine, EngineConfig, SamplingParams
 from distill.engine.proposers.lookup import Lookup, LookupState, _Context
+from distill.engine.proposers.suffix import best_draft
 from distill.errors import ConfigError
 from helpers import ALPHA, CONT, SAMPLES, chi2_pvalue, exact_distribution, tiny_medusa
 
 
-# -- the tree (pure) ----------------------------------------------------------------------------------
-def test_the_tree_is_the_trie_of_the_longest_match_s_continuations_by_count_then_recency():
-    #     0  1  2  3  4  5  6  7  8  9 10 11   (11: the root)
-    t = [7, 1, 2, 3, 4, 9, 1, 2, 3, 5, 1, 2]
-    ctx = _Context(t, max_ngram=4)
-    # (5, 1, 2) never occurred before; (1, 2) did, followed by 3 4 9 (at 3) and 3 5 1 (at 8, more recent)
-    assert ctx.draft(3, depth=3, min_ngram=1, occurrences=8) == [(0, 3), (1, 5), (1, 4)]
-    assert ctx.draft(6, depth=3, min_ngram=1, occurrences=8) == [(0, 3), (1, 5), (1, 4), (2, 1), (3, 9)]
-    assert ctx.draft(6, depth=3, min_ngram=1, occurrences=1) == [(0, 3), (1, 5), (2, 1)]  # the most recent only
-    assert ctx.draft(6, depth=3, min_ngram=3, occurrences=8) == []  # no match of 3 or more tokens
-    assert _Context([1, 2, 3, 4], max_ngram=4).draft(4, 3, 1, 8) == []  # nothing repeats: no draft
-    ctx.extend([3, 5])  # the context grows as tokens are committed: now (1, 2, 3, 5) matched at 6..9
-    assert ctx.draft(1, depth=2, min_ngram=1, occurrences=8) == [(0, 1)]
+# -- suffix matching and scoring (pure) -----------------------------------------------------------------
+def test_the_longest_match_drafts_though_a_shorter_one_is_followed_more_often():
+    #        0  1  2  3  4  5  6  7  8  9 10 11 12 13 14 15 16   (16: the root)
+    ctx = _Context([5, 1, 2, 3, 7, 8, 9, 1, 2, 4, 1, 2, 4, 6, 5, 1, 2])
+    levels = ctx.levels(depth=6, occurrences=64)
+    # (1, 2) occurred 3 times, twice followed by 4; (5, 1, 2) once, followed by 3 7 8 9 ...
+    assert [(lv.n, lv.total) for lv in levels] == [(2, 3), (3, 1)] and levels[1].continuations == [[3, 7, 8, 9, 1, 2]]
+    # 3 tokens matched: 3 nodes of probability 1/2 (score 1.5) beat the 2-token match's 4 (2/4) and 3 (1/4)
+    assert ctx.draft(8, 6, factor=1.0) == [(0, 3), (1, 7), (2, 8)]
+    level = best_draft(levels, 8, 0.1, 1.0, 0.0, nested=True)
+    assert level.match == 3 and level.score == pytest.approx(1.5)
+    assert _Context([1, 2, 3, 4]).draft(4, 3) == []  # nothing repeats: no draft
+
+
+def test_siblings_and_depths_follow_the_continuations_frequency():
+    ctx = _Context([1, 2, 4, 9, 1, 2, 4, 9, 1, 2, 3, 9, 1, 2, 4, 8, 1, 2])  # (1, 2) four times: 4 9, 4 9, 3 9, 4 8
+    # probabilities with the root's own position counted (5 occurrences): 4 3/5, 4 9 2/5, 4 9 1 2/5, 3 1/5, 4 8 1/5
+    assert ctx.draft(3, 6, factor=4.0) == [(0, 4), (1, 9), (2, 1)]
+    tree = ctx.draft(8, 6, factor=4.0)
+    assert tree[:2] == [(0, 4), (0, 3)] and len(tree) == 8  # the rarer sibling after the more frequent one
+    ctx.extend([4, 9])  # committed tokens join the context: (1, 2, 4, 9) now matched, twice followed by 1 2
+    assert ctx.draft(2, 6, factor=4.0) == [(0, 1), (1, 2)]
+
+
+def test_nodes_under_the_probability_floor_are_not_drafted():
+    t = []
+    for i in range(9):
+        t += [7 + i, 1, 2, 4]  # (1, 2) followed by 4 nine times, each time by another token after it
+    ctx = _Context(t + [30, 1, 2, 3, 31, 1, 2])  # and once by 3
+    assert ctx.draft(8, 2, factor=4.0) == [(0, 4)]  # 9/11; the rest 1/11 < 0.1
+    assert len(ctx.draft(8, 2, factor=4.0, min_prob=0.05)) == 8
+    with pytest.raises(ConfigError, match="min_prob"):
+        Lookup(min_prob=1.5)
+
+
+def test_a_match_drafts_at_most_factor_times_its_length_within_the_budget():
+    ctx = _Context([7, 1, 2, 3, 4, 5, 6, 9, 1])  # 1 matched 1 token deep (7 1 vs 9 1): each node 1/2
+    assert ctx.draft(8, 6, factor=1.0) == [(0, 2)]
+    assert ctx.draft(8, 6, factor=3.0) == [(0, 2), (1, 3), (2, 4)]
+    assert ctx.draft(8, 6, factor=1.0, offset=2.0) == [(0, 2), (1, 3), (2, 4)]
+    assert ctx.draft(2, 6, factor=10.0) == [(0, 2), (1, 3)]  # the budget caps it
+    long = _Context([7, 1, 2, 3, 4, 5, 6, 9, 7, 1, 2, 3])  # 4 tokens matched: up to 4 nodes at factor 1
+    assert long.draft(8, 6, factor=1.0) == [(0, 4), (1, 5), (2, 6), (3, 9)]
 
 
 def test_rows_without_a_match_are_padded_with_distinct_root_children_and_the_state_follows_the_batch():
-    lk = Lookup(max_nodes=4, depth=2)
-    state = LookupState([_Context([1, 2, 3, 1, 2], 6), _Context([5, 6, 7], 6)])
+    lk = Lookup(max_nodes=4, depth=2, history_tokens=0)
+    state = LookupState([_Context([1, 2, 3, 1, 2]), _Context([5, 6, 7])])
     prop = lk.propose(state, torch.tensor([2, 7]), torch.tensor([4, 2]), 4, 4)
     assert prop.tokens.tolist()[0][:3] == [2, 3, 1] and prop.tokens.shape == (2, 3)
     assert prop.buffers.parent.tolist() == [[-1, 0, 1], [-1, 0, 0]]
@@ -45,7 +77,7 @@ def test_rows_without_a_match_are_padded_with_distinct_root_children_and_the_sta
     assert [c.tokens for c in state.rows] == [[5, 6, 7]]
     assert lk.propose(state, torch.tensor([7]), torch.tensor([2]), 2, 4).tokens.shape == (1, 1)  # no match: plain
     with pytest.raises(ConfigError, match="min_ngram"):
-        Lookup(min_ngram=3, max_ngram=2)
+        Lookup(min_ngram=3, max_match=2)
 
 
 # -- decoding ----------------------------------------------------------------------------------------

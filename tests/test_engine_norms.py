@@ -1,4 +1,4 @@
-"""RMS normalisations on vLLM's CPU kernel (distill.engine.norms): the same outputs, one kernel call per module,
+"""RMS normalisations on vLLM's CPU kernel (distill.engine.cpu.norms): the same outputs, one kernel call per module,
 and modules the kernel does not reproduce (another formula, another dtype) left as they are."""
 
 from __future__ import annotations
@@ -7,9 +7,10 @@ import pytest
 import torch
 from torch import nn
 
-from distill.engine import Engine, EngineConfig, norms
-from distill.engine.norms import prepare_norms, restore_norms
-from distill.engine.weights import vllm_kernels
+from distill.engine import Engine, EngineConfig
+from distill.engine.cpu import norms
+from distill.engine.cpu.linears import vllm_kernels
+from distill.engine.cpu.norms import KernelRMSNorm, prepare_norms, restore_norms
 from helpers import tiny_llama
 
 needs_vllm = pytest.mark.skipif(vllm_kernels() != "", reason=f"vLLM's CPU kernels unavailable: {vllm_kernels()}")
@@ -27,7 +28,7 @@ class OffsetRMSNorm(nn.Module):
 
 
 def swapped(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if "forward" in m.__dict__]
+    return [m for m in model.modules() if isinstance(m, KernelRMSNorm)]
 
 
 @needs_vllm

@@ -133,7 +133,7 @@ def test_measured_acceptance_moves_the_budget_to_the_part_that_earns_it(tiny):
     u._credit([(0, 4, [{(5,), (5, 6)}] * rows)], [[5, 6]] * rows, [2] * rows)
     assert u.revision == 1 and engine.policy.taus != u.taus()
     engine.generate([[1, 2, 3, 1, 2, 3]], SamplingParams(max_tokens=4))
-    assert engine._revision == u.revision and engine.policy.taus == u.taus() == engine._taus
+    assert engine.pricing.revision == u.revision and engine.policy.taus == u.taus() == engine.pricing.taus
 
 
 @pytest.mark.usefixtures("one_torch_thread")

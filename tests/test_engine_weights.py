@@ -11,12 +11,21 @@ import pytest
 import torch
 from torch import nn
 
-from distill.engine import weights
-from distill.engine.weights import (ONEDNN, PACK_ROWS, PACKED, PAD_ROWS, PADDED, VLLM, WEIGHT, DualLinear, VllmMatmul,
+from distill.engine import rows
+from distill.engine.cpu import linears as weights
+from distill.engine.cpu.linears import (ONEDNN, PACK_ROWS, PACKED, PAD_ROWS, PADDED, VLLM, WEIGHT, DualLinear, VllmMatmul,
                                     is_output_major, prepare_linears, probe_keys, vllm_kernels, wants_output_major)
 from helpers import tiny_llama
 
 needs_vllm = pytest.mark.skipif(vllm_kernels() != "", reason=f"vLLM's CPU matmul unavailable: {vllm_kernels()}")
+
+
+def prepared(linear: nn.Linear) -> DualLinear:
+    """``linear`` prepared as a model's child is (prepare_linears puts its replacement in its place by name)."""
+    holder = nn.Sequential(linear)
+    prepare_linears(holder)
+    assert type(holder[0]) is DualLinear and holder[0].weight is linear.weight
+    return holder[0]
 
 
 def test_the_layout_rule_picks_wide_float32_cpu_weights():
@@ -67,7 +76,7 @@ def onednn_only(monkeypatch):
 def test_multi_row_products_use_the_packed_copy_and_single_rows_the_kernel_the_probe_chose(monkeypatch):
     layer = nn.Linear(16, 32)
     onednn_only(monkeypatch)
-    prepare_linears(layer)
+    layer = prepared(layer)
     monkeypatch.undo()
     assert layer.kind == ONEDNN and layer.vllm is None and layer.packed is not None
     calls = []
@@ -169,7 +178,7 @@ def test_the_compiler_traces_vllms_matmul_in_one_graph(monkeypatch):
     """torch.compile of a prepared linear with vLLM's copy: one graph (fullgraph), vLLM's operator in it, the same product."""
     layer = nn.Linear(16, 32)
     monkeypatch.setattr(weights, "probe", lambda ws, copies: {k: (0.1 if k == f"{VLLM}@1" else 1.0) for k in probe_keys(copies)})
-    prepare_linears(layer)
+    layer = prepared(layer)
     monkeypatch.undo()
     assert layer.kind == VLLM
     torch._dynamo.reset()
@@ -285,7 +294,7 @@ def test_a_weight_changed_after_packing_is_an_error_not_a_stale_product(monkeypa
         monkeypatch.setattr(weights, "vllm_kernels", lambda: "not in this test")
     layer = nn.Linear(16, 32)
     monkeypatch.setattr(weights, "probe", lambda ws, copies: {k: (0.1 if k == f"{kind}@1" else 1.0) for k in probe_keys(copies)})
-    prepare_linears(layer)
+    layer = prepared(layer)
     assert layer.kind == kind
     with torch.no_grad():
         layer.weight.add_(1.0)
@@ -394,7 +403,7 @@ def test_a_padded_prefill_multiplies_the_prompts_rows_only():
         full_q, full_down = layer.self_attn.q_proj(x), layer.mlp.down_proj(torch.randn(3, 5, 32))
         products.clear()
         down_in = torch.randn(3, 5, 32)
-        with weights.valid_rows(lengths, 5):
+        with rows.valid_rows(lengths, 5):
             q, k = layer.self_attn.q_proj(x), layer.self_attn.k_proj(x)  # a fused group: one product
             down = layer.mlp.down_proj(down_in)
             other = layer.mlp.down_proj(torch.randn(4, 32))  # another row count: not a padded input, untouched
@@ -405,15 +414,15 @@ def test_a_padded_prefill_multiplies_the_prompts_rows_only():
     assert not flat[[7, 8, 9, 14]].any()  # the padding: zeros, not multiplied
     assert torch.allclose(down.reshape(15, -1)[index], reference_down.reshape(15, -1)[index], atol=1e-6)
     assert k.shape == (3, 5, 8) and other.shape == (4, 16) and full_q.shape == (3, 5, 16) and full_down.shape == (3, 5, 16)
-    with weights.valid_rows([5, 5, 5], 5):  # no padding: no selection
-        assert weights.VALID_ROWS.get() is None
+    with rows.valid_rows([5, 5, 5], 5):  # no padding: no selection
+        assert rows.VALID_ROWS.get() is None
 
 
 def test_row_wise_mlps_take_the_prompts_rows_once():
     model = tiny_llama(tied=True)
     prepare_linears(model, lambda: model(torch.tensor([[1, 2]])).logits)
     layers = model.model.layers
-    mlps = weights.rowwise_modules(layers)
+    mlps = rows.rowwise_modules(layers)
     assert mlps == [layer.mlp for layer in layers]  # not the attention, though it too is made of linears only
 
     class Routed(nn.Module):  # a mixture of experts: its router is no linear + activation
@@ -433,7 +442,7 @@ def test_row_wise_mlps_take_the_prompts_rows_once():
             self.proj, self.scale = nn.Linear(16, 16), nn.Parameter(torch.ones(16))
 
     dense = nn.Sequential(nn.Linear(16, 32), nn.SiLU(), nn.Linear(32, 16))
-    assert weights.rowwise_modules([Layer(Routed()), Layer(Scaled()), Layer(dense)]) == [dense]
+    assert rows.rowwise_modules([Layer(Routed()), Layer(Scaled()), Layer(dense)]) == [dense]
     mlp = layers[0].mlp
     gate_up = mlp.gate_proj.fused.module
     rows_seen = []
@@ -445,7 +454,7 @@ def test_row_wise_mlps_take_the_prompts_rows_once():
     with torch.inference_mode():
         reference = mlp(x)
         rows_seen.clear()
-        with weights.valid_rows([5, 2, 4], 5, rowwise=mlps):
+        with rows.valid_rows([5, 2, 4], 5, rowwise=mlps):
             out = mlp(x)
             assert mlp(torch.randn(4, 16)).shape == (4, 16)  # another row count: not selected
         assert rows_seen == [11, 11, 4, 4]  # each product once, on the prompts' rows, nothing scattered in between
@@ -457,13 +466,13 @@ def test_row_wise_mlps_take_the_prompts_rows_once():
 
 def test_the_engines_padded_prefill_decodes_as_the_unselected_one(hf_model, tokenizer, monkeypatch):
     from distill.engine import Engine, EngineConfig, SamplingParams
-    from distill.engine import engine as engine_module
+    from distill.engine import target as target_module
 
     engine = Engine(hf_model, tokenizer, None, EngineConfig(max_batch=4))
     prompts = [tokenizer.encode(t) for t in ("Name three colours.", "Hi", "Write a haiku about the sea and the moon, please.")]
     params = SamplingParams(max_tokens=12, logprobs=2)
     selected, _ = engine.generate(prompts, params, speculative=False)
-    monkeypatch.setattr(engine_module, "valid_rows", lambda *a, **k: contextlib.nullcontext())
+    monkeypatch.setattr(target_module, "valid_rows", lambda *a, **k: contextlib.nullcontext())
     padded, _ = engine.generate(prompts, params, speculative=False)
     assert [r.token_ids for r in selected] == [r.token_ids for r in padded]
     for a, b in zip(selected, padded):

@@ -142,13 +142,13 @@ def test_distill_env_names_the_cpu_and_each_stage_dtype(tmp_path):
         assert any(line.startswith(f"- {stage}: {device}, float32") for line in lines), stage
     if device == "cpu":
         assert any("in-process" in line for line in lines if line.startswith("- generate"))
-    from distill.engine.weights import vllm_kernels
+    from distill.engine.cpu.linears import vllm_kernels
 
     linears = [line for line in lines if line.startswith("- Engine's float32 CPU linears: ")]
     assert len(linears) == 1 and linears[0].startswith("- Engine's float32 CPU linears: vLLM's CPU matmul" if vllm_kernels() == ""
                                                      else "- Engine's float32 CPU linears: torch's oneDNN"), linears
     assert linears[0].endswith("RMS norms and the rotary embedding on vLLM's CPU kernels where they reproduce the model's") \
-        == (vllm_kernels() == "")  # distill.engine.norms and .rotary use the same library
+        == (vllm_kernels() == "")  # distill.engine.cpu.norms and .rotary use the same library
     r = run_distill(["env", "--json"])
     doc = json.loads(r.stdout)
     assert doc["versions"]["torch"] and doc["stages"]["serve"]["dtype"] == "float32"

@@ -152,21 +152,21 @@ def test_a_sequence_whose_step_raises_fails_alone_and_the_others_resume_unchange
         jobs = [job_of(engine, loop, q, 16) for q in GOOD]
         bad = job_of(engine, loop, "Tell me a joke.", 16)
         bad.sequences[0].params = SamplingParams(max_tokens=16, temperature=0.7, seed=marked)
-        real = engine._accept
+        real = engine.decoding.accept
 
         def accept(tokens, logits, buf, seqs, *rest):  # the marked row breaks any step after its third token
             if any(s.params.seed == marked and (len(s.tokens) >= 3 or s.params.max_tokens < 16) for s in seqs):
                 raise RuntimeError("injected failure of one row")
             return real(tokens, logits, buf, seqs, *rest)
 
-        engine._accept = accept
+        engine.decoding.accept = accept
         try:
             for job in (jobs[0], bad, *jobs[1:]):
                 sched.submit(job)
             sched.start()
             return [await events_until_end(j) for j in jobs], await events_until_end(bad)
         finally:
-            del engine._accept
+            del engine.decoding.accept
             sched.stop()
 
     good, bad = asyncio.run(scenario())

@@ -119,7 +119,8 @@ def test_medusa2_trains_lora_with_the_teacher_kl_and_writes_adapter_and_merged_m
     out = tmp_path / "m2"
     opts = {**TINY, "heads": 1}
     s = train(TrainConfig(data=str(real_shards), out=str(out), mode="medusa2", steps=3, lambda0=0.2,
-                          lambda0_schedule="two-stage", lambda0_warmup=1, merge_adapter=True, lora_r=4, **opts))
+                          lambda0_schedule="two-stage", lambda0_warmup=1, merge_adapter=True, lora_r=4,
+                          eval_data=str(real_shards), eval_every=2, eval_tokens=200, eval_nodes=5, **opts))
     rows = read_metrics(out)
     assert rows[0]["lambda0"] == 0.0 and "lm_kl" not in rows[0]  # stage 1: heads only
     assert rows[1]["lambda0"] == 0.2 and 0 <= rows[1]["lm_kl"] < 5.0 and rows[1]["loss"] > rows[1]["lm_kl"]
@@ -127,6 +128,10 @@ def test_medusa2_trains_lora_with_the_teacher_kl_and_writes_adapter_and_merged_m
     assert (out / "merged" / "model.safetensors").is_file() and (out / "merged" / "tokenizer.json").is_file()
     meta = read_distill_meta(out)
     assert meta["merged_model"] == "merged" and s.steps == 3
+    # evaluated through the LoRA backbone at step 2 and at the end; the best keeps its adapter, never merges mid-run
+    assert [r["step"] for r in rows if "eval_tree_acceptance" in r] == [2, 3] and s.best_eval["step"] in (2, 3)
+    assert (out / "best" / "adapter" / "adapter_model.safetensors").is_file() and not (out / "best" / "merged").exists()
+    assert read_distill_meta(out / "best")["adapter"] == "adapter"
 
 
 def test_optimizer_auto_is_adamw_even_where_bitsandbytes_imports(monkeypatch):

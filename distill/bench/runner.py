@@ -95,12 +95,12 @@ def break_even(engine, batch: int = 1) -> dict | None:
     from distill.engine.policy import step_cost
 
     try:
-        nodes, taus, policy = engine.proposer.max_nodes, engine._taus, engine.policy
+        nodes, taus, policy = engine.proposer.max_nodes, engine.pricing.taus, engine.policy
         if policy is not None:
             ratio, measured = policy.cost(batch, nodes) / policy.cost(batch, 0), policy.tau(nodes)
         else:
-            cost = engine._cost_model()
-            ratio, measured = step_cost(batch, nodes, cost, engine._proposal) / step_cost(batch, 0, cost), None
+            cost = engine.pricing.cost
+            ratio, measured = step_cost(batch, nodes, cost, engine.pricing.proposal) / step_cost(batch, 0, cost), None
     except AttributeError:
         return None
     if nodes not in taus:
@@ -146,7 +146,7 @@ class BenchRunner:
         if engine is None:
             self.progress.stage(f"loading {config.model or DEFAULT_MODEL} with {config.heads}")
             engine = Engine.from_pretrained(config.model, config.heads, config.decoding)
-            self.progress.stage(f"warming up the engine on {engine.device}" + (" (compiling)" if config.decoding.compile else ""))
+            self.progress.stage(f"warming up the engine on {engine.device}" + (" (compiling)" if engine.compile else ""))
             engine.warmup()  # compiles first (--compile): no run is timed with the compiler in it
         if engine.proposer is None:
             raise ConfigError("the benchmark compares plain and speculative (Medusa, EAGLE or lookup) decoding: "

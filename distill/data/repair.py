@@ -16,6 +16,7 @@ from pathlib import Path
 
 from distill.data.dataset import Dataset
 from distill.errors import StoreError
+from distill.store.atomic import write_errors
 from distill.store.location import open_folder
 from distill.store.shards import ShardInfo, ShardStore, shard_problem
 
@@ -47,7 +48,8 @@ def repair(root: Path | str) -> RepairReport:
             report.set_aside[info.file] = problem
             report.rows_dropped += info.rows
             if folder.is_file(info.file):
-                folder.rename(info.file, info.file + ".corrupt")
+                with write_errors(folder.where(info.file), "setting it aside"):
+                    folder.rename(info.file, info.file + ".corrupt")
         report.kept = sum(1 for s in keep if s.file)
         if not report.set_aside:
             return report

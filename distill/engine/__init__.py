@@ -2,7 +2,8 @@
 
 ``Engine.from_pretrained(model, heads, EngineConfig(...)).generate(prompts, params)``, or
 ``engine.running_batch()`` for continuous batching; see
-:mod:`distill.engine.engine` for the decoding step, :mod:`distill.engine.config` for its settings, :mod:`distill.engine.proposers` for what drafts
+:mod:`distill.engine.batch` for the decoding step, :mod:`distill.engine.target` for the model it runs,
+:mod:`distill.engine.config` for its settings, :mod:`distill.engine.proposers` for what drafts
 the trees (the contract in :mod:`distill.engine.proposers.base`; Medusa, EAGLE, lookup and their
 union), :mod:`distill.engine.tree` for tree buffers
 and named trees, :mod:`distill.engine.acceptance` for the acceptance rules and

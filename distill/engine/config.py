@@ -52,10 +52,10 @@ class EngineConfig:
     cached_costs: bool = True  # a curve and single-row kernel times timed before for the same machine, shapes and
     # kernels are reused ($DISTILL_HOME/step-costs and kernels, engine.kept); False: timed at every start
     adaptive: bool = False  # correct the policy with measured acceptance and step times (policy.AdaptivePolicy)
-    weight_layout: str = "auto"  # "auto": CPU float32 linears re-laid out and packed (engine.weights), RMSNorms and
-    # the rotary embedding on vLLM's CPU kernels where they load (engine.norms, engine.rotary); "as-loaded": as they came
-    compile: bool = False  # torch.compile the model for single-token forwards (plain steps at batch 1); see Engine._forward
-    cuda_graphs: bool | None = None  # decoding steps replayed as CUDA graphs (engine.graphs); None: on for CUDA unless compile
+    weight_layout: str = "auto"  # "auto": CPU float32 linears re-laid out and packed (engine.cpu.linears), RMSNorms and
+    # the rotary embedding on vLLM's CPU kernels where they load (engine.cpu.norms, engine.cpu.rotary); "as-loaded": as they came
+    compile: bool = False  # torch.compile the decoding steps' forwards (on a CPU single-token steps only; Target.forward)
+    cuda_graphs: bool | None = None  # decoding steps replayed as CUDA graphs (engine.graphs), compiled or not; None: on for CUDA
 
     def __post_init__(self) -> None:
         check_choice("acceptance", self.acceptance, ACCEPTANCE_MODES)
@@ -69,8 +69,6 @@ class EngineConfig:
         check_choice("weight_layout", self.weight_layout, WEIGHT_LAYOUTS)
         if self.step_cost_ratio is not None and self.step_cost_ratio < 0:
             raise ConfigError(f"step_cost_ratio must be >= 0, got {self.step_cost_ratio}")
-        if self.compile and self.cuda_graphs:
-            raise ConfigError("compile and cuda_graphs are two ways to run the decoding step: choose one")
         if self.lookup_history is not None and self.lookup_history < 0:
             raise ConfigError(f"lookup_history must be >= 0 tokens; got {self.lookup_history}")
         if self.lookup_nodes is not None and self.lookup_nodes < 1:

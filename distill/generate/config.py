@@ -16,6 +16,10 @@ MODES = ("multi-turn", "self-talk", "single-turn")
 PROMPTS_DIR = Path(__file__).resolve().parents[2] / "prompts"
 DEFAULT_USER_PROMPT = "selftalk_user.md"
 DEFAULT_SELFTALK_TURNS = 4
+#: multi-turn: user turns replayed per conversation unless --turns says otherwise. A bound on one conversation's work
+#: (each turn is one more engine call after the others of its chunk ended); a seed row with more is cut there and
+#: ends as ``truncated_turns``. High enough that ordinary chat data is seldom cut; --turns 0 replays all.
+DEFAULT_MULTITURN_TURNS = 64
 
 
 #: The most teacher candidates stored per token (the vLLM backend asks its engine for this many).
@@ -36,7 +40,7 @@ class GenerateConfig:
     model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
     backend: str = "auto"  # auto | vllm | hf | openai
     mode: str = "multi-turn"
-    turns: int | None = None  # self-talk: at most this many assistant turns (default 4); multi-turn: at most N user turns (default 0 = all)
+    turns: int | None = None  # self-talk: at most this many assistant turns (default 4); multi-turn: at most N user turns (default 64; 0 = all)
     temperature: float = 0.7
     top_p: float = 1.0
     top_k: int = 0  # sampling: only the K most likely tokens (0: all); not --teacher-topk, the teacher candidates stored
@@ -87,7 +91,7 @@ class GenerateConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(self, name)}")
         if self.turns is None:
-            self.turns = DEFAULT_SELFTALK_TURNS if self.mode == "self-talk" else 0
+            self.turns = {"self-talk": DEFAULT_SELFTALK_TURNS, "multi-turn": DEFAULT_MULTITURN_TURNS}.get(self.mode, 0)
         if self.turns < 0 or (self.mode == "self-talk" and self.turns < 1):
             raise ConfigError(f"--turns must be >= 1 in self-talk mode (>= 0 otherwise); got {self.turns}")
         if self.limit is not None and self.limit < 0:

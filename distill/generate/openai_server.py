@@ -25,7 +25,7 @@ teacher checks
     same normalized log-probabilities (processed logprobs would change with temperature;
     logits are not normalized). On every response: one top-k per sampled token, the
     sampled ids equal the ids of the logprobs, and the k best distinct candidates are kept
-    as the in-process vLLM backend keeps them (:func:`distill.generate.backends.best_distinct`).
+    as the in-process vLLM backend keeps them (:func:`distill.generate.backends.best_distinct_rows`).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 
 from distill.errors import BackendError, ConfigError
-from distill.generate.backends import BackendOptions, Completion, Request, _context_limit, _vocab_size, best_distinct
+from distill.generate.backends import BackendOptions, Completion, Request, _context_limit, _vocab_size, best_distinct_rows
 from distill.models import stop_token_ids
 
 log = logging.getLogger("distill.generate")
@@ -262,15 +262,17 @@ class OpenAIBackend:
             raise BackendError(f"server {server.url} sent {len(tops)} top-k lists for {len(token_ids)} tokens")
         if [_token_id(t) for t in tokens] != token_ids:
             raise BackendError(f"server {server.url}: the logprobs' tokens are not the sampled ids")
-        n = len(token_ids)
-        ids = np.empty((n, k), dtype=np.int64)  # (N, K)
-        lps = np.empty((n, k), dtype=np.float32)  # (N, K)
-        for i, top in enumerate(tops):
-            cand = np.fromiter((_token_id(t) for t in top), dtype=np.int64, count=len(top))
-            vals = np.fromiter(top.values(), dtype=np.float32, count=len(top))
-            if len(cand) < k:
-                raise BackendError(f"server {server.url} sent {len(cand)} candidates where {k} were asked for")
-            ids[i], lps[i] = best_distinct(cand, vals, k)
+        widths = np.fromiter((len(top) for top in tops), dtype=np.int64, count=len(tops))  # (N,)
+        if len(widths) and widths.min() < k:
+            raise BackendError(f"server {server.url} sent {widths[widths < k][0]} candidates where {k} were asked for")
+        # Every position's candidates in one (N, M) block (narrower ones padded), kept in one pass
+        valid = np.arange(max(int(widths.max(initial=0)), k)) < widths[:, None]  # (N, M)
+        cand = np.zeros(valid.shape, dtype=np.int64)  # (N, M)
+        vals = np.zeros(valid.shape, dtype=np.float32)  # (N, M)
+        total = int(widths.sum())
+        cand[valid] = np.fromiter((_token_id(t) for top in tops for t in top), dtype=np.int64, count=total)
+        vals[valid] = np.fromiter((v for top in tops for v in top.values()), dtype=np.float32, count=total)
+        ids, lps = best_distinct_rows(cand, vals, k, valid)  # (N, K), (N, K)
         if ids.max(initial=0) >= self.vocab_size:
             raise BackendError(f"server {server.url} sent token ids beyond the model's vocabulary ({self.vocab_size})")
         return Completion(token_ids, finish, ids, lps)

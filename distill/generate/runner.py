@@ -23,8 +23,9 @@ sample
     is a conversation like any other: its own request seeds (they derive from its id), its
     own resume key and reject. The counts are in rows: seed rows x samples.
 stop reason
-    why a conversation ended: ``completed`` (no seed user turn left), ``max_turns``,
-    ``user_ended`` (the simulated user wrote the end marker or nothing),
+    why a conversation ended: ``completed`` (no seed user turn left), ``truncated_turns`` (multi-turn: seed
+    user turns beyond ``turns``, the bound on one conversation's work, were not replayed), ``max_turns``
+    (self-talk), ``user_ended`` (the simulated user wrote the end marker or nothing),
     ``context_length`` (the next turn would not fit in the context); ``continued`` for a row that
     a later row of the same conversation continues (below).
 rows of a conversation
@@ -51,6 +52,7 @@ import distill
 from distill.conversation import Conversation, Rejection, conversation_id, sample_id, seed_conversation_id, turn_row_id
 from distill.errors import ConfigError, StoreError
 from distill.generate.backends import Backend, BackendOptions, Completion, Request, make_backend, resolve_backend_name
+from distill.generate.backends import request_seed as _request_seed  # the name tests and benchmarks import
 from distill.generate.config import GenerateConfig
 from distill.models import ResolvedModel, load_chat_template, model_record, resolve_model, template_sha256
 from distill.runtime import Placement, canonical_dtype, placement
@@ -105,11 +107,6 @@ class GenerateSummary:
 
 #: The values of the sampling options that leave the distribution as it is.
 SAMPLING_OFF = {"top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
-
-
-def _request_seed(sampling_seed: int, conv_id: str, turn: int, kind: str) -> int:
-    digest = hashlib.sha256(f"{sampling_seed}\x00{conv_id}\x00{turn}\x00{kind}".encode()).digest()
-    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
 def _backend_version(name: str) -> str:
@@ -355,7 +352,7 @@ class Generator:
                 "samples": self.cfg.samples,
             },
             "teacher": self.enc.to_dict(),
-            "backend": {"name": self.backend_name, "version": self._backend.version if self.backend_name == "openai" else _backend_version(self.backend_name),
+            "backend": {"name": self.backend_name, "version": self._backend.version if self.backend_name in ("openai", "replay") else _backend_version(self.backend_name),
                         "dtype": self.placement.dtype,
                         "device": self.placement.device, "dtype_reason": self.placement.reason},
             "seed": self.seed_record,

@@ -3,8 +3,11 @@
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both with
 ``stream: true`` as server-sent events ending in ``data: [DONE]``), ``GET /v1/models``,
 ``POST /tokenize`` and ``POST /detokenize`` (vLLM's), ``GET /health`` and ``GET /metrics``
-(Prometheus text format). With an API key, ``/v1/*`` needs ``Authorization: Bearer KEY``
-(401 otherwise); the others stay open, as on vLLM's server. Errors are answered in OpenAI's
+(Prometheus text format). With an API key, every route but ``/health`` and ``/metrics`` needs
+``Authorization: Bearer KEY`` (401 otherwise): ``/v1/*`` as on vLLM's server, and also
+``/tokenize``, ``/detokenize`` and ``/openapi.json``, which vLLM leaves open (they tell anyone
+the model's tokenizer and the server's API); the two probes stay open for load balancers and
+scrapers, as on vLLM. Errors are answered in OpenAI's
 shape ``{"error": {"message", "type", "param", "code"}}``: 400 bad input,
 401 bad key, 404 unknown model, 413 body over ``max_body_bytes`` (refused before it
 is read), 500 a failure of this request in the engine, 503 queue full or shutting down.
@@ -473,9 +476,9 @@ def create_app(engine, settings: AppSettings, worker_thread: bool = True) -> Fas
 
 class _Gate:
     """Pure ASGI middleware (a ``BaseHTTPMiddleware`` would hide client disconnects from streaming responses):
-    checks the bearer key on ``/v1/*``, refuses a body over ``max_body_bytes`` with 413 before it is
-    read or parsed (by its Content-Length, or while reading a body sent without one), and counts
-    requests by endpoint and status."""
+    checks the bearer key on every route but :data:`OPEN_ROUTES`, refuses a body over ``max_body_bytes``
+    with 413 before it is read or parsed (by its Content-Length, or while reading a body sent without
+    one), and counts requests by endpoint and status."""
 
     def __init__(self, app, api_key: str | None, max_body_bytes: int, metrics: ServerMetrics):
         self.app, self.api_key, self.max_body_bytes, self.metrics = app, api_key, max_body_bytes, metrics
@@ -492,7 +495,7 @@ class _Gate:
             await send(message)
 
         headers = dict(scope["headers"])
-        if self.api_key is not None and path.startswith("/v1/"):
+        if self.api_key is not None and path not in OPEN_ROUTES:
             header = headers.get(b"authorization", b"").decode("latin-1")
             scheme, _, token = header.partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
@@ -554,6 +557,8 @@ def _failed_error(ev: Failed) -> APIError:
 
 _STARTED = now()
 _ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize", "/health", "/metrics"}
+#: The routes answered without the API key (the module docstring says why).
+OPEN_ROUTES = frozenset({"/health", "/metrics"})
 
 
 def _given(*values):

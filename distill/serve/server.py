@@ -63,10 +63,10 @@ def build_app(cfg: ServeConfig, worker_thread: bool = True):
     if engine.step_costs is not None:
         when = f"kept from an earlier start in {engine.step_costs.source}" if engine.step_costs.source else "measured at start"
         log.info("step costs %s (rows: cost of a forward over a one-row one): %s", when, engine.step_costs.to_dict())
-    if cfg.decoding.compile:
+    if engine.compile:
         t0 = time.perf_counter()
         engine.warmup()
-        log.info("compiled the engine's single-token forward in %.0f s", time.perf_counter() - t0)
+        log.info("compiled the engine's decoding step in %.0f s", time.perf_counter() - t0)
     max_len = engine.max_len  # distill.models.context_limit: the model's context less the tree's margin
     if cfg.max_model_len is not None:
         if cfg.max_model_len > max_len:

@@ -18,6 +18,7 @@ file set is moved in leaves :data:`COMMIT_INCOMPLETE` behind, and a reader that 
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -26,6 +27,8 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from distill.errors import DistillError, StoreError
 
 
 #: Present in a folder while :meth:`StagedFiles.commit` moves a set of files into it; left behind by a crash there.
@@ -39,12 +42,45 @@ def public_mode(path: Path, mode: int = 0o644) -> None:
     os.chmod(path, (0o755 if Path(path).is_dir() else mode) & ~umask)
 
 
+#: What an OSError of these numbers says about the disk or the folder: a condition of the machine, not a bug, so it
+#: is said in one line (:func:`write_errors`), never as a traceback.
+CANNOT_WRITE = {
+    errno.ENOSPC: ("no space left on the device", "free some space and run the same command again to go on from there"),
+    errno.EDQUOT: ("the disk quota is exceeded", "free some space and run the same command again to go on from there"),
+    errno.EROFS: ("the file system is read-only", "use a writable folder (or remount it read-write)"),
+    errno.EACCES: ("permission denied", "the folder must be writable by this user"),
+    errno.EPERM: ("operation not permitted", "the folder must be writable by this user"),
+}
+
+
+def cannot_write(exc: BaseException) -> tuple[str, str] | None:
+    """(what is wrong, what to do) for an OSError that says the disk is full or the folder cannot be written
+    (:data:`CANNOT_WRITE`); None for any other error, distill's own included."""
+    if isinstance(exc, OSError) and not isinstance(exc, DistillError):
+        return CANNOT_WRITE.get(exc.errno)
+    return None
+
+
+@contextmanager
+def write_errors(where: object, doing: str) -> Iterator[None]:
+    """Turn a full disk or a folder that cannot be written (:func:`cannot_write`) inside the block into a one-line
+    :class:`StoreError`: ``WHERE: WHAT while DOING; what was written before is kept: ADVICE``. Every write distill
+    makes is atomic or appended and fsynced, so what an earlier step committed is never touched by the failed one;
+    other errors pass unchanged."""
+    try:
+        yield
+    except OSError as exc:
+        found = cannot_write(exc)
+        if found is None:
+            raise
+        what, advice = found
+        raise StoreError(f"{where}: {what} while {doing}; what was written before is kept: {advice}") from exc
+
+
 def open_no_follow(path: Path, flags: int, mode: int = 0o644) -> int:
     """``os.open(path, flags | O_NOFOLLOW)``: a file distill opens in place (a lock, a journal, a marker) is never
     reached through a symlink, which could point anywhere (writing through it would truncate or overwrite the
     target); a symlink there is a one-line StoreError naming it."""
-    from distill.errors import StoreError
-
     try:
         return os.open(path, flags | os.O_NOFOLLOW, mode)
     except OSError as exc:

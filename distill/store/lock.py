@@ -11,6 +11,14 @@ Removing the file is safe because a lock counts only on the file the path names:
 opened the file just before its holder removed it gets the ``flock`` of an unlinked inode, sees
 that the path no longer names it, and starts over on the file now there (or a new one).
 
+A file can be removed by hand while its run goes on, though, and a lock on a removed file stops
+nobody. So a run also holds a ``flock`` on the folder itself, which no ``rm`` of a file inside
+takes away: a second run refuses on it first, naming the holder from the lock file, or, when
+that file is gone, the pid the kernel lists for the folder's lock (``/proc/locks``). A file
+system without locks on folders (NFS emulates ``flock`` with byte-range locks, which a folder
+cannot take) has the lock file alone; there, before each manifest commit, a run whose lock file
+was replaced by another run's stops (:meth:`FolderLock.verify`).
+
 An object store (:class:`ObjectLock`) has no ``flock``; see that class for what stands in.
 """
 
@@ -26,7 +34,7 @@ import uuid
 from pathlib import Path
 
 from distill.errors import StoreError
-from distill.store.atomic import open_no_follow
+from distill.store.atomic import open_no_follow, write_errors
 
 LOCK_FILE = ".distill.lock"
 log = logging.getLogger("distill.store")
@@ -38,13 +46,15 @@ class FolderLock:
     def __init__(self, root: Path | str):
         self.path = Path(root) / LOCK_FILE
         self._fd: int | None = None
+        self._folder_fd: int | None = None  # the folder's own flock (None where folders cannot be locked)
 
     def _holder(self, fd: int) -> dict:
         try:
             os.lseek(fd, 0, os.SEEK_SET)
-            return json.loads(os.read(fd, 4096).decode() or "{}")
+            record = json.loads(os.read(fd, 4096).decode() or "{}")
         except (OSError, ValueError):
             return {}
+        return record if isinstance(record, dict) else {}
 
     def _locked_fd(self) -> int:
         """An open descriptor of the file at :attr:`path` holding its ``flock``; a StoreError while another run holds it."""
@@ -70,9 +80,74 @@ class FolderLock:
         mine = os.fstat(fd)
         return (current.st_dev, current.st_ino) == (mine.st_dev, mine.st_ino)
 
+    def _make_folder(self) -> None:
+        """The folder, made if missing; a path that is a file or a link to nothing is a one-line StoreError."""
+        root = self.path.parent
+        if root.is_symlink() and not root.exists():
+            raise StoreError(f"{root} is a symbolic link to {os.readlink(root)}, which does not exist: make that folder "
+                             "or give another path")
+        if root.exists() and not root.is_dir():
+            raise StoreError(f"{root} is a file, not a folder: give the path of a folder (or of one to make)")
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            raise StoreError(f"{root}: cannot make this folder: a part of its path is a file") from None
+
+    def _lock_folder(self) -> int | None:
+        """The folder's own ``flock`` (see the module docstring), as an open descriptor; None where the file system
+        cannot lock a folder; a StoreError naming the holder while another run holds it."""
+        root = self.path.parent
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = self._recorded_holder()
+            if holder.get("pid"):
+                who = _holder_line(holder)
+            else:
+                pid = _folder_lock_pid(fd)
+                who = f"pid {pid if pid is not None else '?'}; its {LOCK_FILE} was removed by hand"
+            os.close(fd)
+            raise StoreError(f"{root} is being written by another run ({who}): wait for it to finish or use another "
+                             "--out") from None
+        except OSError:  # no flock on folders here (NFS): the lock file alone
+            os.close(fd)
+            return None
+        return fd
+
+    def _recorded_holder(self) -> dict:
+        """The record in the lock file without creating, locking or following it ({} when there is none)."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            return {}
+        try:
+            return self._holder(fd)
+        finally:
+            os.close(fd)
+
     def acquire(self) -> "FolderLock":
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = self._locked_fd()
+        root = self.path.parent
+        with write_errors(root, "making the folder"):
+            self._make_folder()
+        with write_errors(root, "taking the folder's lock"):
+            self._folder_fd = self._lock_folder()
+        try:
+            with write_errors(root, "taking the folder's lock"):
+                fd = self._locked_fd()
+                try:
+                    self._record(fd)
+                except BaseException:
+                    os.close(fd)
+                    raise
+        except BaseException:
+            self._unlock_folder()
+            raise
+        self._fd = fd
+        return self
+
+    def _record(self, fd: int) -> None:
+        """Write this run's record into the lock file open as ``fd`` (held), saying so when it takes a killed run's."""
         previous = self._holder(fd)
         if previous.get("pid"):
             log.warning("%s: took over the lock of a run that is gone (pid %s on %s, started %s)", self.path.parent,
@@ -82,11 +157,28 @@ class FolderLock:
         os.lseek(fd, 0, os.SEEK_SET)
         os.write(fd, json.dumps(me).encode())
         os.fsync(fd)
-        self._fd = fd
-        return self
 
     def verify(self) -> None:
-        """Nothing to check: a ``flock`` cannot be taken away from a live holder."""
+        """Refuse to go on when another run holds the lock file now at :attr:`path` (this run's was removed by hand,
+        and a run that does not lock the folder itself took a new one); a lock file that is merely gone, or
+        replaced by one nobody holds, leaves this run the writer."""
+        if self._fd is None or self._names(self._fd):
+            return
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = self._holder(fd)
+            raise StoreError(f"{self.path} is no longer this run's lock (now: {_holder_line(holder)}): it was removed "
+                             "while this run wrote; stopping before the manifest is overwritten (what was written is kept "
+                             "and resumed)") from None
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
 
     def release(self) -> None:
         """Remove the lock file while still holding it, then unlock (see the module docstring for why that is safe)."""
@@ -100,6 +192,15 @@ class FolderLock:
         finally:
             os.close(self._fd)
             self._fd = None
+            self._unlock_folder()
+
+    def _unlock_folder(self) -> None:
+        if self._folder_fd is not None:
+            try:
+                fcntl.flock(self._folder_fd, fcntl.LOCK_UN)
+            finally:
+                os.close(self._folder_fd)
+                self._folder_fd = None
 
     def __enter__(self) -> "FolderLock":
         return self.acquire()
@@ -110,6 +211,29 @@ class FolderLock:
 
 def _holder_line(holder: dict) -> str:
     return f"pid {holder.get('pid', '?')} on {holder.get('host', '?')}, since {holder.get('started', '?')}"
+
+
+def _folder_lock_pid(fd: int) -> int | None:
+    """The pid the kernel lists as holding a ``flock`` on the file open as ``fd`` (Linux's ``/proc/locks``: lines
+    ``N: FLOCK ADVISORY WRITE PID MAJOR:MINOR:INODE ...``, the device numbers in hex); None when it is not listed."""
+    st = os.fstat(fd)
+    here = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
+    try:
+        with open("/proc/locks") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 6 or fields[1] != "FLOCK":  # "->" marks a waiter, not a holder
+            continue
+        try:
+            major, minor, inode = fields[5].split(":")
+            if (int(major, 16), int(minor, 16), int(inode)) == here:
+                return int(fields[4])
+        except ValueError:
+            continue
+    return None
 
 
 def _pid_gone(pid: object) -> bool:

@@ -9,7 +9,8 @@ Layout of a dataset folder::
 A shard is written to a hidden temporary file, fsynced and renamed into place;
 the manifest is then rewritten the same way. Resume is by ``id``. On opening:
 
-- one run at a time: an exclusive lock on ``.distill.lock`` (:mod:`distill.store.lock`);
+- one run at a time: an exclusive lock on ``.distill.lock`` and on the folder itself
+  (:mod:`distill.store.lock`);
 - every listed shard must have its recorded size and SHA-256, else the run refuses and
   names the shard (``distill data repair`` sets damaged shards aside);
 - a shard file that is not in the manifest (a crash between the two renames) is adopted
@@ -22,7 +23,9 @@ the manifest is then rewritten the same way. Resume is by ``id``. On opening:
 
 Finished conversations reach a shard through the journal: :meth:`ShardStore.append`
 makes them durable at once, :meth:`ShardStore.flush` writes the journal's rows as one
-shard, commits the manifest, then empties the journal.
+shard, commits the manifest, then empties the journal. A full disk or a folder that cannot
+be written at any of these steps is a one-line :class:`StoreError` naming the file
+(:func:`distill.store.atomic.write_errors`); what earlier steps committed stays.
 
 In an object store (``--out s3://...``, see :mod:`distill.store.location`) the same steps run
 with what the store offers, and the manifest is the commit point as it is locally:
@@ -52,6 +55,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from distill.errors import StoreError
+from distill.store.atomic import write_errors
 from distill.store.journal import Journal, SegmentJournal, journal_schema
 from distill.store.location import Folder, LocalFolder, open_folder, write_json
 
@@ -186,7 +190,8 @@ class ShardStore:
         """Lock the folder for this run, then check and resume what it holds (see the module docstring)."""
         self._lock.acquire()
         try:
-            self._open()
+            with write_errors(self.root, "opening it for this run"):
+                self._open()
         except BaseException:
             self._lock.release()
             raise
@@ -327,7 +332,8 @@ class ShardStore:
             meta = dict(self.meta, chunk_rejects=chunk_rejects)
             schema = self.schema.with_metadata({META_KEY: json.dumps(meta, sort_keys=True).encode()})
             table = table.cast(schema)
-            with self.folder.new_file(name) as tmp:  # becomes ``name`` whole, or not at all
+            with write_errors(self.folder.where(name), "writing this shard"), self.folder.new_file(name) as tmp:
+                # ``tmp`` becomes ``name`` whole, or not at all
                 pq.write_table(table, tmp, compression="zstd", compression_level=9, row_group_size=256)
                 info = ShardInfo.of_file(tmp, rejects=chunk_rejects, name=name)
         else:
@@ -341,7 +347,8 @@ class ShardStore:
         """Make finished rows and generation rejects durable now (one fsynced journal entry)."""
         entries = [dict(r, reject=None) for r in rows]
         entries += [{"id": r["id"], "source": r.get("source"), "reject": json.dumps(r)} for r in rejects]
-        self.journal.append(entries)
+        with write_errors(self.journal.path, "appending finished conversations"):
+            self.journal.append(entries)
 
     @property
     def pending(self) -> int:
@@ -359,12 +366,17 @@ class ShardStore:
         table = self.journal.table()
         is_reject = pc.is_valid(table["reject"])
         rejects = [json.loads(r) for r in table.filter(is_reject)["reject"].to_pylist()]
-        rows = table.filter(pc.invert(is_reject)).drop_columns(["reject"])
+        rows = table.drop_columns(["reject"])
+        # filter and take copy every column (the teacher's are most of the bytes): only when they change something
+        if rejects:
+            rows = rows.filter(pc.invert(is_reject))
         if order is not None and rows.num_rows:
             rank = pa.array([order.get(i, len(order)) for i in rows["id"].to_pylist()], pa.int64())
-            rows = rows.take(pc.array_sort_indices(rank))  # stable: ties keep journal order
+            if not pc.all(pc.less_equal(rank[:-1], rank[1:]), min_count=0).as_py():  # else the sort keeps the order
+                rows = rows.take(pc.array_sort_indices(rank))  # stable: ties keep journal order
         info = self._write(rows, rejects)
-        self.journal.clear()
+        with write_errors(self.journal.path, "removing the journal its shard now holds"):
+            self.journal.clear()
         return info
 
     @property
@@ -394,9 +406,10 @@ class ShardStore:
             "shards": [s.__dict__ for s in self.shards],
             "totals": self.totals,
         }
-        self._lock.verify()  # an object store's lock: still this run's (see ObjectLock)
-        self.folder.write_bytes(REJECTS, "".join(json.dumps(r) + "\n" for r in rejects).encode())
-        write_json(self.folder, MANIFEST, manifest)  # the commit point
+        self._lock.verify()  # still this run's (see ObjectLock, FolderLock.verify)
+        with write_errors(self.folder.where(MANIFEST), "writing the manifest"):
+            self.folder.write_bytes(REJECTS, "".join(json.dumps(r) + "\n" for r in rejects).encode())
+            write_json(self.folder, MANIFEST, manifest)  # the commit point
 
 
 def shard_entry_problem(index: int, entry: object) -> str | None:

@@ -16,8 +16,11 @@ heads: ``acc[j][i]`` = the drafter's rank-i hit at depth j+1 when depths 1..j we
 
 Outputs (in ``out``, default the heads folder): ``tree.json`` (the ``distill-tree/v1``
 contract with ``accuracy``), ``calibration.json`` (table, counts, losses, expected
-acceptance length vs node count, the Cartesian comparison), ``tree.png`` and
-``acceptance.png``.
+acceptance length vs node count and of the top-1 chain, the Cartesian comparison),
+``tree.png`` and ``acceptance.png``.
+
+:func:`held_out_accuracy` and :func:`acceptance` are also what ``train-heads`` evaluates its
+drafter with while it trains (:mod:`distill.train.evaluate`): one figure for one drafter.
 """
 
 from __future__ import annotations
@@ -83,6 +86,49 @@ def head_accuracy(backbone, heads: MedusaHeads, data: Path | str, max_len: int =
     return acc
 
 
+def held_out_accuracy(backbone, drafter: MedusaHeads | EagleDrafter, data: Path | str, max_len: int, batch_size: int, ranks: int,
+                      max_tokens: int, progress=None) -> HeadAccuracy:
+    """The accuracy counts of Medusa heads (per head) or an EAGLE-3 drafter (per draft depth, the first
+    :data:`EAGLE_CALIBRATED_DEPTHS`) on ``data``: what ``calibrate`` measures and ``train-heads`` evaluates while it trains."""
+    if isinstance(drafter, EagleDrafter):
+        from distill.train.eagle import drafter_accuracy
+
+        return drafter_accuracy(backbone, drafter, data, max_len, batch_size, ranks, max_tokens, steps=EAGLE_CALIBRATED_DEPTHS,
+                                progress=progress)
+    return head_accuracy(backbone, drafter, data, max_len, batch_size, ranks, max_tokens, progress=progress)
+
+
+def measured_depths(drafter: MedusaHeads | EagleDrafter) -> int:
+    """The depths :func:`held_out_accuracy` measures for ``drafter`` (the accuracy table's rows)."""
+    return EAGLE_CALIBRATED_DEPTHS if isinstance(drafter, EagleDrafter) else drafter.config.num_heads
+
+
+def check_tree_nodes(nodes: int, depths: int, ranks: int, option: str = "--nodes") -> None:
+    """A sparse tree of ``nodes`` nodes must fit in the paths ``depths`` depths x top-``ranks`` hold."""
+    capacity = sum(ranks ** d for d in range(1, depths + 1))
+    if nodes > capacity:
+        raise ConfigError(f"{option} {nodes} exceeds the {capacity} paths of {depths} heads x top-{ranks}")
+
+
+@dataclass
+class Acceptance:
+    """What an accuracy table predicts: expected tokens per step (the root's included) of the greedy sparse tree of
+    ``nodes`` nodes and of a chain (every depth's top-1 guess)."""
+
+    tree: list  # the sparse tree's paths
+    tree_length: float
+    chain_length: float
+
+
+def acceptance(acc: list[list[float]], nodes: int) -> Acceptance:
+    """The simulated acceptance lengths of the accuracy table ``acc`` (K depths x I ranks): the one figure
+    ``calibrate`` writes and ``train-heads`` picks its best checkpoint by."""
+    tree = sparse_tree(acc, nodes)
+    chain = [(0,) * d for d in range(1, len(acc) + 1)]
+    return Acceptance(tree=tree, tree_length=expected_acceptance_length(tree, acc),
+                      chain_length=expected_acceptance_length(chain, acc))
+
+
 @dataclass
 class CalibrationResult:
     out: str
@@ -93,6 +139,7 @@ class CalibrationResult:
     top1: list[float]
     positions: list[int]
     curve: list[float] = field(default_factory=list)  # EAL of the greedy tree with n = 1..nodes nodes
+    chain: float = 0.0  # EAL of the chain of every depth's top-1 guess
 
 
 def best_cartesian_of_size(acc: list[list[float]], nodes: int) -> tuple[list[int], float] | None:
@@ -148,13 +195,11 @@ def calibrate(cfg: CalibrateConfig, progress=None) -> CalibrationResult:
     if progress is not None:
         progress.stage(f"loading {resolved.name} ({where.device}, {where.dtype})")
     if eagle:  # per draft depth, the drafter unrolled on its own features (teacher-forced tokens)
-        from distill.train.eagle import drafter_accuracy
-
         heads = EagleDrafter.load(heads_dir, device=where.device, dtype=where.torch_dtype())
-        depths = EAGLE_CALIBRATED_DEPTHS
     else:
         heads = MedusaHeads.load(heads_dir, device=where.device, dtype=where.torch_dtype())
-        depths = heads.config.num_heads
+    depths = measured_depths(heads)
+    check_tree_nodes(cfg.nodes, depths, cfg.ranks)
     backbone = AutoModelForCausalLM.from_pretrained(resolved.path, dtype=where.torch_dtype()).to(where.device).eval()
     if backbone.get_output_embeddings().weight.shape[0] != heads.config.vocab_size:
         raise ConfigError(f"the heads have a {heads.config.vocab_size}-token vocabulary but {resolved.name} has another: pass the right --model")
@@ -163,23 +208,15 @@ def calibrate(cfg: CalibrateConfig, progress=None) -> CalibrationResult:
         # a prompt's start, is never read: the count is settled when the data ends)
         size = sum(count_tokens(cfg.data)[k] for k in ("prompt_tokens", "generated_tokens"))
         progress.begin(total=min(cfg.max_tokens, size) if cfg.max_tokens and size else cfg.max_tokens or size or None)
-    if eagle:
-        stats = drafter_accuracy(backbone, heads, cfg.data, cfg.max_len, cfg.batch_size, cfg.ranks, cfg.max_tokens, steps=depths,
-                                 progress=progress)
-    else:
-        stats = head_accuracy(backbone, heads, cfg.data, cfg.max_len, cfg.batch_size, cfg.ranks, cfg.max_tokens,
-                              progress=progress)
+    stats = held_out_accuracy(backbone, heads, cfg.data, cfg.max_len, cfg.batch_size, cfg.ranks, cfg.max_tokens, progress=progress)
     if progress is not None:
         progress.update(0, total=stats.tokens)  # what was measured is the whole of it
     if min(stats.counts) == 0:
         raise ConfigError(f"{cfg.data} has no generated token {depths + 1} positions ahead: use more held-out data")
     acc = stats.table
-    capacity = sum(cfg.ranks ** d for d in range(1, depths + 1))
-    nodes = min(cfg.nodes, capacity)
-    if nodes != cfg.nodes:
-        raise ConfigError(f"--nodes {cfg.nodes} exceeds the {capacity} paths of {depths} heads x top-{cfg.ranks}")
-    tree = sparse_tree(acc, nodes)
-    eal = expected_acceptance_length(tree, acc)
+    nodes = cfg.nodes
+    measured = acceptance(acc, nodes)
+    tree, eal = measured.tree, measured.tree_length
     curve = [expected_acceptance_length(sparse_tree(acc, n), acc) for n in range(1, nodes + 1)]
     cart = best_cartesian_of_size(acc, nodes)
     cart_doc = {"spec": cart[0], "nodes": nodes, "expected_acceptance_length": cart[1]} if cart else {}
@@ -187,12 +224,13 @@ def calibrate(cfg: CalibrateConfig, progress=None) -> CalibrationResult:
     out.mkdir(parents=True, exist_ok=True)
     save_tree(out / "tree.json", tree, depths, accuracy=acc, expected_acceptance_length=eal, source="calibrate")
     result = CalibrationResult(out=str(out), nodes=nodes, expected_acceptance_length=eal, cartesian=cart_doc, accuracy=acc,
-                               top1=stats.topk(1), positions=stats.counts, curve=curve)
+                               top1=stats.topk(1), positions=stats.counts, curve=curve, chain=measured.chain_length)
     doc = {"heads": str(heads_dir), "data": str(cfg.data), "model": resolved.model_id,
            "config": dict(asdict(cfg), device=where.device, dtype=where.dtype),
            "ranks": cfg.ranks, "accuracy": acc, "positions": stats.counts, "tokens": stats.tokens,
            "top1": stats.topk(1), "top5": stats.topk(5), "loss": stats.loss, "nodes": nodes,
-           "expected_acceptance_length": eal, "cartesian": cart_doc, "curve": curve}
+           "expected_acceptance_length": eal, "chain_expected_acceptance_length": measured.chain_length, "cartesian": cart_doc,
+           "curve": curve}
     atomic_write_json(out / CALIBRATION_FILE, doc, indent=1)
     if cfg.plots:
         plot_tree(tree, acc, out / "tree.png")

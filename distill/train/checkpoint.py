@@ -7,14 +7,19 @@ A checkpoint folder ``checkpoints/step-NNNNNN/`` holds
 ``rng.safetensors``        torch CPU (and CUDA) RNG states
 ``state.json``             step, data position, scheduler state, optimizer scalars and
                            param groups, python/numpy RNG states, the run config
+``checksums.json``         the SHA-256 of each file above, written last
 
-It is written to a temporary folder and renamed into place, so a crash never
-leaves a half checkpoint that counts.
+It is written to a hidden ``.step-NNNNNN.*.partial`` folder beside it and renamed into place, so
+a crash never leaves a half checkpoint that counts; such a folder left by a kill during a save is
+removed when the next run starts (:func:`remove_partials`). A checkpoint is read only when every
+file matches its SHA-256 and every tensor is finite: a changed byte or a NaN is a one-line error
+naming the file, never weights trained on.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import random
 import shutil
 from pathlib import Path
@@ -24,9 +29,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from distill.errors import ConfigError
-from distill.store.atomic import StagedFolder
+from distill.store.atomic import StagedFolder, sha256_file
 
 CHECKPOINTS = "checkpoints"
+CHECKSUMS = "checksums.json"
+FILES = ("trainable.safetensors", "optimizer.safetensors", "rng.safetensors", "state.json")  # what CHECKSUMS covers
 
 
 def _optimizer_to_files(sd: dict) -> tuple[dict[str, torch.Tensor], dict]:
@@ -86,6 +93,8 @@ def save_checkpoint(out: Path, step: int, trainable: dict[str, torch.Tensor], op
         save_file(rng_tensors, str(tmp / "rng.safetensors"))
         doc = {**state, "step": step, "optimizer": opt_doc, "rng": rng_doc}
         (tmp / "state.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
+        sums = {name: sha256_file(tmp / name) for name in FILES}
+        (tmp / CHECKSUMS).write_text(json.dumps({"sha256": sums}, indent=1) + "\n")
     return final
 
 
@@ -113,14 +122,65 @@ def prune_checkpoints(out: Path, keep: int) -> list[Path]:
     return gone
 
 
-def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict, dict]:
-    """-> (trainable tensors, optimizer state dict, state document); restores nothing by itself."""
+def remove_partials(out: Path) -> list[str]:
+    """Remove the staging folders of checkpoint saves a kill interrupted (never a checkpoint) -> their names."""
+    root = Path(out) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    gone = sorted(p.name for p in root.glob(".step-*.partial") if p.is_dir() and not p.is_symlink())
+    for name in gone:
+        shutil.rmtree(root / name, ignore_errors=True)
+    if gone:
+        logging.getLogger("distill.train").warning("removed %d unfinished checkpoint save(s) left by an interrupted run in %s: %s",
+                                                   len(gone), root, ", ".join(gone))
+    return gone
+
+
+def verify_checkpoint(path: Path) -> None:
+    """Every file of the checkpoint ``path`` matches the SHA-256 written when it was saved, or a one-line error naming it."""
     path = Path(path)
+    again = f"delete {path} to resume from an earlier checkpoint"
+    try:
+        sums = json.loads((path / CHECKSUMS).read_text())["sha256"]
+    except FileNotFoundError:
+        raise ConfigError(f"checkpoint {path} has no {CHECKSUMS} (saved by an older distill, or damaged): {again}") from None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"checkpoint {path}: {CHECKSUMS} is unreadable ({exc}): {again}") from None
+    for name in FILES:
+        file = path / name
+        if not isinstance(sums, dict) or not isinstance(sums.get(name), str):
+            raise ConfigError(f"checkpoint {path}: {CHECKSUMS} lists no SHA-256 for {name}: {again}")
+        if not file.is_file() or file.is_symlink():
+            raise ConfigError(f"checkpoint {path}: {name} is missing: {again}")
+        if sha256_file(file) != sums[name]:
+            raise ConfigError(f"checkpoint {file} does not match the SHA-256 written when it was saved (changed or damaged since): {again}")
+
+
+def non_finite(tensors: dict[str, torch.Tensor]) -> str | None:
+    """The name of the first floating-point tensor of ``tensors`` holding NaN or inf (None when all are finite)."""
+    for name, t in tensors.items():
+        if torch.is_tensor(t) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return name
+    return None
+
+
+def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict, dict]:
+    """-> (trainable tensors, optimizer state dict, state document); restores nothing by itself.
+
+    Refused with a one-line error when a file differs from its SHA-256 or a weight or optimizer moment is not finite."""
+    path = Path(path)
+    verify_checkpoint(path)
     try:
         doc = json.loads((path / "state.json").read_text())
         trainable = load_file(str(path / "trainable.safetensors"))
-        opt = _optimizer_from_files(load_file(str(path / "optimizer.safetensors")), doc["optimizer"])
+        opt_tensors = load_file(str(path / "optimizer.safetensors"))
+        opt = _optimizer_from_files(opt_tensors, doc["optimizer"])
         doc["rng_tensors"] = load_file(str(path / "rng.safetensors"))
     except (OSError, ValueError, KeyError) as exc:
         raise ConfigError(f"checkpoint {path} is unreadable ({exc}); delete it to resume from an earlier one") from None
+    for name, tensors in (("trainable.safetensors", trainable), ("optimizer.safetensors", opt_tensors)):
+        bad = non_finite(tensors)
+        if bad is not None:
+            raise ConfigError(f"checkpoint {path / name}: {bad} holds non-finite values (NaN or inf): the run it saved had diverged; "
+                              "delete the checkpoint to resume from an earlier one")
     return trainable, opt, doc

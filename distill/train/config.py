@@ -18,9 +18,16 @@ LAMBDA0_SCHEDULES = ("sine", "two-stage", "constant")
 PRECISIONS = ("auto", "fp32", "bf16")
 PRECISION_DTYPES = {"auto": "auto", "fp32": "float32", "bf16": "bfloat16"}  # --precision -> distill.runtime dtype
 OPTIMIZERS = ("auto", "adamw", "adamw8bit")
+REPORT_TO = ("tensorboard", "wandb", "none")
+#: The tree a drafter is measured with when none is asked for: calibrate's --nodes and --ranks, and what train-heads'
+#: held-out evaluation builds (--eval-nodes), so the two give one figure for one drafter.
+TREE_NODES = 63
+TREE_RANKS = 10
+NO_EVAL = "none"  # --eval-data none: no held-out evaluation, even beside a split folder's train side
 
-# Fields that may differ between a run and its --resume without changing the run.
-RESUME_FREE = ("resume", "stop_after", "progress", "save_every", "keep_checkpoints", "log_every")
+# Fields that may differ between a run and its --resume without changing the run (``out``: where the run's folder is
+# now, moved or copied since, e.g. onto storage every machine of a larger launch shares).
+RESUME_FREE = ("resume", "stop_after", "progress", "save_every", "keep_checkpoints", "log_every", "report_to", "out")
 
 
 @dataclass
@@ -35,6 +42,10 @@ class TrainConfig:
     ``steps`` is the number of optimizer steps of the whole run (0: one pass over the
     data, ``epochs`` times); ``stop_after`` ends this invocation early (a checkpoint is
     written) so a later ``resume`` continues the same run.
+
+    ``eval_data`` (by default the eval side of a split ``data`` folder) is measured every
+    ``eval_every`` steps and at the end, as ``distill calibrate`` measures a drafter (the same
+    functions, the same figure), and the best weights by that figure are kept in ``OUT/best``.
     """
 
     data: str = ""
@@ -83,6 +94,12 @@ class TrainConfig:
     resume: bool = False
     stop_after: int = 0  # stop this invocation after N optimizer steps (0: run to the end)
     progress: bool = True
+    # held-out evaluation: "" the eval side of a split --data folder (none without one) | a dataset or split folder | none
+    eval_data: str = ""
+    eval_every: int = 200  # optimizer steps between evaluations (0: only at the end of the run)
+    eval_tokens: int = 8192  # held-out input tokens per evaluation, whole batches (0: all)
+    eval_nodes: int = TREE_NODES  # node budget of the sparse tree whose expected tokens/step picks the best checkpoint
+    report_to: str = "tensorboard"  # tensorboard | wandb | none: accelerate's tracker, beside metrics.jsonl
 
     def __post_init__(self) -> None:
         if not self.data:
@@ -93,8 +110,10 @@ class TrainConfig:
         check_choice("--lambda0-schedule", self.lambda0_schedule, LAMBDA0_SCHEDULES)
         check_choice("--precision", self.precision, PRECISIONS)
         check_choice("--optimizer", self.optimizer, OPTIMIZERS)
+        check_choice("--report-to", self.report_to, REPORT_TO)
         self._check_arch_options()
-        for name in ("heads", "layers", "batch_size", "grad_accum", "epochs", "loss_chunk", "log_every", "lora_r", "ttt_steps"):
+        for name in ("heads", "layers", "batch_size", "grad_accum", "epochs", "loss_chunk", "log_every", "lora_r", "ttt_steps",
+                     "eval_nodes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(self, name)}")
         if not 0 <= self.context <= self.max_len // 2:
@@ -103,7 +122,8 @@ class TrainConfig:
         if self.max_len < ahead + 2:
             what = "--heads" if self.arch == "medusa" else "--ttt-steps"
             raise ConfigError(f"--max-len ({self.max_len}) must exceed {what} + 1 so every {'head' if self.arch == 'medusa' else 'step'} has a target")
-        for name in ("steps", "warmup_steps", "lambda0_warmup", "save_every", "keep_checkpoints", "stop_after", "shuffle_buffer"):
+        for name in ("steps", "warmup_steps", "lambda0_warmup", "save_every", "keep_checkpoints", "stop_after", "shuffle_buffer",
+                     "eval_every", "eval_tokens"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 0; got {getattr(self, name)}")
         if self.lr <= 0 or self.heads_lr_ratio <= 0:
@@ -153,8 +173,8 @@ class CalibrateConfig:
     data: str
     out: str | None = None  # default: the heads folder
     model: str | None = None  # default: the base model recorded with the heads (merged backbone for Medusa-2)
-    nodes: int = 63
-    ranks: int = 10
+    nodes: int = TREE_NODES
+    ranks: int = TREE_RANKS
     max_len: int = 512
     batch_size: int = 4
     max_tokens: int = 0

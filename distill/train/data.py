@@ -14,10 +14,13 @@ pack
     block-diagonal causal mask from the restarting positions when no 2D attention
     mask is passed) and no target crosses into the next window. No compute is spent
     on padding, which on short chat turns is most of a padded batch.
+item
+    what a batch holds ``batch_size`` of: a window, or a packed row of windows (:func:`iter_items`).
 data position
-    ``(epoch, batches)``: how many batches of this epoch were consumed; a resumed run
-    re-streams the epoch and skips that many (the order, including the seeded
-    shuffle buffer, is a pure function of the data, the config and the epoch).
+    ``(epoch, items)``: how many items of this epoch were consumed, by every process together; a
+    resumed run re-streams the epoch and skips that many (the order, including the seeded
+    shuffle buffer, is a pure function of the data, the config and the epoch, never of the
+    number of processes).
 
 Memory stays bounded: shards are read one record batch at a time, and at most
 ``shuffle_buffer`` examples (or one batch) are held.
@@ -167,12 +170,18 @@ def decoder_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {"attention_mask": batch["attention_mask"]}
 
 
+def iter_items(root: Path | str, max_len: int, epoch: int, seed: int = 0, shuffle_buffer: int = 0, context: int = 0,
+               pack: bool = False) -> Iterator[Example]:
+    """The items of one epoch in training order: windows, or packed rows of windows (``pack``); a batch is
+    ``batch_size`` consecutive items, whatever process or micro-batch it goes to."""
+    stream = shuffled(iter_examples(root, max_len, context), shuffle_buffer, seed * 100003 + epoch)
+    return packed(stream, max_len) if pack else stream
+
+
 def iter_batches(root: Path | str, max_len: int, batch_size: int, epoch: int, seed: int = 0, shuffle_buffer: int = 0,
                  skip: int = 0, context: int = 0, pack: bool = False) -> Iterator[dict[str, torch.Tensor]]:
-    """Batches of one epoch, skipping the first ``skip`` (the data position on resume)."""
-    stream = shuffled(iter_examples(root, max_len, context), shuffle_buffer, seed * 100003 + epoch)
-    if pack:
-        stream = packed(stream, max_len)
+    """Batches of one epoch, skipping the first ``skip`` batches."""
+    stream = iter_items(root, max_len, epoch, seed, shuffle_buffer, context, pack)
     pending: list[Example] = []
     index = 0
     for ex in stream:

@@ -4,7 +4,7 @@ Terms (the drafter's own are in :mod:`distill.heads.eagle`)
 -----
 target features
     computed online by the frozen target for every batch, as Medusa-1 computes its hidden
-    states (``output_hidden_states``): the aux layers' hidden states concatenated,
+    states: the residual streams entering the aux layers, concatenated,
     (B, T, A·H), and the last hidden state after the final norm (for the feature loss).
     Nothing is stored per token: the shards stay as they are.
 training-time test (TTT), n steps
@@ -50,7 +50,8 @@ from distill.train.config import TrainConfig
 from distill.train.data import decoder_inputs, iter_batches
 from distill.train.draft_vocab import DraftVocabReport
 from distill.train.losses import (
-    Term, TermStats, chunked_term_losses, feature_l1, hard_ce, shift_left, shifted_targets, step_weights,
+    STEP_COUNTS, Term, TermStats, chunked_term_losses, feature_l1, hard_ce, segment_valid, shift_left, shifted_targets, step_weights,
+    term_counts,
 )
 
 DRAFT_VOCAB_FILE = "draft-vocab.json"
@@ -97,9 +98,26 @@ def unroll(drafter: EagleDrafter, feature: torch.Tensor, embeds: torch.Tensor, p
 
 
 def target_features(backbone, batch: dict[str, torch.Tensor], aux_layer_ids: list[int]):
-    """The frozen target on a batch -> aux features (B, T, A·H), last hidden state (B, T, H), token embeddings (B, T, H)."""
-    out = backbone.get_decoder()(input_ids=batch["input_ids"], output_hidden_states=True, use_cache=False, **decoder_inputs(batch))
-    aux = torch.cat([out.hidden_states[i] for i in aux_layer_ids], dim=-1)  # (B, T, A·H)
+    """The frozen target on a batch -> aux features (B, T, A·H), last hidden state (B, T, H), token embeddings (B, T, H).
+
+    Aux feature i is the residual stream entering decoder layer i (transformers' ``hidden_states[i]``), taken as that
+    layer's input: only the A states are kept, not every layer's, and it holds for a target sharded with FSDP2,
+    whose wrapped classes transformers' ``output_hidden_states`` recording does not know."""
+    decoder = backbone.get_decoder()
+    entering: dict[int, torch.Tensor] = {}
+
+    def keep(i: int):
+        def hook(module, args, kwargs):
+            entering[i] = args[0] if args else kwargs["hidden_states"]  # (B, T, H)
+        return hook
+
+    handles = [decoder.layers[i].register_forward_pre_hook(keep(i), with_kwargs=True) for i in aux_layer_ids]
+    try:
+        out = decoder(input_ids=batch["input_ids"], use_cache=False, **decoder_inputs(batch))
+    finally:
+        for h in handles:
+            h.remove()
+    aux = torch.cat([entering[i] for i in aux_layer_ids], dim=-1)  # (B, T, A·H)
     embeds = backbone.get_input_embeddings()(batch["input_ids"])  # (B, T, H)
     return aux, out.last_hidden_state, embeds
 
@@ -128,6 +146,25 @@ class EagleTrainModule(nn.Module):
         """What a --resume must find unchanged beyond the config: the draft vocabulary."""
         return {"draft_vocab_sha256": _vocab_digest(self.drafter.vocab)}
 
+    def terms(self) -> list[Term]:
+        """Step j's cross-entropy over the draft vocabulary (token t+j+2), j = 0..ttt_steps-1."""
+        kind = "soft" if self.cfg.targets == "soft" else "hard"
+        return [Term(self.drafter.logits, offset=j + 2, kind=kind) for j in range(self.cfg.ttt_steps)]
+
+    def feature_valid(self, batch: dict[str, torch.Tensor], j: int) -> torch.Tensor:
+        """Where step j's feature loss is taken: (B, T) bool, step j's generated targets inside their window."""
+        _, valid = shifted_targets(batch["input_ids"], batch["loss_mask"], j + 2)  # (B, T)
+        return segment_valid(valid, batch.get("segment_ids"), j + 2)
+
+    def counts(self, batch: dict[str, torch.Tensor], step: int) -> torch.Tensor:
+        """The loss normalizers of ``batch`` (:data:`distill.train.losses.STEP_COUNTS`): each step's cross-entropy
+        targets, then (with the feature loss) each step's feature positions: (n,) float64."""
+        out = term_counts(self.terms(), batch["input_ids"], batch["loss_mask"], batch["teacher_ids"], batch["teacher_lp"],
+                          segment_ids=batch.get("segment_ids"), vocab_map=self.drafter.draft_index)
+        if self.cfg.feature_loss > 0:
+            out = torch.cat([out, torch.stack([self.feature_valid(batch, j).sum() for j in range(self.cfg.ttt_steps)]).to(out)])
+        return out
+
     def forward(self, batch: dict[str, torch.Tensor], step: int) -> tuple[torch.Tensor, list[TermStats]]:
         cfg, drafter = self.cfg, self.drafter
         ids = drafter.config.aux_layer_ids
@@ -140,35 +177,34 @@ class EagleTrainModule(nn.Module):
             position_ids = torch.arange(batch["input_ids"].shape[1], device=feature.device).expand_as(batch["input_ids"])
         keep0 = step0_keep(batch["attention_mask"], batch.get("segment_ids"))  # (B, T, T)
         outs = unroll(drafter, feature, embeds.detach().to(dtype), position_ids, keep0, cfg.ttt_steps)
-        kind = "soft" if cfg.targets == "soft" else "hard"
+        counts = batch.get(STEP_COUNTS)  # (n,): the step's, over every process; None: this batch's own
         losses, stats = [], []
-        for j, out in enumerate(outs):
+        for j, (out, term) in enumerate(zip(outs, self.terms())):
             loss, st = chunked_term_losses(
-                out, [Term(drafter.logits, offset=j + 2, kind=kind)], batch["input_ids"], batch["loss_mask"],
+                out, [term], batch["input_ids"], batch["loss_mask"],
                 batch["teacher_ids"], batch["teacher_lp"], chunk=cfg.loss_chunk, segment_ids=batch.get("segment_ids"),
-                vocab_map=drafter.draft_index,
+                vocab_map=drafter.draft_index, counts=None if counts is None else counts[j : j + 1],
             )
             losses.append(loss[0])
             stats.append(st[0])
         total = (torch.stack(losses) * self.weights).sum()
         if cfg.feature_loss > 0:
-            feat, fstats = self.feature_term(outs, last.detach(), batch)
+            feat, fstats = self.feature_term(outs, last.detach(), batch, None if counts is None else counts[cfg.ttt_steps :])
             total = total + cfg.feature_loss * feat
             stats.append(fstats)
         return total, stats
 
-    def feature_term(self, outs: list[torch.Tensor], last: torch.Tensor, batch) -> tuple[torch.Tensor, TermStats]:
-        """``Σ_j decay^j · mean smoothL1(norm(out_j)_t, last_{t+j+1})`` over step j's CE positions."""
-        seg = batch.get("segment_ids")
+    def feature_term(self, outs: list[torch.Tensor], last: torch.Tensor, batch,
+                     counts: torch.Tensor | None = None) -> tuple[torch.Tensor, TermStats]:
+        """``Σ_j decay^j · mean smoothL1(norm(out_j)_t, last_{t+j+1})`` over step j's CE positions (the mean over
+        ``counts[j]`` positions when given)."""
         total, loss_sum, count = 0.0, 0.0, 0.0
         for j, out in enumerate(outs):
-            _, valid = shifted_targets(batch["input_ids"], batch["loss_mask"], j + 2)  # (B, T)
-            if seg is not None:
-                valid = valid & (seg == shift_left(seg, j + 2, -2)) & (seg >= 0)
+            valid = self.feature_valid(batch, j)  # (B, T)
             target = shift_left(last, j + 1, 0.0)  # (B, T, H): the target state predicting token t+j+2
             per = feature_l1(self.drafter.norm(out[valid]), target[valid].to(out.dtype))  # (N,)
             n = float(valid.sum())
-            total = total + self.weights[j] * per.sum() / max(n, 1.0)
+            total = total + self.weights[j] * per.sum() / max(n if counts is None else float(counts[j]), 1.0)
             loss_sum += float(per.detach().sum())
             count += n
         return total, TermStats(loss_sum=loss_sum, top1=0.0, top5=0.0, count=count)
@@ -183,8 +219,9 @@ class EagleTrainModule(nn.Module):
                 rec[f"{name}_top5"] = top5 / max(count + excluded, 1.0)
         return rec
 
-    def save(self, out: Path, extra: dict) -> None:
-        """The vLLM EAGLE-3 folder (config.json + model.safetensors), distill-heads.json and draft-vocab.json."""
+    def save(self, out: Path, extra: dict, final: bool = True) -> None:
+        """The vLLM EAGLE-3 folder (config.json + model.safetensors), distill-heads.json and draft-vocab.json; the same
+        during training (``final`` False: OUT/best) as at its end."""
         report = self.report.to_dict()
         with StagedFiles(out, HEADS_MARKERS) as stage:
             self.drafter.float().write_files(stage.path, extra=portable_meta({**extra, "arch": "eagle3", "draft_vocab": report}, out))

@@ -57,6 +57,9 @@ from torch.utils.checkpoint import checkpoint
 from distill.errors import check_choice
 
 LOSS_KINDS = ("hard", "soft", "kl")
+#: The batch key of a train module's loss normalizers, (n,) float64: its ``counts(batch, step)`` summed over every
+#: micro-batch of the optimizer step on every process. Without it a batch's loss is the mean over that batch alone.
+STEP_COUNTS = "step_counts"
 
 
 TAIL_EPS = 1e-6  # tail mass below this is float rounding of a top-k that covers the distribution
@@ -216,6 +219,56 @@ def _chunk_fn(term: Term, with_stats: bool):
     return run
 
 
+def segment_valid(valid: torch.Tensor, segment_ids: torch.Tensor | None, offset: int) -> torch.Tensor:
+    """``valid`` (B, T) less the positions whose target ``offset`` ahead is in another window of a packed row, or padding."""
+    if segment_ids is None:
+        return valid
+    return valid & (segment_ids == shift_left(segment_ids, offset, -2)) & (segment_ids >= 0)
+
+
+def _term_targets(term: Term, needs_teacher: bool, input_ids, loss_mask, teacher_ids, teacher_lp, segment_ids, vocab_map):
+    """A term's targets: (B, T) ids (draft ids with ``vocab_map``), (B, T) validity, the teacher rows (B, T, Kt) or
+    None, and the count of hard targets outside the draft vocabulary (``excluded``)."""
+    tgt, valid = shifted_targets(input_ids, loss_mask, term.offset)  # (B, T), (B, T)
+    valid = segment_valid(valid, segment_ids, term.offset)  # no target across a packed window boundary
+    t_ids = t_lp = None
+    if needs_teacher:
+        t_ids = shift_left(teacher_ids, term.offset, -1)  # (B, T, Kt)
+        t_lp = shift_left(teacher_lp, term.offset, float("-inf"))  # (B, T, Kt)
+        valid = valid & (t_ids[..., 0] >= 0)
+    excluded = 0.0
+    if vocab_map is not None:
+        tgt = vocab_map[tgt]  # (B, T) draft ids, -1 outside
+        if needs_teacher:
+            t_ids = torch.where(t_ids >= 0, vocab_map[t_ids.clamp_min(0)], t_ids)  # (B, T, Kt)
+            q = restrict_buckets(teacher_buckets(t_lp), t_ids >= 0)  # (B, T, Kt+1)
+            valid = valid & (q.sum(-1) > 0)
+        if term.kind == "hard":
+            excluded = float((valid & (tgt < 0)).sum())
+            valid = valid & (tgt >= 0)
+    return tgt, valid, t_ids, t_lp, excluded
+
+
+def _needs_teacher(terms: Sequence[Term], teacher_ids, teacher_lp) -> bool:
+    needs = any(t.kind != "hard" for t in terms)
+    if needs and (teacher_ids is None or teacher_lp is None):
+        raise ValueError("soft and kl terms need the teacher top-k")
+    return needs
+
+
+def term_counts(terms: Sequence[Term], input_ids: torch.Tensor, loss_mask: torch.Tensor, teacher_ids: torch.Tensor | None = None,
+                teacher_lp: torch.Tensor | None = None, segment_ids: torch.Tensor | None = None,
+                vocab_map: torch.Tensor | None = None) -> torch.Tensor:
+    """The valid positions of every term on this batch, as :func:`chunked_term_losses` counts them: (n_terms,) float64.
+
+    Summed over every micro-batch of an optimizer step on every process, they are the ``counts`` that make the
+    step's loss the mean over the whole global batch, however it is split."""
+    needs_teacher = _needs_teacher(terms, teacher_ids, teacher_lp)
+    out = [_term_targets(t, needs_teacher, input_ids, loss_mask, teacher_ids, teacher_lp, segment_ids, vocab_map)[1].sum()
+           for t in terms]
+    return torch.stack(out).to(torch.float64)
+
+
 def chunked_term_losses(
     hidden: torch.Tensor,
     terms: Sequence[Term],
@@ -228,6 +281,7 @@ def chunked_term_losses(
     with_stats: bool = True,
     segment_ids: torch.Tensor | None = None,
     vocab_map: torch.Tensor | None = None,
+    counts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, list[TermStats]]:
     """Mean loss of every term over its valid positions, walking T in chunks.
 
@@ -238,30 +292,15 @@ def chunked_term_losses(
     ``segment_ids`` (B, T) (packed rows): a position and its target must be in the same segment.
     ``vocab_map`` (V,) (a draft vocabulary): the terms' logits are over draft ids; targets
     and teacher candidates are mapped through it (see "draft vocabulary").
+    ``counts`` (n_terms,): divide each term's loss sum by this instead of its own count here
+    (:func:`term_counts` summed over a global batch: this batch's share of that batch's mean).
     """
     B, T, _ = hidden.shape
-    needs_teacher = any(t.kind != "hard" for t in terms)
-    if needs_teacher and (teacher_ids is None or teacher_lp is None):
-        raise ValueError("soft and kl terms need the teacher top-k")
+    needs_teacher = _needs_teacher(terms, teacher_ids, teacher_lp)
     losses, stats = [], []
-    for term in terms:
-        tgt, valid = shifted_targets(input_ids, loss_mask, term.offset)  # (B, T), (B, T)
-        if segment_ids is not None:  # no target across a packed window boundary
-            valid = valid & (segment_ids == shift_left(segment_ids, term.offset, -2)) & (segment_ids >= 0)
-        if needs_teacher:
-            t_ids = shift_left(teacher_ids, term.offset, -1)  # (B, T, Kt)
-            t_lp = shift_left(teacher_lp, term.offset, float("-inf"))  # (B, T, Kt)
-            valid = valid & (t_ids[..., 0] >= 0)
-        excluded = 0.0
-        if vocab_map is not None:
-            tgt = vocab_map[tgt]  # (B, T) draft ids, -1 outside
-            if needs_teacher:
-                t_ids = torch.where(t_ids >= 0, vocab_map[t_ids.clamp_min(0)], t_ids)  # (B, T, Kt)
-                q = restrict_buckets(teacher_buckets(t_lp), t_ids >= 0)  # (B, T, Kt+1)
-                valid = valid & (q.sum(-1) > 0)
-            if term.kind == "hard":
-                excluded = float((valid & (tgt < 0)).sum())
-                valid = valid & (tgt >= 0)
+    for i, term in enumerate(terms):
+        tgt, valid, t_ids, t_lp, excluded = _term_targets(term, needs_teacher, input_ids, loss_mask, teacher_ids, teacher_lp,
+                                                          segment_ids, vocab_map)
         count = valid.sum()
         fn = _chunk_fn(term, with_stats)
         total = hidden.new_zeros((), dtype=torch.float64 if hidden.dtype == torch.float64 else torch.float32)
@@ -286,7 +325,7 @@ def chunked_term_losses(
             h1 += float(c1)
             h5 += float(c5)
         n = float(count)
-        losses.append(total / max(n, 1.0))
+        losses.append(total / max(n if counts is None else float(counts[i]), 1.0))
         stats.append(TermStats(loss_sum=float(total.detach()), top1=h1, top5=h5, count=n, excluded=excluded))
     return torch.stack(losses), stats
 

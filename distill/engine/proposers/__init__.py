@@ -4,8 +4,9 @@
 (``feature_layers``, ``start``, ``propose``, ``commit``); each proposer is a plain class built
 from what it drafts with: :mod:`~distill.engine.proposers.medusa` (Medusa heads and their static
 tree), :mod:`~distill.engine.proposers.eagle` (an EAGLE-3 drafter's dynamic trees),
-:mod:`~distill.engine.proposers.lookup` (n-gram matches in the context, a datastore from
-:mod:`~distill.engine.proposers.datastore` and the engine's earlier replies) and
+:mod:`~distill.engine.proposers.lookup` (suffix matches in the context, a datastore from
+:mod:`~distill.engine.proposers.datastore` and the engine's earlier replies, scored by
+:mod:`~distill.engine.proposers.suffix`) and
 :mod:`~distill.engine.proposers.union` (the lookup's trees merged with a drafter's per row).
 """
 

@@ -1,4 +1,4 @@
-"""The lookup proposer's second source: an n-gram index over the model's own text in a self-distilled dataset.
+"""The lookup proposer's global store: a suffix index over the model's own text in a self-distilled dataset.
 
 A row's context often has no earlier occurrence of its last few tokens, most of all early in
 a reply. The model's replies in its self-distilled data do: they are the same model writing
@@ -21,10 +21,14 @@ index
     the positions sorted by their preceding tokens read backwards (the token before p first,
     then the one before it, ...; up to ``max_ngram``). The suffixes of a context, read
     backwards, are prefixes of one another, so one narrowing pass over the sorted columns
-    finds the longest suffix that occurred and the range of its occurrences.
+    finds, for every n up to the longest suffix that occurred, the range of the positions
+    its last n tokens preceded: the levels SuffixDecoding scores
+    (:mod:`distill.engine.proposers.suffix`). Keys are 2 bytes a token for vocabularies up to
+    65,535 ids (4 above), positions 4 bytes: ``2 * max_ngram + 8`` bytes an indexed token.
 occurrences
-    at most this many positions of the range, evenly spaced over it (the range is sorted by
-    what came before, so this samples the contexts the n-gram appeared in).
+    at most this many positions of a level's range, evenly spaced over it (the range is sorted
+    by what came before, so this samples the contexts the n-gram appeared in); the level's
+    probabilities are the sample's shares, its size the whole range's.
 history
     the replies the engine itself produced (:class:`History`), newest last, up to a budget of
     tokens, oldest dropped first: the same index over them, rebuilt as they accumulate
@@ -40,16 +44,19 @@ from pathlib import Path
 
 import numpy as np
 
+from distill.engine.proposers.suffix import PAD, Level
 from distill.errors import ConfigError
 
-_SEP = -1  # between documents: never a continuation token
+_SEP = PAD  # between documents: never a continuation token
+#: The longest suffix a store matches (its key length), and the longest continuation it returns.
+DEFAULT_STORE_NGRAM, DEFAULT_STORE_DEPTH = 8, 16
 
 
 class Datastore:
     """The n-gram index of a list of documents (see the module docstring)."""
 
-    def __init__(self, documents: Iterable[tuple[Sequence[int], int]], max_ngram: int = 6, depth: int = 6,
-                 source: str = ""):
+    def __init__(self, documents: Iterable[tuple[Sequence[int], int]], max_ngram: int = DEFAULT_STORE_NGRAM,
+                 depth: int = DEFAULT_STORE_DEPTH, source: str = ""):
         """documents: (tokens, first) pairs: the document's token ids, and the index of its first generated token
         (the tokens before it are context only, never a continuation)."""
         if max_ngram < 1 or depth < 1:
@@ -79,19 +86,20 @@ class Datastore:
         keep = (self.tokens != _SEP) & (p >= first)
         pos, start = p[keep], start[keep]
         # column j: the token j + 1 places before each position, + 1 (0: before the document's start)
-        cols = np.zeros((max_ngram, pos.size), dtype=np.int32)  # 4 bytes a key: max_ngram x 4 bytes per indexed token
+        key_type = np.uint16 if self.tokens.max(initial=0) < np.iinfo(np.uint16).max else np.int32
+        cols = np.zeros((max_ngram, pos.size), dtype=key_type)
         for j in range(max_ngram):
             q = pos - 1 - j
             ok = q >= start
             cols[j, ok] = self.tokens[q[ok]] + 1
-        order = np.lexsort(cols[::-1])
+        order = np.lexsort(cols[::-1])  # stable: within a key, positions stay in order (the newest last)
         self.keys = np.ascontiguousarray(cols[:, order])
-        self.positions = pos[order]
+        self.positions = pos[order].astype(np.int32 if self.tokens.size < 2**31 else np.int64)
         self.generated_tokens = int(pos.size)
 
     @classmethod
-    def from_dataset(cls, data: Path | str, vocab_size: int, tokenizer_sha256: str | None = None, max_ngram: int = 6,
-                     depth: int = 6) -> "Datastore":
+    def from_dataset(cls, data: Path | str, vocab_size: int, tokenizer_sha256: str | None = None,
+                     max_ngram: int = DEFAULT_STORE_NGRAM, depth: int = DEFAULT_STORE_DEPTH) -> "Datastore":
         """The generated spans of a self-distilled dataset's shards (``input_ids``, ``loss_mask``); ``tokenizer_sha256``:
         the serving model's (``distill.models.model_record``), checked against the one the dataset records."""
         from distill.data.dataset import Dataset
@@ -115,36 +123,50 @@ class Datastore:
             raise ConfigError(f"{data} has no generated tokens (loss_mask) to index")
         return store
 
-    def match(self, context: Sequence[int], min_ngram: int = 1) -> tuple[int, int, int]:
-        """(n, lo, hi): the longest suffix of ``context`` (n tokens, min_ngram <= n <= max_ngram) that precedes an
-        indexed position, and its occurrences ``positions[lo:hi]``; (0, 0, 0) when none."""
-        lo, hi, best = 0, self.positions.size, (0, 0, 0)
+    def ranges(self, context: Sequence[int], min_ngram: int = 1) -> list[tuple[int, int, int]]:
+        """(n, lo, hi) for each n from ``min_ngram`` up to the longest suffix of ``context`` (at most ``max_ngram``
+        tokens) that precedes an indexed position: its occurrences are ``positions[lo:hi]``. Empty when none."""
+        lo, hi, out = 0, self.positions.size, []
+        top = np.iinfo(self.keys.dtype).max
         for j in range(min(self.max_ngram, len(context))):
-            key = np.int32(context[-1 - j] + 1)  # the keys' own dtype: another one would convert the whole row first
+            tok = int(context[-1 - j]) + 1
+            if not 0 < tok <= top:
+                break  # a token the store's documents never hold
+            key = self.keys.dtype.type(tok)  # the keys' own dtype: another one would convert the whole row first
             row = self.keys[j, lo:hi]
             a, b = np.searchsorted(row, key, "left"), np.searchsorted(row, key, "right")
             if a == b:
                 break
             lo, hi = lo + int(a), lo + int(b)
             if j + 1 >= min_ngram:
-                best = (j + 1, lo, hi)
-        return best
+                out.append((j + 1, lo, hi))
+        return out
 
-    def continuations(self, context: Sequence[int], occurrences: int, min_ngram: int = 1) -> tuple[int, list[tuple[int, ...]]]:
-        """(n, continuations): what followed up to ``occurrences`` occurrences of the context's longest matching suffix."""
-        n, lo, hi = self.match(context, min_ngram)
-        if not n:
-            return 0, []
-        k = min(occurrences, hi - lo)
-        at = self.positions[lo + (np.arange(k) * (hi - lo)) // k]
-        cont = self.tokens[at[:, None] + np.arange(self.depth)]
+    def levels(self, context: Sequence[int], depth: int, occurrences: int, min_ngram: int = 1) -> list[Level]:
+        """The occurrences of ``context``'s suffixes, one :class:`~distill.engine.proposers.suffix.Level` per match
+        length (ascending): up to ``occurrences`` positions evenly spread over each range, newest first, with what
+        followed them within their document (at most ``depth`` tokens)."""
+        ranges = self.ranges(context, min_ngram)
+        if not ranges:
+            return []
+        picks = [lo + (np.arange(min(occurrences, hi - lo)) * (hi - lo)) // min(occurrences, hi - lo)
+                 for _, lo, hi in ranges]
+        at = np.sort(self.positions[np.concatenate(picks)].astype(np.int64).reshape(-1))  # one gather for all levels
+        d = min(depth, self.depth)
+        rows = self.tokens[at[:, None] + np.arange(d)].tolist()  # (K, d): the tail keeps reads past the end in bounds
+        index = {int(p): i for i, p in enumerate(at.tolist())}
         out = []
-        for row in cont.tolist():
-            if _SEP in row:
-                row = row[:row.index(_SEP)]
-            if row:
-                out.append(tuple(row))
-        return n, out
+        for (n, lo, hi), pick in zip(ranges, picks):
+            conts = []
+            for p in sorted(self.positions[pick].tolist(), reverse=True):  # newest first
+                row = rows[index[p]]
+                conts.append(row[: row.index(_SEP)] if _SEP in row else row)
+            out.append(Level(n, conts, hi - lo))
+        return out
+
+    def memory_bytes(self) -> int:
+        """Bytes of the index's arrays (tokens, keys, positions)."""
+        return self.tokens.nbytes + self.keys.nbytes + self.positions.nbytes
 
     def describe(self) -> str:
         return (f"{self.generated_tokens:,} generated tokens of {self.documents:,} replies"
@@ -163,7 +185,7 @@ class History:
 
     REBUILD_SHARE = 16
 
-    def __init__(self, max_tokens: int, max_ngram: int = 6, depth: int = 6):
+    def __init__(self, max_tokens: int, max_ngram: int = DEFAULT_STORE_NGRAM, depth: int = DEFAULT_STORE_DEPTH):
         if max_tokens < 0:
             raise ConfigError(f"the lookup history's budget must be >= 0 tokens; got {max_tokens}")
         self.max_tokens, self.max_ngram, self.depth = max_tokens, max_ngram, depth
@@ -185,7 +207,7 @@ class History:
         """A finished reply: ``tokens`` with its generated part from index ``first`` on (the tokens before it are context)."""
         if not self.max_tokens or len(tokens) <= first:
             return
-        arr = np.asarray(tokens[-self.max_tokens:], dtype=np.int64)
+        arr = np.asarray(tokens[-self.max_tokens:], dtype=np.int32)
         first = max(0, first - (len(tokens) - arr.size))
         self._replies.append((arr, first))
         self._held += arr.size
@@ -198,9 +220,9 @@ class History:
             self._queued = 0
             self.rebuilds += 1
 
-    def continuations(self, context: Sequence[int], occurrences: int, min_ngram: int = 1) -> tuple[int, list[tuple[int, ...]]]:
-        """As :meth:`Datastore.continuations`, over the replies indexed so far."""
-        return self.index.continuations(context, occurrences, min_ngram) if self.index is not None else (0, [])
+    def levels(self, context: Sequence[int], depth: int, occurrences: int, min_ngram: int = 1) -> list[Level]:
+        """As :meth:`Datastore.levels`, over the replies indexed so far."""
+        return self.index.levels(context, depth, occurrences, min_ngram) if self.index is not None else []
 
     def describe(self) -> str:
         return f"up to {self.max_tokens:,} tokens of this engine's replies (holding {self._held:,})"

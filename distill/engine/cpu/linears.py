@@ -3,9 +3,10 @@
 A decoding step multiplies a few rows (``M``: batch × tokens per row) by every weight, so its cost
 is streaming the weights from memory plus each kernel's fixed cost per call, and which kernel does
 that fastest depends on ``M``, the weight's shape, the CPU and torch's thread count.
-:func:`prepare_linears` prepares every float32 CPU ``nn.Linear`` once, in place (the same module,
-parameters and values), so that each product takes the kernel that suits it; under autograd a
-prepared linear is a plain ``nn.Linear``. Measured: BENCHMARKS.md, "The engine's step on a CPU".
+:func:`prepare_linears` puts a :class:`DualLinear` in the place of every float32 CPU ``nn.Linear``
+(by name, over the same parameters and values; the original module object is left as it was), so
+that each product takes the kernel that suits it; under autograd a prepared linear multiplies as
+a plain ``nn.Linear``. Measured: BENCHMARKS.md, "The engine's step on a CPU".
 
 Terms
 -----
@@ -32,10 +33,9 @@ single rows
     times are kept per machine, threads, kind and shape (``$DISTILL_HOME/kernels``, engine.kept),
     so a later start skips the probe and its picks do not flip on noise.
 a padded prefill
-    a batch's right-padded prompts: inside :func:`valid_rows` the products take the prompts' rows
-    only and give the padding zeros (the causal mask never lets a prompt token attend to the
-    padding that follows it). Each layer's dense MLP (:func:`rowwise_modules`) takes the rows once
-    at its input, not around each of its products. Packing the prompts into one row with a
+    a batch's right-padded prompts: inside :func:`distill.engine.rows.valid_rows` the products take
+    the prompts' rows only and give the padding zeros (the causal mask never lets a prompt token
+    attend to the padding that follows it). Packing the prompts into one row with a
     block-diagonal mask would save less, as the attention would then span every prompt.
 linears that read one input (fused)
     query/key/value and gate/up read the same tensor. :func:`prepare_linears` finds such groups
@@ -47,7 +47,6 @@ linears that read one input (fused)
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib.util
 import math
@@ -55,14 +54,14 @@ import platform
 import time
 import weakref
 from collections import defaultdict
-from contextvars import ContextVar
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from distill.engine.rows import VALID_ROWS
 
 #: Rows torch's packed copies are packed for (oneDNN picks its blocking for this M; one blocking serves every M a
 #: decoding step has). Measured: BENCHMARKS.md, "The engine's step on a CPU".
@@ -167,101 +166,11 @@ class VllmMatmul:
 
 
 # -- the prepared linear ---------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ValidRows:
-    """The rows of a padded input that hold tokens: ``index`` into its ``total`` rows (batch x positions, flattened),
-    ``pad`` the others."""
-
-    index: torch.Tensor
-    pad: torch.Tensor
-    total: int
-
-    def covers(self, x: torch.Tensor) -> bool:
-        """Is ``x`` (..., features) a padded input of these rows?"""
-        return x.shape[:-1].numel() == self.total
-
-    def select(self, x: torch.Tensor) -> torch.Tensor:
-        """The prompts' rows of a padded ``x`` -> (tokens, features)."""
-        return x.reshape(-1, x.shape[-1]).index_select(0, self.index)
-
-    def scatter(self, y: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-        """The prompts' rows ``y`` (tokens, features) back in padded rows of ``shape`` (the padding zeros)."""
-        out = y.new_empty(self.total, y.shape[-1])
-        out.index_copy_(0, self.index, y)
-        out.index_fill_(0, self.pad, 0)  # the padding's rows only: filling all of them first cost a second pass
-        return out.view(*shape, y.shape[-1])
-
-
-#: Set by :func:`valid_rows` around a padded forward: the products of :class:`DualLinear` then skip the padding.
-VALID_ROWS: ContextVar[ValidRows | None] = ContextVar("distill_valid_rows", default=None)
-
-#: Names of a decoder layer's feed-forward block (transformers' models).
-MLP_NAMES = ("mlp", "feed_forward")
-
-
-def rowwise_modules(layers) -> list[nn.Module]:
-    """The dense MLP of each decoder layer in ``layers``: a child named as in :data:`MLP_NAMES` whose modules are linears
-    and parameter-free activations only. Such a block maps each row on its own (a mixture of experts, whose router
-    and experts are other modules, is not one)."""
-    out = []
-    for layer in layers:
-        for name in MLP_NAMES:
-            block = getattr(layer, name, None)
-            if isinstance(block, nn.Module) and _dense(block):
-                out.append(block)
-                break
-    return out
-
-
-def _dense(block: nn.Module) -> bool:
-    inner = [m for m in block.modules() if m is not block]
-    return next(block.parameters(recurse=False), None) is None and any(isinstance(m, nn.Linear) for m in inner) and all(
-        isinstance(m, nn.Linear) or next(m.parameters(), None) is None for m in inner)
-
-
-@contextlib.contextmanager
-def valid_rows(lengths: list[int], width: int, device: torch.device | str = "cpu", rowwise: list[nn.Module] = ()):
-    """Right-padded rows of ``width`` positions, row b holding ``lengths[b]`` tokens: the prepared linears of any
-    forward run inside multiply those rows only and give the padding zeros (a batch's prefill of prompts of different
-    lengths). Only products whose input has ``len(lengths) * width``
-    rows are affected; a forward without padding needs no selection and gets none. The ``rowwise`` modules (each
-    maps every row on its own: :func:`rowwise_modules`) are given the prompts' rows and their output padded back."""
-    total = len(lengths) * width
-    if sum(lengths) == total:
-        yield
-        return
-    valid = torch.zeros(total, dtype=torch.bool)
-    for b, n in enumerate(lengths):
-        valid[b * width : b * width + n] = True
-    rows = ValidRows(valid.nonzero()[:, 0].to(device), (~valid).nonzero()[:, 0].to(device), total)
-    shapes: dict[int, torch.Size] = {}
-
-    def enter(module, args):
-        x = args[0]
-        if not (isinstance(x, torch.Tensor) and rows.covers(x)):
-            return None
-        shapes[id(module)] = x.shape[:-1]
-        return (rows.select(x), *args[1:])
-
-    def leave(module, args, output):
-        shape = shapes.pop(id(module), None)
-        return output if shape is None else rows.scatter(output, shape)
-
-    handles = [h for m in rowwise for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
-    token = VALID_ROWS.set(rows)
-    try:
-        yield
-    finally:
-        VALID_ROWS.reset(token)
-        for h in handles:
-            h.remove()
-
-
 class DualLinear(nn.Linear):
     """An ``nn.Linear`` (same parameters) whose products with ``M > 1`` rows use a packed copy of its weight.
 
-    Made from an existing ``nn.Linear`` by :func:`prepare_linears` (the module object, its
-    parameters and hooks stay; only its class changes). Under autograd it is a plain ``nn.Linear``.
+    Built over an existing linear's parameters (:meth:`over`) and put in its place by
+    :func:`prepare_linears`. Under autograd it multiplies as a plain ``nn.Linear``.
     """
 
     packed: torch.Tensor | None  # kind "onednn": (out, in) oneDNN-packed by torch, opaque
@@ -270,6 +179,17 @@ class DualLinear(nn.Linear):
     single: str = WEIGHT  # how single rows multiply: WEIGHT, PACKED or PADDED (the probe's choice, module docstring)
     fused: "FusedLinears | None" = None  # a group of linears fed one input: the group multiplies for this one
     fused_index: int = 0  # this module's place in its group
+
+    @classmethod
+    def over(cls, weight: nn.Parameter, bias: nn.Parameter | None) -> "DualLinear":
+        """A linear over these parameters (the same objects, nothing allocated), not yet packed."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.out_features, self.in_features = weight.shape
+        self.weight = weight
+        self.register_parameter("bias", bias)
+        self.packed, self.vllm, self.packed_version = None, None, weight._version
+        return self
 
     @property
     def kind(self) -> str:
@@ -326,7 +246,9 @@ class DualLinear(nn.Linear):
 @torch.no_grad()
 def prepare_linears(model: nn.Module, example: Callable[[], torch.Tensor] | None = None,
                     kept_in: Path | None = None) -> dict[str, int]:
-    """Re-lay out (rule above) and pack every float32 CPU ``nn.Linear`` of ``model``, in place, each shared weight once.
+    """Re-lay out (rule above) and pack every float32 CPU ``nn.Linear`` of ``model``, each shared weight once: a
+    :class:`DualLinear` over its parameters takes its place (under every name it has). A linear with hooks of its own
+    (an offloading library's, say) is left as it is.
 
     ``example``: runs one forward of ``model`` and returns its output (logits); given, the linears
     it feeds one input are fused (module docstring). Then :func:`choose_kernels` for the modules
@@ -340,14 +262,18 @@ def prepare_linears(model: nn.Module, example: Callable[[], torch.Tensor] | None
     relaid, packed = 0, 0
     prepared: list[DualLinear] = []
     seen: set[int] = set()
-    for module in model.modules():
+    replaced: dict[int, DualLinear] = {}
+    for name, module in list(model.named_modules(remove_duplicate=False)):
         if type(module) is DualLinear:  # prepared before
             seen.add(id(module.weight))
             continue
-        if type(module) is not nn.Linear:
+        if type(module) is not nn.Linear or _hooked(module) or not name:  # the model itself has no place to be put in
             continue
         w = module.weight
         if not on_cpu_float32(w) or not torch.backends.mkldnn.is_available():
+            continue
+        if id(module) in replaced:  # one module under a second name: the same replacement
+            model.set_submodule(name, replaced[id(module)])
             continue
         if id(w) not in seen:
             seen.add(id(w))
@@ -355,9 +281,9 @@ def prepare_linears(model: nn.Module, example: Callable[[], torch.Tensor] | None
                 w.data = w.data.t().contiguous().t()  # (out, in) values, (in, out) storage
                 relaid += w.numel() * w.element_size()
             packed += w.numel() * w.element_size()
-        module.__class__ = DualLinear
-        module.packed, module.vllm, module.packed_version = None, None, w._version
-        prepared.append(module)
+        new = replaced[id(module)] = DualLinear.over(module.weight, module.bias)
+        model.set_submodule(name, new)
+        prepared.append(new)
     groups, reference = shared_input_groups(model, prepared, example) if example is not None and prepared else ([], None)
     fused: list[FusedLinears] = []
     if not groups:
@@ -382,6 +308,11 @@ def prepare_linears(model: nn.Module, example: Callable[[], torch.Tensor] | None
     return {"relaid_bytes": relaid, "packed_bytes": packed, "packed_vllm": sum(m.kind == VLLM for m in prepared),
             **{f"single_{k}": sum(m.single == k for m in prepared) for k in (WEIGHT, PACKED, PADDED)},
             "fused_groups": len(fused), "fused_linears": sum(len(f.members) for f in fused)}
+
+
+def _hooked(module: nn.Module) -> bool:
+    return any(getattr(module, name, None) for name in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
+                                                          "_backward_pre_hooks"))
 
 
 def shared_input_groups(model: nn.Module, modules: list[DualLinear],
@@ -472,12 +403,8 @@ def _fuse(members: list[DualLinear]) -> FusedLinears:
     if any(m.bias is not None for m in members):
         bias = torch.cat([m.bias.detach() if m.bias is not None else torch.zeros(m.out_features, dtype=first.dtype, device=first.device)
                           for m in members])
-    module = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, dtype=first.dtype, device=first.device)
-    module.weight.data = weight.t().contiguous().t() if wants_output_major(weight) else weight
-    if bias is not None:
-        module.bias.data = bias
-    module.__class__ = DualLinear
-    module.packed, module.vllm, module.packed_version = None, None, module.weight._version
+    weight = weight.t().contiguous().t() if wants_output_major(weight) else weight
+    module = DualLinear.over(nn.Parameter(weight), None if bias is None else nn.Parameter(bias))
     group = FusedLinears(module, members)
     for i, m in enumerate(members):
         m.fused, m.fused_index = group, i

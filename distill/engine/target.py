@@ -1,0 +1,187 @@
+"""The target model: how it is prepared, its forward, the hooks that read its features, its KV storage and graphs.
+
+Terms
+-----
+target
+    the model being decoded (a transformers decoder-only model). :class:`Target` prepares it once:
+    on a CPU, with ``EngineConfig.weight_layout="auto"``, through the CPU kernels' one interface
+    (:func:`distill.engine.cpu.prepare`; the GPU path never imports them); everywhere, ``sdpa``
+    attention switched to ``distill_sdpa`` (:mod:`distill.engine.attention`).
+hidden state
+    the backbone's last hidden state after the final norm (what the LM head reads): the decoder's
+    (``model.get_decoder()``) ``last_hidden_state``. Medusa's feature.
+features
+    what a proposer reads from each forward (``Proposer.feature_layers``): the hidden state, or the
+    hidden states entering the listed decoder layers, concatenated (EAGLE-3's aux layers), taken
+    with forward hooks for the duration of the call (compiled steps: hooks registered once).
+compiled steps
+    ``EngineConfig.compile``: the decoding steps' forwards run through ``torch.compile`` of the
+    whole model: every step where no linear runs on packed CPU weights (on a GPU the compiler fuses
+    each layer's elementwise work between the products, and CUDA graphs replay the result); else
+    single-token steps only (each CPU linear multiplies one row, the path the compiler traces).
+    Prefills stay eager (their row selection, :mod:`distill.engine.rows`, hooks in per call).
+graphed steps
+    ``EngineConfig.cuda_graphs``: each step's forward is recorded once per bucket and replayed
+    (:mod:`distill.engine.graphs`); the KV storage then comes from a pool, so later batches write
+    the same memory and replay what is recorded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from distill.engine import cache as kv
+from distill.engine.attention import use_gqa_sdpa
+from distill.engine.config import EngineConfig
+from distill.engine.graphs import Graphs, cache_key
+from distill.engine.rows import rowwise_modules, valid_rows
+from distill.errors import ConfigError
+
+
+class Target:
+    """The target model as the engine runs it (module docstring). ``kept``: where the CPU kernels' start-up probe
+    keeps its times (None: timed at every start)."""
+
+    def __init__(self, model, config: EngineConfig, kept: Path | None = None):
+        self.model = model.eval()
+        self.config = config
+        self.device = next(model.parameters()).device
+        graphs = config.cuda_graphs if config.cuda_graphs is not None else self.device.type == "cuda"
+        if graphs and self.device.type != "cuda":
+            raise ConfigError(f"cuda_graphs needs a model on a CUDA device; this one is on {self.device}")
+        self.compile = config.compile
+        #: what the CPU kernels prepared (:func:`distill.engine.cpu.prepare`); empty off the CPU or with "as-loaded"
+        self.prep: dict[str, int] = {}
+        if config.weight_layout == "auto" and self.device.type == "cpu":
+            from distill.engine import cpu
+
+            self.prep = cpu.prepare(model, None if self.compile else self._example(), kept)
+        use_gqa_sdpa(model)  # sdpa without copying shared key/value heads under the engine's masks (same outputs)
+        self.decoder = model.get_decoder()  # its output's last_hidden_state is what the LM head reads
+        self.rowwise = rowwise_modules(getattr(self.decoder, "layers", ()))  # dense MLPs: a padded prefill's rows
+        self.dtype = next(model.parameters()).dtype
+        self.kv_shape = kv.KVShape.of(model)
+        self._kept: dict = {}  # compiled forwards: the states the hooks registered once keep
+        self._compiled = None
+        self.compiled_forwards = 0
+        # every step's forward compiles where no linear runs on packed weights (a GPU, or "as-loaded" weights)
+        self._compile_all = self.compile and (self.device.type != "cpu" or config.weight_layout == "as-loaded")
+        self.use_graphs(Graphs(capture=True) if graphs else None)
+
+    def _example(self):
+        """One short forward -> its logits: what the CPU linears learn which of them read one input from."""
+        model, device = self.model, self.device
+
+        def run():
+            return model(input_ids=torch.zeros((1, 2), dtype=torch.long, device=device), use_cache=False).logits
+        return run
+
+    def compile_steps(self, feature_layers: tuple[int, ...] | None) -> None:
+        """Compile the steps' forwards (``EngineConfig.compile``): the hooks that keep the features are registered now,
+        once (traced into the graph; a hook added per call would recompile it)."""
+        if not self.compile or self._compiled is not None:
+            return
+        self.decoder.register_forward_hook(self._keep_hidden)
+        if self._compile_all:
+            for i in feature_layers or ():
+                self.decoder.layers[i].register_forward_pre_hook(self._keep_entering(i), with_kwargs=True)
+        self._compiled = torch.compile(self.model, dynamic=True)
+
+    def _keep_hidden(self, module, args, output) -> None:
+        self._kept["hidden"] = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+
+    def _keep_entering(self, i: int):
+        def hook(module, args, kwargs):
+            self._kept[i] = args[0] if args else kwargs["hidden_states"]
+        return hook
+
+    def use_graphs(self, graphs: Graphs | None) -> None:
+        """Run the steps' forwards through ``graphs`` (None: eagerly); with graphs, KV storage comes from a pool."""
+        self.graphs = graphs
+        self.kv_pool = kv.SlotPool(self.kv_shape) if graphs is not None else None
+
+    def new_cache(self, rows: int, slots: int) -> kv.SlotCache:
+        return kv.SlotCache(self.kv_shape, rows, slots, pool=self.kv_pool)
+
+    def forward_weights(self) -> int:
+        """Weights one forward reads: every parameter once, an untied input embedding not at all (it is looked up)."""
+        model = self.model
+        forward = sum({id(p): p.numel() for p in model.parameters()}.values())
+        emb_in, emb_out = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+        if emb_in is not emb_out:
+            forward -= emb_in.numel()
+        return forward
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.get_output_embeddings().weight.shape[0]
+
+    # -- forwards ------------------------------------------------------------------------------
+    def prefill(self, ids, positions, bias, cache: kv.SlotCache, keep: torch.Tensor, layers, lengths: list[int]):
+        """The prefill's forward over right-padded prompts of ``lengths`` tokens: products skip the padding."""
+        with valid_rows(lengths, ids.shape[1], self.device, self.rowwise):
+            return self.forward(ids, positions, bias, cache, keep, layers)
+
+    def window(self, cache: kv.SlotCache, eager: int) -> int:
+        """The slots a step attends to: ``eager`` (the longest row's end + tree size), or, graphed, every slot of the
+        cache (a static shape: graphs.py, "static window")."""
+        return cache.slots if self.graphs is not None else eager
+
+    def step(self, tokens, positions, write, bias, cache: kv.SlotCache, layers):
+        """A decoding step's forward: ``tokens`` written at slots ``write`` (B, T) -> (logits (B, T, V) float32,
+        features); replayed from its graph bucket when graphs are on."""
+        if self.graphs is None:
+            cache.prepare(write, bias.shape[-1])
+            return self.forward(tokens, positions, bias, cache, layers=layers, step=True)
+
+        def forward(ids, positions, write, bias):
+            cache.prepare(write, cache.slots)
+            return self.forward(ids, positions, bias, cache, layers=layers, step=True)
+
+        return self.graphs(("step", cache_key(cache), tokens.shape[1], layers), forward, tokens, positions, write, bias)
+
+    def forward(self, ids, positions, bias, cache: kv.SlotCache, keep: int | torch.Tensor = 0,
+                layers: tuple[int, ...] | None = None, step: bool = False):
+        """ids/positions (B, T), bias (B or 1, 1, T, window) -> logits (B, T', V) float32, features (B, T, F).
+
+        ``keep``: which positions get logits (0: all; a tensor: those indices, ``logits_to_keep``).
+        ``layers``: None, the features are the hidden state; layer ids, the hidden states entering
+        those decoder layers, concatenated. ``step``: a decoding step's forward, compiled under
+        ``EngineConfig.compile`` (module docstring, "compiled steps").
+        """
+        if self._compiled is not None and step and (self._compile_all or (layers is None and ids.numel() == 1)):
+            for storage in (cache.keys, cache.values):  # the slots grow with the sequences: one graph for every capacity
+                torch._dynamo.maybe_mark_dynamic(storage, 3)
+            out = self._compiled(input_ids=ids, position_ids=positions, attention_mask=bias, past_key_values=cache,
+                                 use_cache=True, logits_to_keep=keep)
+            self.compiled_forwards += 1
+            hidden = self._kept.pop("hidden")
+            return out.logits.float(), hidden if layers is None else torch.cat([self._kept.pop(i) for i in layers], dim=-1)
+        captured: dict = {}
+
+        def grab(module, args, output):
+            captured["hidden"] = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+
+        def entering(i):
+            def hook(module, args, kwargs):
+                captured[i] = args[0] if args else kwargs["hidden_states"]
+            return hook
+
+        if layers is None:
+            handles = [self.decoder.register_forward_hook(grab)]
+        else:
+            handles = [self.decoder.layers[i].register_forward_pre_hook(entering(i), with_kwargs=True) for i in layers]
+        try:
+            out = self.model(input_ids=ids, position_ids=positions, attention_mask=bias, past_key_values=cache,
+                             use_cache=True, logits_to_keep=keep)
+        finally:
+            for h in handles:
+                h.remove()
+        self._kept.clear()  # the compile hooks' copies of an eager forward's states
+        features = captured["hidden"] if layers is None else torch.cat([captured[i] for i in layers], dim=-1)
+        return out.logits.float(), features
+
+
+__all__ = ["Target"]
