@@ -355,3 +355,22 @@ def test_a_journal_that_is_a_symlink_is_refused_and_its_target_kept(tmp_path, ta
         store.append([tiny_row(0)])
     store.close()
     assert snapshot() == before
+
+
+def test_a_shard_file_that_is_a_symlink_is_refused_and_its_target_kept(plain_shards, tmp_path):
+    """A listed shard replaced by a link to a file elsewhere: reading the manifest refuses it, and so do the commands
+    that would read, rename or copy it; the file the link points to stays as it was."""
+    victim, snapshot = _victim(tmp_path)
+    before = snapshot()
+    ds = tmp_path / "ds"
+    shutil.copytree(plain_shards, ds)
+    first = json.loads((ds / "manifest.json").read_text())["shards"][0]["file"]
+    (ds / first).unlink()
+    (ds / first).symlink_to(victim / "f.parquet")
+    with pytest.raises(StoreError, match="symbolic link"):
+        load_manifest(ds)
+    for args in (["data", "repair", ds], ["data", "convert", ds, "--format", "openai", "--out", tmp_path / "o.jsonl"]):
+        r = run_distill(args)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode != 0 and len(lines) == 1 and "symbolic link" in lines[0], (args, r.stderr)
+    assert snapshot() == before and not (tmp_path / "o.jsonl").exists()

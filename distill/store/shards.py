@@ -437,6 +437,9 @@ def checked_manifest(folder: Folder, manifest: object) -> dict:
     for i, entry in enumerate(manifest.get("shards", [])):
         if problem := shard_entry_problem(i, entry):
             raise StoreError(f"{folder.where(MANIFEST)}: {problem}; refusing to touch it")
+        where = folder.where(entry.get("file", "")) if entry.get("file") else None
+        if isinstance(where, Path) and where.is_symlink():  # a link would lead a reader or writer out of the folder
+            raise StoreError(f"{where} is a symbolic link, not a shard of this folder; refusing to touch it")
     return manifest
 
 
