@@ -22,8 +22,10 @@ greedy, ``--engine-tokens`` a prompt, the full tree of ``--engine-nodes`` every 
 depend on the machine's timings), checking every output against plain decoding's. Wall times are indicative
 (they depend on the machine's load).
 
-``--vllm ngram,suffix``: vLLM's own speculation on the same prompts, batch 1, greedy, its tokens per step from its
-spec-decode counters (``suffix`` needs the ``arctic-inference`` package importable).
+``--arctic``: SuffixDecoding itself (ArcticInference's ``SuffixDecodingCache``, called as vLLM's ``suffix`` proposer
+calls it, with its defaults) replayed on the same replies. ``--vllm ngram,suffix``: vLLM's own speculation on the
+same prompts, batch 1, greedy, its tokens per step from its spec-decode counters. Both need the ``arctic-inference``
+package importable for ``suffix`` (it is not a dependency of distill).
 
 ``memory``: bytes a million stored tokens take in a store's index (built from the replies), and in a row's context.
 """
@@ -115,6 +117,38 @@ def replay(lookup: Lookup, prompts: list[list[int]], replies: list[list[int]], o
             steps += 1
             tokens += len(new)
         LookupState([ctx], lookup.history).keep([], 0)  # the row leaves: its reply joins the history (if any)
+    return tokens / steps
+
+
+def replay_arctic(prompts: list[list[int]], replies: list[list[int]], length: int, depth: int = 24,
+                  factor: float = 1.0, min_prob: float = 0.1, cached: int = 10_000) -> float:
+    """Tokens per step of SuffixDecoding as vLLM's ``suffix`` proposer runs it (ArcticInference's SuffixDecodingCache
+    with vLLM's defaults: tree depth and speculated tokens 24, factor 1, floor 0.1, one chain, 10,000 cached
+    responses), replayed like :func:`replay` on the same replies taken in order at batch 1."""
+    from arctic_inference.suffix_decoding import SuffixDecodingCache
+
+    cache = SuffixDecodingCache(max_tree_depth=depth, max_cached_requests=cached)
+    steps = tokens = 0
+    for k, (prompt, reply) in enumerate(zip(prompts, replies)):
+        reply = reply[:length]
+        if not reply:
+            continue
+        cache.start_request(k, prompt)
+        cache.add_active_response(k, reply[:1])  # the prefill's token
+        seen, i = prompt + reply[:1], 1
+        while i < len(reply):
+            draft = cache.speculate(k, seen[-depth:], max_spec_tokens=depth, max_spec_factor=factor,
+                                    min_token_prob=min_prob).token_ids
+            a = 0
+            while a < len(draft) and i + a < len(reply) and draft[a] == reply[i + a]:
+                a += 1
+            new = reply[i : i + a + 1]
+            cache.add_active_response(k, new)
+            seen += new
+            i += len(new)
+            steps += 1
+            tokens += len(new)
+        cache.stop_request(k)
     return tokens / steps
 
 
@@ -212,6 +246,7 @@ def main() -> None:
     ap.add_argument("--replies", type=Path, default=None,
                     help="the greedy replies (default benchmarks/results/<prompts>-replies.json; written when missing)")
     ap.add_argument("--max-tokens", type=int, default=192, help="reply length when generating them")
+    ap.add_argument("--limit", type=int, default=None, help="only the first N prompts (a quick check)")
     ap.add_argument("--lookup-data", type=Path, default=None, help="a dataset this model generated, as the datastore")
     ap.add_argument("--history-tokens", type=int, default=DEFAULT_HISTORY_TOKENS)
     ap.add_argument("--nodes", default="1,2,4,8,16")
@@ -219,6 +254,8 @@ def main() -> None:
     ap.add_argument("--engine", action="store_true", help="also run the real engine (batch 1, full tree)")
     ap.add_argument("--engine-tokens", type=int, default=64)
     ap.add_argument("--engine-nodes", type=int, default=DEFAULT_NODES)
+    ap.add_argument("--arctic", action="store_true",
+                    help="also replay SuffixDecoding as vLLM's suffix method runs it (needs arctic-inference importable)")
     ap.add_argument("--vllm", default="", help="vLLM speculation methods to run on the same prompts: ngram,suffix")
     ap.add_argument("--vllm-tokens", type=int, default=0,
                     help="vLLM's num_speculative_tokens (0: suffix's default, its tree depth; --engine-nodes for others)")
@@ -236,7 +273,7 @@ def main() -> None:
         data = {"prompts": prompts, "replies": plain_replies(lm, tok, prompts, args.max_tokens)}
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(path, (json.dumps(data) + "\n").encode())
-    prompts, replies = data["prompts"], data["replies"]
+    prompts, replies = data["prompts"][: args.limit], data["replies"][: args.limit]
     store = None
     if args.lookup_data is not None:
         store = Datastore.from_dataset(args.lookup_data, lm.config.vocab_size)
@@ -267,6 +304,10 @@ def main() -> None:
               "seconds": round(time.perf_counter() - t0, 1), "tokens_per_step": table,
               "lookup_us_per_step": round(1e6 * statistics.median(seconds), 1), "memory": memory(replies, prompts)}
     print("lookup µs per step (replay, median):", result["lookup_us_per_step"], "| memory:", result["memory"], flush=True)
+    if args.arctic:
+        result["arctic_suffix_decoding"] = {f"{length} tokens": round(replay_arctic(prompts, replies, length), 4)
+                                            for length in lengths}
+        print("SuffixDecoding (ArcticInference, vLLM's defaults):", json.dumps(result["arctic_suffix_decoding"]), flush=True)
     if args.engine:
         result["engine"] = run_engine(lm, tok, prompts, args.engine_tokens, args.engine_nodes, store)
         print("engine:", json.dumps(result["engine"]), flush=True)

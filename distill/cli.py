@@ -580,7 +580,8 @@ def train_heads(
     final = s.final
     what, n = ("head", cfg.heads) if cfg.arch == "medusa" else ("step", cfg.ttt_steps)
     top1 = " ".join(f"{final.get(f'{what}{k}_top1', 0):.3f}" for k in range(1, n + 1))
-    typer.echo(f"{s.out}: {s.steps} steps, {s.tokens:,} tokens in {s.seconds:.1f}s ({s.tokens_per_s:.1f} tok/s), "
+    where = f" on {s.processes} processes{' (target sharded)' if s.sharded_target else ''}" if s.processes > 1 else ""
+    typer.echo(f"{s.out}: {s.steps} steps{where}, {s.tokens:,} tokens in {s.seconds:.1f}s ({s.tokens_per_s:.1f} tok/s), "
                f"peak memory {s.peak_memory_mb:.0f} MiB")
     typer.echo(f"  last step: loss {final.get('loss', float('nan')):.4f}, {what} top-1 {top1}")
     if s.draft_vocab:
@@ -757,6 +758,7 @@ def bench(
     lookup_nodes: LookupNodesOpt = None,
     vllm: Annotated[Optional[bool], typer.Option("--vllm/--no-vllm", help="Also decode the greedy prompts with bare vLLM (in this process; the same model, dtype and max tokens) and report plain and speculative tok/s against it.")] = None,
     full_tree: Annotated[Optional[bool], typer.Option("--full-tree/--policy-tree", help="Verify the whole tree every step (speculation policy off): measures the tree itself.")] = None,
+    tree_acceptance: Annotated[Optional[bool], typer.Option("--tree-acceptance/--no-tree-acceptance", help="With the policy deciding the tree: also decode the greedy prompts once with the whole tree, untimed, and report the tokens/step it accepts beside this machine's break-even.")] = None,
     compile: Annotated[Optional[bool], typer.Option("--compile/--no-compile", help="torch.compile the engine's decoding steps, compiled before timing (with CUDA graphs, every step, then recorded; on a CPU, single-token steps only).")] = None,
     cuda_graphs: CudaGraphsOpt = None,
     sweep_tree: Annotated[Optional[bool], typer.Option("--sweep-tree/--no-sweep-tree", help="Also time step latency against tree size here and pick the node budget with the best predicted speedup (writes tree.json).")] = None,
@@ -791,6 +793,23 @@ def bench(
     typer.echo("wrote " + ", ".join(str(p) for p in paths.values()))
 
 
+def drafter_lines(d: dict) -> list[str]:
+    """The trained drafter as the policy saw it (the pipeline's bench summary, ``drafter``): what its full tree accepts
+    on the held-out prompts, this machine's break-even, the nodes the policy used, and the GPU prediction."""
+    tau, even, used = d.get("full_tree_tokens_per_step"), d.get("break_even_tokens_per_step"), d.get("nodes_used_at_batch_1")
+    if tau is None:
+        return []
+    line = f"its full tree ({d.get('nodes')} nodes): {tau:.2f} tokens/step on these held-out prompts (greedy, untimed)"
+    if even is not None:
+        line += f"; this machine breaks even at {even:.2f} tokens/step"
+    if used is not None:
+        line += "; the policy decoded plain at batch 1" if used == 0 else f"; the policy used {used} nodes at batch 1"
+    lines = [line]
+    if d.get("gpu_prediction"):
+        lines.append(d["gpu_prediction"]["text"])
+    return lines
+
+
 # == pipeline command: distill run ==
 @app.command("run")
 def run_pipeline(
@@ -817,7 +836,10 @@ def run_pipeline(
                        f"{who} {g['medusa_vs_vllm']:.2f}x" if "vllm_tokens_per_s" in g else "")
             typer.echo(f"{who}, {mode}: {g['tokens_per_step']:.2f} tokens/step, step overhead {g['step_overhead']:.2f}x, "
                        f"speedup {g['speedup']:.2f}x ({g['plain_tokens_per_s']:.1f} -> {g['medusa_tokens_per_s']:.1f} tok/s){against}")
-    typer.echo(f"heads: {cfg.out}/heads  tree: {cfg.out}/calibrate/tree.json  bench: {cfg.out}/bench/bench.md")
+        if key == "overall":
+            for line in drafter_lines(report.result.get("drafter") or {}):
+                typer.echo(f"  {line}")
+    typer.echo(f"drafter: {cfg.out}/heads  calibration: {cfg.out}/calibrate/tree.json  bench: {cfg.out}/bench/bench.md")
 
 
 

@@ -301,3 +301,24 @@ def context_limit(config, tree_nodes: int = 0) -> int:
     if limit - tree_nodes < 2:
         raise ModelError(f"a context of {limit} tokens leaves no room beside a {tree_nodes}-node tree")
     return limit - tree_nodes
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What every generation backend needs to know of a model folder, read once per run and handed to the backend
+    (the generator resolves it; a backend built alone resolves it itself)."""
+
+    vocab_size: int  # the LM head's width: teacher ids beyond it are refused
+    context_limit: int  # :func:`context_limit` of its config (no tree): prompt plus reply, unless --max-model-len
+    stop_ids: frozenset[int]  # :func:`stop_token_ids`: where an assistant turn ends
+
+
+def model_facts(model_path: Path, tokenizer=None) -> ModelFacts:
+    """Read :class:`ModelFacts` from ``model_path`` (its config, generation config and ``tokenizer``, loaded from the
+    folder when None)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(model_path)
+    vocab = int(getattr(config, "vocab_size", None) or config.get_text_config().vocab_size)
+    tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(model_path)
+    return ModelFacts(vocab, context_limit(config), stop_token_ids(tokenizer, model_path))

@@ -224,7 +224,7 @@ class Pipeline:
             if lookup:  # the same prompts with the lookup proposer, nothing trained: the context alone, or with the
                 # n-grams of the data the heads trained on as its datastore
                 store = {"lookup_data": str(self.path("split") / "train")} if lookup == "data" else {}
-                o = dict(o, heads="lookup", tree=None, out=str(Path(o["out"]) / "lookup"), **store)
+                o = dict(o, heads="lookup", tree=None, tree_acceptance=False, out=str(Path(o["out"]) / "lookup"), **store)
                 configs.append(config_from_options(BenchConfig, o, "bench"))
             return configs
         return []
@@ -352,11 +352,29 @@ class Pipeline:
 
         self._clear("bench")
         result, _ = run_bench(cfg)
-        summary = {"tree_nodes": result.tree.get("nodes"), "overall": _overall(result)}
+        summary = {"tree_nodes": result.tree.get("nodes"), "overall": _overall(result), "drafter": _drafter(result)}
         if lookup_cfg is not None:  # the lookup proposer on the same prompts (stage_configs)
             summary["lookup"] = _overall(run_bench(lookup_cfg)[0])
             summary["lookup_source"] = "context and data" if lookup_cfg.decoding.lookup_data else "context"
         return summary
+
+
+def _drafter(result) -> dict:
+    """The trained drafter as the policy saw it: its proposer, the full tree's measured tokens per step (with the
+    bench's ``tree_acceptance``), this machine's break-even, the nodes the policy used at batch 1, and what the tree's
+    tokens per step would give at a GPU's measured step costs (:mod:`distill.bench.predict`, a prediction)."""
+    from distill.bench.predict import predict
+
+    tree = result.tree
+    even = tree.get("break_even_at_batch_1") or {}
+    tau = tree.get("full_tree_tokens_per_step")
+    out = {"proposer": tree.get("proposer"), "nodes": tree.get("nodes"), "depth": tree.get("depth"),
+           "full_tree_tokens_per_step": tau, "break_even_tokens_per_step": even.get("tokens_per_step"),
+           "nodes_used_at_batch_1": tree.get("nodes_used_at_batch_1")}
+    if tau is not None and tree.get("proposer") and tree.get("nodes"):
+        p = predict(tree["proposer"], tree["nodes"], tau, tree.get("depth"))
+        out["gpu_prediction"] = {"step_ratio": p.step_ratio, "speedup": p.speedup, "text": p.describe()}
+    return out
 
 
 def _overall(result) -> dict:

@@ -111,7 +111,7 @@ def test_a_policy_that_decoded_plain_says_so_first_and_the_outputs_name_the_prop
     res = BenchResult(BenchConfig.from_options(heads="lookup").to_dict(), "m", "d", "model", "lookup", tree, summarize(runs), runs)
     first, blank, header = markdown(res).splitlines()[:3]
     assert first == ("The policy decoded plain at batch 1: the lookup proposer's full tree (24 nodes) makes 1.31 tokens/step "
-                     "(expected from its acceptance table, not measured: `--full-tree` measures it), this machine breaks "
+                     "(expected from its acceptance table, not measured: `--tree-acceptance` measures it), this machine breaks "
                      "even at 1.46 tokens/step (a step of 24 nodes costs 1.46x a plain one).")
     assert blank == "" and header.startswith("Model `model`") and "0 used at batch 1" in header
     assert "| plain tok/s | lookup tok/s |" in markdown(res) and "Medusa" not in markdown(res)
@@ -123,7 +123,7 @@ def test_a_policy_that_decoded_plain_says_so_first_and_the_outputs_name_the_prop
     res.tree = dict(tree, proposer="lookup+medusa", break_even_at_batch_1=dict(even, expected_measured=1.12))
     md = markdown(res)
     assert md.startswith("The policy decoded plain at batch 1: the lookup + Medusa proposer's full tree (24 nodes) makes 1.31 "
-                         "tokens/step (expected from its acceptance table, not measured: `--full-tree` measures it; 1.12 with "
+                         "tokens/step (expected from its acceptance table, not measured: `--tree-acceptance` measures it; 1.12 with "
                          "the acceptance the policy measured in this run), this machine breaks even at 1.46 tokens/step")
     assert "| lookup + Medusa tok/s |" in md
     res.tree = dict(tree, nodes_used_at_batch_1=12)  # the policy speculated: the header comes first, as before
@@ -224,3 +224,41 @@ def test_a_baseline_whose_stop_tokens_differ_from_the_engines_is_refused():
     baseline.check_stops({2})
     with pytest.raises(ConfigError, match=r"the engine stops at tokens \[2, 7\], vLLM at \[2\]"):
         baseline.check_stops({2, 7})
+
+
+@pytest.mark.slow
+def test_tree_acceptance_measures_what_the_full_tree_bench_measures_and_leaves_the_policy_as_it_was(tmp_path):
+    """--tree-acceptance: one untimed greedy pass with the whole tree on the running engine, after the policy's timed
+    passes; its tokens/step are those of a bench that verifies the full tree every step (--full-tree), prompt for prompt."""
+    from distill.bench import run_bench
+    from distill.bench.report import markdown
+    from distill.engine import Engine, EngineConfig
+
+    engine = Engine.from_pretrained(None, "lookup", EngineConfig(max_batch=1))
+    before = engine.config.speculate_max_batch
+    cfg = BenchConfig.from_options(heads="lookup", limit=3, max_tokens=24, modes=("greedy",), tree_acceptance=True,
+                                   warmup=0, out=str(tmp_path / "policy"))
+    result, _ = run_bench(cfg, engine=engine)
+    assert engine.config.speculate_max_batch == before  # the policy decides again once the pass is done
+    full = BenchConfig.from_options(heads="lookup", limit=3, max_tokens=24, modes=("greedy",), full_tree=True, warmup=0,
+                                    out=str(tmp_path / "full"))
+    reference = run_bench(full)[0]
+    tau = result.tree["full_tree_tokens_per_step"]
+    assert tau == pytest.approx(reference.overall("greedy").acceleration_rate) and tau > 1  # MT-Bench: the lookup drafts
+    assert reference.tree["full_tree_tokens_per_step"] is None  # --full-tree measures the tree in its timed passes
+    first = markdown(result).splitlines()[0]
+    assert f"proposer's full tree ({result.tree['nodes']} nodes) makes {tau:.2f} tokens/step (measured on these prompts" in first
+
+
+def test_the_gpu_prediction_divides_the_measured_tokens_per_step_by_the_measured_gpu_step():
+    from distill.bench import predict as p
+
+    assert p.step_ratio("medusa", 16) == pytest.approx(1.12 + 0.38 / 8.56)
+    assert p.step_ratio("eagle3", 24, 5) == pytest.approx(14.77 / 8.56)  # the whole measured EAGLE step
+    assert p.step_ratio("eagle3", 24, 3) < p.step_ratio("eagle3", 24, 5) < p.step_ratio("eagle3", 24, 7) == pytest.approx(16.45 / 8.56)
+    assert p.step_ratio("eagle3", 16, 5) < p.step_ratio("eagle3", 24, 5)  # fewer nodes verified
+    assert p.step_ratio("lookup", 2) == 1.08 and p.step_ratio("lookup", 64) == p.step_ratio("lookup", 200) == 1.20
+    assert 1.08 < p.step_ratio("lookup", 8) < 1.12 and p.step_ratio("lookup+eagle3", 24, 5) == p.step_ratio("eagle3", 24, 5)
+    prediction = p.predict("medusa", 16, 1.41)
+    assert prediction.speedup == pytest.approx(1.41 / (1.12 + 0.38 / 8.56))
+    assert "(a prediction, not measured): 1.41 tokens/step / a step of 1.16x = 1.21x" in prediction.describe()

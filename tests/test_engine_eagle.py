@@ -267,3 +267,19 @@ def test_trained_drafter_folder_serves_through_from_pretrained_and_equals_plain_
     results, stats = engine.generate(mt_prompts, SamplingParams(max_tokens=MT_TOKENS))
     assert [r.token_ids for r in results] == mt_plain
     assert stats.steps < sum(len(r) for r in mt_plain)  # the drafter got some tokens right
+
+    # --tree with a drafter: a calibration file's per-depth accuracy for the policy (its paths unused); a preset is refused
+    import re
+
+    from distill.engine.engine import EAGLE_TREE, load_heads
+    from distill.heads.tree import save_tree
+
+    accuracy = [[0.5, 0.2], [0.4, 0.1], [0.3, 0.1]]
+    calibration = tmp_path_factory.mktemp("eagle-calibration") / "tree.json"
+    save_tree(calibration, [(0,), (1,), (0, 0), (0, 0, 0)], 3, accuracy=accuracy, source="calibrate")
+    drafter, tree = load_heads(out, EngineConfig(tree=str(calibration), device="cpu", dtype="float32"))
+    assert tree.paths == [] and tree.accuracy == accuracy and tree.source == str(calibration)
+    assert Engine(engine.model, engine.tokenizer, drafter, EngineConfig(tree=str(calibration), draft_depth=3, draft_nodes=8, draft_topk=2),
+                  tree=tree).proposer.accuracy == accuracy
+    with pytest.raises(ConfigError, match=re.escape(EAGLE_TREE)):
+        load_heads(out, EngineConfig(tree="sparse-8", device="cpu", dtype="float32"))

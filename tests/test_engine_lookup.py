@@ -54,6 +54,8 @@ def test_nodes_under_the_probability_floor_are_not_drafted():
     assert len(ctx.draft(8, 2, factor=4.0, min_prob=0.05)) == 8
     with pytest.raises(ConfigError, match="min_prob"):
         Lookup(min_prob=1.5)
+    with pytest.raises(ConfigError, match="prior >= 0; got 0.1, 4.0, -1"):
+        Lookup(prior=-1)
 
 
 def test_a_match_drafts_at_most_factor_times_its_length_within_the_budget():

@@ -102,8 +102,11 @@ def test_without_vllms_kernels_nothing_is_replaced(monkeypatch):
 
 
 @needs_vllm
-def test_the_engine_rotates_on_the_kernel_with_the_outputs_of_transformers_rotation(hf_model, tokenizer, counted):
-    restore_rotary(hf_model)  # the session's model: an earlier engine may have prepared it
+def test_the_engine_rotates_on_the_kernel_with_the_outputs_of_transformers_rotation(model_dir, tokenizer, counted):
+    from transformers import AutoModelForCausalLM
+
+    # a model of its own: the session's has been through other tests' engines and hooks
+    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     engine = Engine(hf_model, tokenizer, None, EngineConfig(max_batch=4))
     assert engine.linear_prep["rotary_vllm"] == hf_model.config.num_hidden_layers
     prompts = [tokenizer.encode(t) for t in ("Name three colours.", "Hi", "Write a haiku about the sea and the moon, please.")]

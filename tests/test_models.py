@@ -89,3 +89,23 @@ def test_the_engine_refuses_what_its_context_limit_refuses(hf_model, model_dir):
     assert engine.max_len == context_limit(hf_model.config) == hf_model.config.max_position_embeddings
     with pytest.raises(ConfigError, match="exceed the engine's limit"):
         engine.generate([[1, 2, 3]], SamplingParams(max_tokens=engine.max_len - 2))
+
+
+def test_a_generate_run_reads_the_models_facts_once_and_hands_them_to_its_backend(model_dir, tmp_path, monkeypatch):
+    from transformers import AutoConfig, AutoTokenizer
+
+    from distill import models
+    from distill.generate import GenerateConfig, Generator, backends, runner
+
+    read = []
+    monkeypatch.setattr(runner, "model_facts", lambda *a: read.append(a[0]) or models.model_facts(*a))
+    monkeypatch.setattr(backends, "model_facts", lambda *a: read.append(a[0]) or models.model_facts(*a))
+    cfg = GenerateConfig(seed="sharegpt", mode="single-turn", out=str(tmp_path / "out"), backend="hf", limit=1,
+                         max_new_tokens=4, dtype="float32", topk=5)
+    gen = Generator(cfg)
+    assert gen.run().generated == 1
+    assert read == [model_dir]  # the generator's one reading; the backend it built was handed those facts
+    config = AutoConfig.from_pretrained(model_dir)
+    assert gen.facts == models.ModelFacts(config.vocab_size, models.context_limit(config),
+                                          models.stop_token_ids(AutoTokenizer.from_pretrained(model_dir), model_dir))
+    assert json.loads((tmp_path / "out" / "manifest.json").read_text())["meta"]["model"]["vocab_size"] == config.vocab_size

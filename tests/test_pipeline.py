@@ -29,7 +29,7 @@ TINY = {
     "split": {"eval_fraction": 0.3},
     "train": {"heads": 2, "share_lm_head": True, "max_len": 128, "batch_size": 2, "steps": 4, "save_every": 2, "lr": 0.003},
     "calibrate": {"nodes": 4, "max_len": 128},
-    "bench": {"limit": 2, "max_tokens": 12, "modes": "greedy", "lookup": "data"},
+    "bench": {"limit": 2, "max_tokens": 12, "modes": "greedy", "lookup": "data", "tree_acceptance": True},
 }
 
 
@@ -93,6 +93,19 @@ def test_pipeline_runs_every_stage_then_skips_them_and_reruns_only_what_a_change
     assert bench["tree"]["nodes"] == 4  # the calibrated tree was the one benchmarked
     lookup = json.loads((ref / "bench" / "lookup" / "bench.json").read_text())  # and the lookup proposer beside it
     assert lookup["tree"]["proposer"] == "lookup" and "lookup + the data's n-grams (nothing trained), greedy:" in stdout
+    # the trained drafter as the policy saw it: its full tree measured, the break-even, the nodes used, a GPU prediction
+    from distill.bench.predict import step_ratio
+
+    tau, even = bench["tree"]["full_tree_tokens_per_step"], bench["tree"]["break_even_at_batch_1"]["tokens_per_step"]
+    used = bench["tree"]["nodes_used_at_batch_1"]
+    assert 1.0 <= tau <= 5 and lookup["tree"]["full_tree_tokens_per_step"] is None  # the lookup row: as it was
+    said = "the policy decoded plain at batch 1" if used == 0 else f"the policy used {used} nodes at batch 1"
+    assert (f"\n  its full tree (4 nodes): {tau:.2f} tokens/step on these held-out prompts (greedy, untimed); this machine "
+            f"breaks even at {even:.2f} tokens/step; {said}\n") in stdout
+    ratio = step_ratio("medusa", 4)
+    assert f"(a prediction, not measured): {tau:.2f} tokens/step / a step of {ratio:.2f}x = {tau / ratio:.2f}x" in stdout
+    drafter = json.loads((ref / "pipeline.json").read_text())["stages"]["bench"]["summary"]["drafter"]
+    assert drafter["full_tree_tokens_per_step"] == tau and drafter["gpu_prediction"]["speedup"] == tau / ratio
     assert lookup["config"]["decoding"]["lookup_data"].endswith("split/train") and "datastore" in lookup["tree"]["source"]
     assert json.loads((ref / "validate.json").read_text())["ok"] is True
 
@@ -153,7 +166,7 @@ def test_pipeline_files_with_unknown_sections_or_chained_paths_are_refused(tmp_p
     with pytest.raises(ConfigError, match="lookup must be one of"):
         PipelineConfig.from_yaml(bad)
     cfg = PipelineConfig.from_yaml(REPO / "pipelines" / "quickstart.yaml", {"out": str(tmp_path / "q")})
-    assert cfg.out == str(tmp_path / "q") and cfg.train["share_lm_head"] is True
+    assert cfg.out == str(tmp_path / "q") and cfg.train["arch"] == "eagle3"
 
 
 def test_set_overrides_one_option_per_stage_and_rejects_malformed_items(tmp_path):
@@ -161,7 +174,7 @@ def test_set_overrides_one_option_per_stage_and_rejects_malformed_items(tmp_path
         REPO / "pipelines" / "quickstart.yaml", {"out": str(tmp_path / "q")},
         sets=["train.steps=2", "generate.max-new-tokens=16", "bench.modes=greedy", "run.model=/m", "split.eval_fraction=0.5"],
     )
-    assert cfg.train["steps"] == 2 and cfg.train["heads"] == 3  # the file's other options stay
+    assert cfg.train["steps"] == 2 and cfg.train["epochs"] == 2  # the file's other options stay
     assert cfg.generate["max_new_tokens"] == 16 and cfg.bench["modes"] == "greedy"
     assert cfg.model == "/m" and cfg.out == str(tmp_path / "q") and cfg.split["eval_fraction"] == 0.5
     for item, msg in [("train.steps", "STAGE.KEY=VALUE"), ("steps=2", "STAGE.KEY=VALUE"), ("trian.steps=2", "unknown section"),

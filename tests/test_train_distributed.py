@@ -68,7 +68,7 @@ class Runs:
     process, --batch-size 4), ``ddp`` or ``fsdp`` (two processes, --batch-size 2 each)."""
 
     def __init__(self, root: Path, data: Path):
-        self.root, self.data, self.done = root, data, {}
+        self.root, self.data, self.done, self.stdout = root, data, {}, {}
 
     def args(self, arch: str, out: Path) -> list:
         held_out = ["--eval-data", self.data] if arch == "eagle3" else []
@@ -81,7 +81,7 @@ class Runs:
                 r = run_distill(["train-heads", *self.args(arch, out), "--batch-size", "4"])
                 assert r.returncode == 0, r.stderr[-4000:]
             else:
-                launch(how, [*self.args(arch, out), "--batch-size", "2"])
+                self.stdout[arch, how] = launch(how, [*self.args(arch, out), "--batch-size", "2"]).stdout
             self.done[arch, how] = out
         return out
 
@@ -136,6 +136,7 @@ def interrupt(run: Path, to: Path) -> Path:
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_two_processes_train_what_one_process_does_at_the_same_global_batch(runs, arch):
     one, two = runs(arch, "one"), runs(arch, "ddp")
+    assert f"{two}: 3 steps on 2 processes, " in runs.stdout[arch, "ddp"]
     assert_same_metrics(one, two, LOSS_RTOL, held_out=False)
     assert_same_weights(one, two)
 
@@ -144,6 +145,7 @@ def test_the_target_sharded_across_two_processes_trains_what_one_process_does(ru
     """FSDP2 over the frozen target (transformers loads its weights on process 0 only, the default of --use_fsdp, and
     they are broadcast into the shards); the drafter, its evaluation and checkpoints as without sharding."""
     sharded, one = runs("eagle3", "fsdp"), runs("eagle3", "one")
+    assert f"{sharded}: 3 steps on 2 processes (target sharded), " in runs.stdout["eagle3", "fsdp"]
     assert_same_metrics(one, sharded, LOSS_RTOL, held_out=False)
     assert_same_weights(one, sharded)
     # sharding the target changes no bit of the run, nor of its held-out figures (evaluated on every process)

@@ -32,6 +32,10 @@ class BenchConfig:
         (an option: ``decoding.speculate_max_batch`` 1) verify the whole tree at every Medusa step (the
         engine's speculation policy off), which measures the tree itself; by default the policy may shrink
         the tree or decode plainly when its cost model says speculation does not pay.
+    tree_acceptance
+        with the policy deciding the tree (not ``full_tree``): also decode the greedy prompts once with the whole tree,
+        untimed, after the timed passes, and report its tokens per step: what the tree accepts on these prompts,
+        which the policy weighs against this machine's break-even (``BenchResult.tree["full_tree_tokens_per_step"]``).
     vllm
         also decode the greedy prompts with bare vLLM (:mod:`distill.bench.baseline`), the
         runs interleaved with ours per prompt, and report plain and speculative tokens/s
@@ -51,6 +55,7 @@ class BenchConfig:
     modes: tuple[str, ...] = MODES
     temperature: float = 0.7  # for the typical mode
     vllm: bool = False  # also bare vLLM on the greedy prompts (the yardstick); needs the greedy mode
+    tree_acceptance: bool = False  # also one untimed greedy pass with the full tree: what the tree accepts
     seed: int = 0
     out: str = "out/bench"
     sweep_tree: bool = False

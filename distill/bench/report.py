@@ -20,20 +20,28 @@ def proposer_name(tree: dict) -> str:
 
 
 def plain_line(result: BenchResult) -> str | None:
-    """The first line when the speculation policy decoded plain at batch 1: what the full tree makes per step against
-    what it has to make to pay for its step (None when the policy speculated)."""
+    """The first line when the speculation policy decoded plain at batch 1, or when the full tree's acceptance was
+    measured (``--tree-acceptance``): what the full tree makes per step against what it has to make to pay for its
+    step (None otherwise)."""
     tree = result.tree
-    if tree.get("nodes_used_at_batch_1") != 0:
+    tree_tau = tree.get("full_tree_tokens_per_step")
+    used = tree.get("nodes_used_at_batch_1")
+    if used != 0 and tree_tau is None:
         return None
     who = f"the {proposer_name(tree)} proposer's full tree"
     even = tree.get("break_even_at_batch_1")
+    said = "The policy decoded plain at batch 1" if used == 0 else f"The policy used {used} nodes at batch 1"
     if not even:
-        return f"The policy decoded plain at batch 1: it priced {who} above what it makes per step."
+        made = f"; the full tree made {tree_tau:.2f} tokens/step on these prompts" if tree_tau is not None else ""
+        return f"{said}: it priced {who} above what it makes per step{made}." if used == 0 else f"{said}{made}."
     nodes, expected, measured = even["nodes"], even["expected"], even.get("expected_measured")
-    source = "expected from its acceptance table, not measured: `--full-tree` measures it"
-    if measured is not None and abs(measured - expected) > 0.005:
-        source += f"; {measured:.2f} with the acceptance the policy measured in this run"
-    return (f"The policy decoded plain at batch 1: {who} ({nodes} nodes) makes {expected:.2f} tokens/step ({source}), "
+    if tree_tau is not None:
+        makes, source = tree_tau, "measured on these prompts, greedy, untimed"
+    else:
+        makes, source = expected, "expected from its acceptance table, not measured: `--tree-acceptance` measures it"
+        if measured is not None and abs(measured - expected) > 0.005:
+            source += f"; {measured:.2f} with the acceptance the policy measured in this run"
+    return (f"{said}: {who} ({nodes} nodes) makes {makes:.2f} tokens/step ({source}), "
             f"this machine breaks even at {even['tokens_per_step']:.2f} tokens/step (a step of {nodes} nodes costs "
             f"{even['tokens_per_step']:.2f}x a plain one).")
 

@@ -215,18 +215,35 @@ class BenchRunner:
         groups = summarize(runs)
         proposer = self.engine.proposer
         nodes, source = proposer.max_nodes, describe_proposer(proposer)
+        full_tree = self._tree_acceptance(prompts, encoded) if cfg.tree_acceptance and not cfg.full_tree else None
         return BenchResult(
             config=dict(cfg.to_dict(), device=str(self.engine.device), dtype=str(self.engine.dtype).removeprefix("torch."),
                         cuda_graphs=self.engine.graphs is not None),
             machine=machine(str(self.engine.device)), date=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             model=self.engine.model_name, heads=str(cfg.heads),
-            tree={"nodes": nodes, "source": source, "proposer": proposer.name,
+            tree={"nodes": nodes, "source": source, "proposer": proposer.name, "depth": getattr(proposer, "depth", None),
                   "nodes_used_at_batch_1": self.engine.tree_size_for(1) if hasattr(self.engine, "tree_size_for") else None,
                   "break_even_at_batch_1": break_even(self.engine, 1),
+                  "full_tree_tokens_per_step": full_tree,
                   "step_costs": costs.to_dict() if (costs := getattr(self.engine, "step_costs", None)) is not None else None,
                   "step_costs_kept_in": costs.source if costs is not None else None},  # None: timed at this start
             groups=groups, runs=runs,
         )
+
+    def _tree_acceptance(self, prompts: list[Prompt], encoded: list[list[int]]) -> float:
+        """Tokens per step of the whole tree on the greedy prompts (untimed; the lookup's history forgotten first, as
+        before each timed pass)."""
+        forget = getattr(self.engine.proposer, "forget", None)
+        if forget is not None:
+            forget()
+        self.progress.begin(total=len(prompts), done=0, unit="prompts with the full tree")
+        tokens = steps = 0
+        with self.engine.full_tree():
+            for i, (p, ids) in enumerate(zip(prompts, encoded)):
+                run = self._one(p, ids, "greedy", True, self.config.seed + i)
+                tokens, steps = tokens + run.step_tokens, steps + run.steps
+                self.progress.update(1, tokens=run.tokens)
+        return tokens / max(steps, 1)
 
     def sweep(self):
         """The tree-size sweep (:mod:`distill.bench.sweep`) on this engine's model and heads."""

@@ -22,9 +22,10 @@ emitted tokens
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -154,9 +155,8 @@ class Engine:
             layers = model.config.get_text_config().num_hidden_layers
             if max(hc.aux_layer_ids) >= layers:
                 raise ModelError(f"the drafter fuses layers {hc.aux_layer_ids} but the model has {layers}")
-            if (tree is not None and tree.paths) or self.config.tree is not None:
-                raise ConfigError("an EAGLE drafter drafts a dynamic tree: set draft_nodes / draft_depth / draft_topk "
-                                  "(--draft-nodes ...), not a Medusa tree")
+            if (tree is not None and tree.paths) or (self.config.tree is not None and tree is None):
+                raise ConfigError(EAGLE_TREE)
             c = self.config
             return Eagle(heads, model.get_input_embeddings(), c.draft_nodes or DEFAULT_NODES, c.draft_depth or DEFAULT_DEPTH,
                          c.draft_topk or DEFAULT_TOPK,
@@ -251,6 +251,17 @@ class Engine:
         """Tree nodes the policy would use now for a batch of ``batch`` sequences (0 = plain decoding)."""
         return self.pricing.size(batch) if self.pricing is not None else 0
 
+    @contextlib.contextmanager
+    def full_tree(self) -> Iterator[None]:
+        """Within it, every speculative step verifies the whole tree at any batch size (the policy's choice set aside):
+        what the tree itself accepts, measured on the running engine (the policy reads the setting at each step)."""
+        before = self.config.speculate_max_batch
+        self.config.speculate_max_batch = self.config.max_batch
+        try:
+            yield
+        finally:
+            self.config.speculate_max_batch = before
+
     # -- generation --------------------------------------------------------------------------
     @torch.inference_mode()
     def generate(
@@ -287,19 +298,30 @@ class Engine:
         return RunningBatch(self.decoding, speculative and self.proposer is not None, on_tokens)
 
 
+EAGLE_TREE = ("an EAGLE drafter drafts a dynamic tree: set draft_nodes / draft_depth / draft_topk (--draft-nodes ...); "
+              "--tree takes only a tree.json of `distill calibrate` for it (the per-depth accuracy the policy prices with)")
+
+
 def load_heads(folder: str | Path, config: EngineConfig) -> tuple[MedusaHeads | EagleDrafter, ResolvedTree | None]:
     """A Medusa heads or EAGLE-3 drafter folder -> (heads or drafter on ``config``'s device and dtype, tree for the Engine).
 
     Medusa: the tree ``config.tree`` names (its ``tree.json`` by default). EAGLE: no paths, only
-    the per-depth accuracy ``distill calibrate`` wrote into its ``tree.json`` (None without one).
+    the per-depth accuracy ``distill calibrate`` wrote into a ``tree.json``: the one ``config.tree`` names (a file;
+    a preset or a spec is an error), else the folder's (None without one).
     """
     folder = Path(folder)
     device = torch.device(config.device)
     if is_eagle3_folder(folder):
+        if config.tree is not None:
+            calibration = Path(config.tree).expanduser()
+            if calibration.suffix != ".json" and not calibration.exists():
+                raise ConfigError(EAGLE_TREE)
+        else:
+            calibration = folder / "tree.json" if (folder / "tree.json").is_file() else None
         drafter = EagleDrafter.load(folder, device=device, dtype=config.torch_dtype)
         tree = None
-        if (folder / "tree.json").is_file():  # `distill calibrate`: per-depth acceptance for the policy
-            tree = ResolvedTree([], load_tree(folder / "tree.json").get("accuracy") or [], f"{folder}/tree.json")
+        if calibration is not None:  # `distill calibrate`: per-depth acceptance for the policy
+            tree = ResolvedTree([], load_tree(calibration).get("accuracy") or [], str(calibration))
         return drafter, tree
     heads = MedusaHeads.load(folder, device=device, dtype=config.torch_dtype)
     return heads, resolve_tree(config.tree, heads.config.num_heads, heads_folder=folder)

@@ -34,7 +34,7 @@ import numpy as np
 
 from distill.errors import BackendError
 from distill.generate.config import MAX_TOPK
-from distill.models import context_limit, stop_token_ids
+from distill.models import ModelFacts, model_facts
 
 #: vLLM on a CPU prefills whole prompts (no chunking): its batch budget is at least this many tokens.
 MIN_BATCHED_TOKENS = 8192
@@ -116,23 +116,10 @@ def resolve_backend_name(name: str) -> str:
     return name
 
 
-def make_backend(name: str, model_path: Path, opts: BackendOptions) -> Backend:
+def make_backend(name: str, model_path: Path, opts: BackendOptions, facts: ModelFacts | None = None) -> Backend:
+    """``facts``: the model's, as the caller resolved them (None: the backend reads them)."""
     name = resolve_backend_name(name)
-    return VLLMBackend(model_path, opts) if name == "vllm" else HFBackend(model_path, opts)
-
-
-def _vocab_size(model_path: Path) -> int:
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.from_pretrained(model_path)
-    return int(getattr(cfg, "vocab_size", None) or cfg.get_text_config().vocab_size)
-
-
-def _context_limit(model_path: Path) -> int:
-    """The model folder's context (:func:`distill.models.context_limit`, no tree)."""
-    from transformers import AutoConfig
-
-    return context_limit(AutoConfig.from_pretrained(model_path))
+    return VLLMBackend(model_path, opts, facts) if name == "vllm" else HFBackend(model_path, opts, facts)
 
 
 def best_distinct_rows(ids: np.ndarray, logprobs: np.ndarray, k: int,
@@ -192,8 +179,8 @@ class VLLMBackend:
 
     name = "vllm"
 
-    def __init__(self, model_path: Path, opts: BackendOptions):
-        from distill.runtime import canonical_dtype, configure_vllm
+    def __init__(self, model_path: Path, opts: BackendOptions, facts: ModelFacts | None = None):
+        from distill.runtime import configure_vllm
 
         try:
             import vllm
@@ -206,7 +193,7 @@ class VLLMBackend:
         self.on_cpu = current_platform.is_cpu()
         self.device = "cpu" if self.on_cpu else "cuda"
         configure_vllm(self.device)  # on CPUs: the engine core in this process (see distill.runtime)
-        self.dtype = canonical_dtype(opts.dtype)
+        self.dtype = opts.dtype
         if self.dtype == "auto":
             raise BackendError("BackendOptions.dtype must be resolved (distill.runtime.placement), not 'auto'")
         eager = opts.enforce_eager if opts.enforce_eager is not None else self.on_cpu
@@ -219,8 +206,10 @@ class VLLMBackend:
             max_logprobs=MAX_TOPK,  # the largest --teacher-topk GenerateConfig accepts
             tensor_parallel_size=opts.tensor_parallel_size,
         )
+        # vLLM's tokenizer is the folder's: the facts read with it are the ones read with vLLM's
+        facts = facts or model_facts(model_path)
         # the one context rule (distill.models.context_limit) unless --max-model-len says otherwise
-        max_len = int(opts.max_model_len or _context_limit(model_path))
+        max_len = int(opts.max_model_len or facts.context_limit)
         kwargs["max_model_len"] = max_len
         if not self.on_cpu:
             kwargs["gpu_memory_utilization"] = opts.gpu_memory_utilization
@@ -249,8 +238,7 @@ class VLLMBackend:
             raise BackendError(f"vLLM could not start on {model_path}: {type(exc).__name__}: {exc}") from exc
         self.tokenizer = self.llm.get_tokenizer()
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
-        self.vocab_size = _vocab_size(model_path)
-        self.stop_ids = stop_token_ids(self.tokenizer, model_path)
+        self.vocab_size, self.stop_ids = facts.vocab_size, facts.stop_ids
 
     def generate(self, requests: list[Request]) -> list[Completion]:
         from vllm import SamplingParams
@@ -327,7 +315,7 @@ class HFBackend:
 
     name = "hf"
 
-    def __init__(self, model_path: Path, opts: BackendOptions):
+    def __init__(self, model_path: Path, opts: BackendOptions, facts: ModelFacts | None = None):
         import transformers
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -343,9 +331,9 @@ class HFBackend:
             self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(self.device).eval()
         except Exception as exc:  # noqa: BLE001
             raise BackendError(f"transformers could not load {model_path}: {type(exc).__name__}: {exc}") from exc
-        self.vocab_size = _vocab_size(model_path)
-        self.max_model_len = int(opts.max_model_len or _context_limit(model_path))
-        self.stop_ids = stop_token_ids(self.tokenizer, model_path)
+        facts = facts or model_facts(model_path, self.tokenizer)
+        self.vocab_size, self.stop_ids = facts.vocab_size, facts.stop_ids
+        self.max_model_len = int(opts.max_model_len or facts.context_limit)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.stop_ids)
 
     def generate(self, requests: list[Request]) -> list[Completion]:
@@ -486,7 +474,7 @@ class ReplayBackend:
 
     name = "replay"
 
-    def __init__(self, source, model_path: Path, max_model_len: int | None = None):
+    def __init__(self, source, model_path: Path, max_model_len: int | None = None, facts: ModelFacts | None = None):
         from transformers import AutoTokenizer
 
         from distill.store import load_manifest, manifest_encoding
@@ -503,9 +491,9 @@ class ReplayBackend:
         self.version = f"replay of {recorded.get('version', 'unknown')}"
         self.dtype, self.device = recorded.get("dtype", "float32"), recorded.get("device", "cpu")
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.vocab_size = _vocab_size(model_path)
-        self.max_model_len = int(max_model_len or _context_limit(model_path))
-        self.stop_ids = stop_token_ids(self.tokenizer, model_path)
+        facts = facts or model_facts(model_path, self.tokenizer)
+        self.vocab_size, self.stop_ids = facts.vocab_size, facts.stop_ids
+        self.max_model_len = int(max_model_len or facts.context_limit)
         model = meta.get("model", {})
         tokenizer_file = Path(model_path) / "tokenizer.json"
         tokenizer_sha = sha256_file(tokenizer_file)[:16] if tokenizer_file.is_file() else None

@@ -43,8 +43,8 @@ from pathlib import Path
 import numpy as np
 
 from distill.errors import BackendError, ConfigError
-from distill.generate.backends import BackendOptions, Completion, Request, _context_limit, _vocab_size, best_distinct_rows
-from distill.models import stop_token_ids
+from distill.generate.backends import BackendOptions, Completion, Request, best_distinct_rows
+from distill.models import ModelFacts, model_facts
 
 log = logging.getLogger("distill.generate")
 
@@ -101,15 +101,16 @@ class OpenAIBackend:
 
     name = "openai"
 
-    def __init__(self, model_path: Path, opts: BackendOptions, server: ServerOptions):
+    def __init__(self, model_path: Path, opts: BackendOptions, server: ServerOptions, facts: ModelFacts | None = None):
+        """``facts``: the model's, as the caller resolved them (None: read from ``model_path``)."""
         from transformers import AutoTokenizer
 
         self.opts = opts
         self.server_opts = server
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.stop_ids = stop_token_ids(self.tokenizer, model_path)
+        self.facts = facts or model_facts(model_path, self.tokenizer)
+        self.stop_ids, self.vocab_size = self.facts.stop_ids, self.facts.vocab_size
         self.model_path = Path(model_path)
-        self.vocab_size = _vocab_size(model_path)
         self.servers = [Server(url) for url in server.servers]
         self._headers = {"Authorization": f"Bearer {server.api_key}"} if server.api_key else {}
         self._client = None
@@ -157,7 +158,7 @@ class OpenAIBackend:
                 raise BackendError(f"server {server.url} serves {len(models)} models ({', '.join(m.get('id', '?') for m in models)}); "
                                    "the openai backend needs a server with exactly one")
             server.model = models[0]["id"]
-            info: dict = {"max_model_len": int(models[0].get("max_model_len") or _context_limit(self.model_path))}
+            info: dict = {"max_model_len": int(models[0].get("max_model_len") or self.facts.context_limit)}
             r = self._get(client, server, "/version")
             info["version"] = f"vllm {r.json().get('version')} (server)" if r.status_code == 200 else "unknown (server)"
             r = self._get(client, server, "/server_info", params={"config_format": "json"})

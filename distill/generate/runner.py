@@ -54,8 +54,8 @@ from distill.errors import ConfigError, StoreError
 from distill.generate.backends import Backend, BackendOptions, Completion, Request, make_backend, resolve_backend_name
 from distill.generate.backends import request_seed as _request_seed  # the name tests and benchmarks import
 from distill.generate.config import GenerateConfig
-from distill.models import ResolvedModel, load_chat_template, model_record, resolve_model, template_sha256
-from distill.runtime import Placement, canonical_dtype, placement
+from distill.models import ResolvedModel, load_chat_template, model_facts, model_record, resolve_model, template_sha256
+from distill.runtime import Placement, placement
 from distill.seeds import load_seed
 from distill.store.shards import FORMAT, ShardStore
 from distill.store.teacher import TeacherEncoding, encode_topk
@@ -287,16 +287,16 @@ class Generator:
         self.backend_name = backend.name if backend is not None else resolve_backend_name(cfg.backend)
         self.source = load_seed(cfg.seed, cfg.seed_format)
         self._owns_backend = backend is None
+        from transformers import AutoTokenizer
+
+        self.tokenizer = backend.tokenizer if backend is not None else AutoTokenizer.from_pretrained(self.model.path)
+        self.facts = model_facts(self.model.path, self.tokenizer)  # read once, handed to the backend
+        self.vocab_size = self.facts.vocab_size
         if backend is None and self.backend_name == "openai":
             # Servers are checked now: the dtype and version they report go into the metadata.
             self._stage(f"checking the servers at {cfg.server} for {self.model.name}")
-            backend = self._make_backend(BackendOptions(seed=cfg.sampling_seed, dtype=canonical_dtype(cfg.dtype)))
+            backend = self._make_backend(BackendOptions(seed=cfg.sampling_seed, dtype=cfg.dtype))
         self._backend = backend
-        from transformers import AutoConfig, AutoTokenizer
-
-        self.tokenizer = backend.tokenizer if backend is not None else AutoTokenizer.from_pretrained(self.model.path)
-        model_cfg = AutoConfig.from_pretrained(self.model.path)
-        self.vocab_size = int(getattr(model_cfg, "vocab_size", 0) or model_cfg.get_text_config().vocab_size)
         self.enc = TeacherEncoding.for_vocab(cfg.topk, self.vocab_size)
         self.placement = self._placement(backend)
         self.seed_record = self.source.public_record()  # no local paths in what is stored (datasets are shared)
@@ -433,7 +433,7 @@ class Generator:
 
     def _placement(self, backend: Backend | None) -> Placement:
         """The resolved device and dtype (recorded in the manifest; never 'auto')."""
-        requested = canonical_dtype(self.cfg.dtype)
+        requested = self.cfg.dtype  # canonical (GenerateConfig)
         if backend is None:
             return placement(self.model.path, "auto", requested)
         if requested not in ("auto", backend.dtype):
@@ -443,7 +443,7 @@ class Generator:
     def _make_backend(self, opts: BackendOptions) -> Backend:
         c = self.cfg
         if self.backend_name != "openai":
-            return make_backend(self.backend_name, self.model.path, opts)
+            return make_backend(self.backend_name, self.model.path, opts, self.facts)
         import os
 
         from distill.generate.openai_server import OpenAIBackend, ServerOptions, parse_servers
@@ -454,7 +454,7 @@ class Generator:
             if not api_key:
                 raise ConfigError(f"--api-key-env {c.api_key_env}: that environment variable is not set or empty")
         server = ServerOptions(parse_servers(c.server), concurrency=c.concurrency, api_key=api_key, retries=c.retries)
-        return OpenAIBackend(self.model.path, opts, server)
+        return OpenAIBackend(self.model.path, opts, server, self.facts)
 
     def _backend_options(self) -> BackendOptions:
         c = self.cfg

@@ -123,14 +123,14 @@ class _Context:
         if len(at) < 2:
             return []
         M = min(self.max_match, L - 1)
-        found = []  # (match, -position): newest first within a match length
+        found = []  # (tokens matched, position of the occurrence's last token)
         for p in reversed(at[-occurrences - 1 : -1]):
             m = 1
             while m < M and m <= p and t[p - m] == t[L - 1 - m]:
                 m += 1
             if m >= min_len:
                 found.append((m, p))
-        found.sort(key=lambda f: (-f[0], -f[1]))
+        found.sort(key=lambda f: (-f[0], -f[1]))  # the longest matches first, the newest first among equals
         levels, conts = [], []
         for i, (m, p) in enumerate(found):
             conts.append(t[p + 1 : p + 1 + depth])
@@ -190,9 +190,9 @@ class Lookup:
         if min(self.max_nodes, self.depth, self.min_ngram, self.occurrences, self.store_occurrences) < 1 \
                 or self.max_match < self.min_ngram:
             raise ConfigError("lookup drafting needs nodes, depth, occurrences >= 1 and 1 <= min_ngram <= max_match")
-        if not 0 <= self.min_prob <= 1 or self.spec_factor < 0:
-            raise ConfigError(f"lookup drafting needs 0 <= min_prob <= 1 and spec_factor >= 0; got {self.min_prob}, "
-                              f"{self.spec_factor}")
+        if not 0 <= self.min_prob <= 1 or self.spec_factor < 0 or self.prior < 0:
+            raise ConfigError(f"lookup drafting needs 0 <= min_prob <= 1, spec_factor >= 0 and prior >= 0; got "
+                              f"{self.min_prob}, {self.spec_factor}, {self.prior}")
         self.history = History(self.history_tokens) if self.history_tokens else None  # checks it
         self._plain = build_buffers([])
         self.accuracy: list[list[float]] = []  # no per-depth table: the policy starts from DEFAULT_TAUS
