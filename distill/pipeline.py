@@ -348,13 +348,15 @@ class Pipeline:
         return {"nodes": r.nodes, "expected_acceptance_length": r.expected_acceptance_length, "top1": r.top1}
 
     def _bench(self, o: dict, cfg, lookup_cfg=None) -> dict:
-        from distill.bench import run_bench
+        from distill.bench import run_benches
 
         self._clear("bench")
-        result, _ = run_bench(cfg)
+        # the lookup proposer on the same prompts (stage_configs) in the same pass: plain decoding (and vLLM) once
+        results = run_benches([cfg] + ([lookup_cfg] if lookup_cfg is not None else []))
+        result = results[0][0]
         summary = {"tree_nodes": result.tree.get("nodes"), "overall": _overall(result), "drafter": _drafter(result)}
-        if lookup_cfg is not None:  # the lookup proposer on the same prompts (stage_configs)
-            summary["lookup"] = _overall(run_bench(lookup_cfg)[0])
+        if lookup_cfg is not None:
+            summary["lookup"] = _overall(results[1][0])
             summary["lookup_source"] = "context and data" if lookup_cfg.decoding.lookup_data else "context"
         return summary
 

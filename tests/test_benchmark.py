@@ -262,3 +262,26 @@ def test_the_gpu_prediction_divides_the_measured_tokens_per_step_by_the_measured
     prediction = p.predict("medusa", 16, 1.41)
     assert prediction.speedup == pytest.approx(1.41 / (1.12 + 0.38 / 8.56))
     assert "(a prediction, not measured): 1.41 tokens/step / a step of 1.16x = 1.21x" in prediction.describe()
+
+
+@pytest.mark.slow
+def test_two_proposers_in_one_pass_share_each_prompts_plain_run_and_take_turns_first(tmp_path):
+    """run_benches: per prompt plain decoding once, then each proposer, each first as often as the others; every
+    proposer's result counts the same plain runs, and greedy output equals plain decoding for both."""
+    from distill.bench import run_benches
+
+    options = dict(heads="lookup", limit=3, max_tokens=12, modes=("greedy",), warmup=0)
+    configs = [BenchConfig.from_options(**options, out=str(tmp_path / "wide")),
+               BenchConfig.from_options(**options, draft_nodes=2, out=str(tmp_path / "narrow"))]
+    (wide, wide_paths), (narrow, _) = run_benches(configs)
+    # turns: (plain, wide, narrow), (wide, narrow, plain), (narrow, plain, wide)
+    assert [r.mode for r in wide.runs] == ["plain", "medusa", "medusa", "plain", "plain", "medusa"]
+    assert [r.mode for r in narrow.runs] == ["plain", "medusa", "medusa", "plain", "medusa", "plain"]
+    plain = [r for r in wide.runs if r.mode == "plain"]
+    assert plain == [r for r in narrow.runs if r.mode == "plain"] and len(plain) == 3  # the same runs, decoded once
+    assert wide.tree["nodes"] > narrow.tree["nodes"] == 2
+    assert wide.overall("greedy").identical == narrow.overall("greedy").identical == 3
+    assert json.loads(wide_paths["json"].read_text())["tree"]["nodes"] == wide.tree["nodes"]
+    assert (tmp_path / "narrow" / "bench.json").is_file()
+    with pytest.raises(ConfigError, match="must share their prompts"):
+        run_benches([configs[0], BenchConfig.from_options(**dict(options, limit=2), out=str(tmp_path / "other"))])

@@ -17,7 +17,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from distill.bench.config import BenchConfig
 from distill.bench.stats import BenchResult, Group, Run
@@ -186,7 +186,22 @@ class BenchRunner:
         )
 
     def run(self) -> BenchResult:
+        return self.run_with([])[0]
+
+    def run_with(self, others: Sequence["BenchRunner"]) -> list[BenchResult]:
+        """This runner's proposer and each of ``others``' (their engines: the same model, other proposers) on the same
+        prompts in one pass: per prompt, plain decoding (this engine's), each proposer and bare vLLM (this runner's
+        baseline) in turn, each first as often as the others. Plain decoding and vLLM run once per prompt and count
+        for every proposer's result -> one result per runner, this one's first."""
         cfg = self.config
+        for other in others:
+            theirs = (other.config.prompts, other.config.limit, other.config.max_tokens, other.config.modes,
+                      other.config.temperature, other.config.seed, other.config.chat_template, other.config.chat_template_kwargs)
+            if theirs != (cfg.prompts, cfg.limit, cfg.max_tokens, cfg.modes, cfg.temperature, cfg.seed, cfg.chat_template,
+                          cfg.chat_template_kwargs):
+                raise ConfigError("benchmarks run in one pass must share their prompts, limit, max_tokens, modes, "
+                                  "temperature, seed and chat template")
+        runners = [self, *others]
         prompts = load_prompts(cfg.prompts, cfg.limit)
         tok = self.engine.tokenizer
         template = load_chat_template(cfg.chat_template)
@@ -194,24 +209,38 @@ class BenchRunner:
         if cfg.warmup:
             self.progress.stage(f"{cfg.warmup} untimed warm-up run{'s' if cfg.warmup > 1 else ''} of each decoding")
         for _ in range(cfg.warmup):  # untimed: first calls pay for allocations and lazy init
-            for spec in (False, True):
-                self._one(prompts[0], encoded[0], "greedy", spec, cfg.seed)
+            self._one(prompts[0], encoded[0], "greedy", False, cfg.seed)
+            for r in runners:
+                r._one(prompts[0], encoded[0], "greedy", True, cfg.seed)
             if self.baseline is not None:
                 self._vllm(prompts[0], encoded[0])
-        runs: list[Run] = []
-        forget = getattr(self.engine.proposer, "forget", None)  # the lookup proposer's history of earlier replies
+        runs: list[list[Run]] = [[] for _ in runners]  # per runner; plain and vLLM runs in each
         for acceptance in cfg.modes:
-            if forget is not None:  # each pass starts from none: no prompt drafts from its own warm-up or earlier reply
-                forget()
+            for r in runners:
+                forget = getattr(r.engine.proposer, "forget", None)  # the lookup proposer's history of earlier replies
+                if forget is not None:  # each pass starts from none: no prompt drafts from its own warm-up or earlier reply
+                    forget()
             self.progress.begin(total=len(prompts), done=0, unit=f"{acceptance} prompts")
             for i, (p, ids) in enumerate(zip(prompts, encoded)):
-                order = ["plain", "medusa"]
+                order: list[tuple[str, int | None]] = [("plain", None), *(("medusa", k) for k in range(len(runners)))]
                 if acceptance == "greedy" and self.baseline is not None:
-                    order.append("vllm")
+                    order.append(("vllm", None))
                 shift = i % len(order)  # each engine goes first as often as the others
-                for mode in order[shift:] + order[:shift]:
-                    runs.append(self._vllm(p, ids) if mode == "vllm" else self._one(p, ids, acceptance, mode == "medusa", cfg.seed + i))
-                self.progress.update(1, tokens=sum(r.tokens for r in runs[-len(order):]))  # every decoding's tokens
+                tokens = 0
+                for mode, k in order[shift:] + order[:shift]:
+                    if mode == "vllm":
+                        run = self._vllm(p, ids)
+                    else:
+                        run = (self if k is None else runners[k])._one(p, ids, acceptance, mode == "medusa", cfg.seed + i)
+                    tokens += run.tokens
+                    for j, mine in enumerate(runs):
+                        if k is None or k == j:
+                            mine.append(run)
+                self.progress.update(1, tokens=tokens)  # every decoding's tokens
+        return [r._result(mine, prompts, encoded) for r, mine in zip(runners, runs)]
+
+    def _result(self, runs: list[Run], prompts: list[Prompt], encoded: list[list[int]]) -> BenchResult:
+        cfg = self.config
         groups = summarize(runs)
         proposer = self.engine.proposer
         nodes, source = proposer.max_nodes, describe_proposer(proposer)
@@ -282,6 +311,18 @@ def summarize(runs: list[Run]) -> list[Group]:
             groups.append(Group.of(acceptance, cat, [r for r in sel if r.mode == "plain"], [r for r in sel if r.mode == "medusa"],
                                    [r for r in sel if r.mode == "vllm"]))
     return groups
+
+
+def run_benches(configs: Sequence[BenchConfig], progress=None) -> list[tuple[BenchResult, dict[str, Path]]]:
+    """Several proposers (one config each, the same model and prompts) against plain decoding in one interleaved pass
+    (:meth:`BenchRunner.run_with`): plain decoding and bare vLLM (the first config's ``vllm``) run once per prompt for
+    all of them. Each result is written into its config's ``out``."""
+    from distill.bench.report import write_all
+
+    first = BenchRunner(configs[0], progress=progress)
+    others = [BenchRunner(c, progress=progress, baseline=first.baseline) for c in configs[1:]]  # one vLLM, the first's
+    results = first.run_with(others)
+    return [(result, write_all(result, Path(c.out))) for result, c in zip(results, configs)]
 
 
 def run_bench(config: BenchConfig, progress=None, engine=None, baseline=None) -> tuple[BenchResult, dict[str, Path]]:
