@@ -66,10 +66,11 @@ class Draft:
     match: int = 0  # the level's match length (0: nothing drafted)
 
 
-def _trie(continuations: Sequence[Sequence[int]], depth: int) -> dict:
-    """token -> [count, children, first row] over the continuations' first ``depth`` tokens."""
-    root: dict = {}
-    for row, cont in enumerate(continuations):
+def _trie(continuations: Sequence[Sequence[int]], depth: int, root: dict | None = None, start: int = 0) -> dict:
+    """token -> [count, children, first row] over the continuations' first ``depth`` tokens: a new trie, or ``root``
+    grown by the continuations from row ``start`` on."""
+    root = {} if root is None else root
+    for row, cont in enumerate(continuations[start:], start=start):
         node = root
         for tok in cont[:depth]:
             child = node.get(tok)
@@ -114,16 +115,8 @@ def best_draft(levels: Sequence[Level], budget: int, min_prob: float, factor: fl
         if not conts:
             continue
         if nested:
-            for row, cont in enumerate(conts[added:], start=added):
-                node = trie
-                for tok in cont[:cap]:
-                    child = node.get(tok)
-                    if child is None:
-                        child = node[tok] = [0, {}, row]
-                    child[0] += 1
-                    node = child[1]
+            root = _trie(conts, cap, trie, added)
             added = len(conts)
-            root = trie
         else:
             root = _trie(conts, cap)
         scale = level.total / (len(conts) * (level.total + prior))
