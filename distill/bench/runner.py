@@ -194,13 +194,7 @@ class BenchRunner:
         baseline) in turn, each first as often as the others. Plain decoding and vLLM run once per prompt and count
         for every proposer's result -> one result per runner, this one's first."""
         cfg = self.config
-        for other in others:
-            theirs = (other.config.prompts, other.config.limit, other.config.max_tokens, other.config.modes,
-                      other.config.temperature, other.config.seed, other.config.chat_template, other.config.chat_template_kwargs)
-            if theirs != (cfg.prompts, cfg.limit, cfg.max_tokens, cfg.modes, cfg.temperature, cfg.seed, cfg.chat_template,
-                          cfg.chat_template_kwargs):
-                raise ConfigError("benchmarks run in one pass must share their prompts, limit, max_tokens, modes, "
-                                  "temperature, seed and chat template")
+        check_one_pass([cfg, *(other.config for other in others)])
         runners = [self, *others]
         prompts = load_prompts(cfg.prompts, cfg.limit)
         tok = self.engine.tokenizer
@@ -216,10 +210,8 @@ class BenchRunner:
                 self._vllm(prompts[0], encoded[0])
         runs: list[list[Run]] = [[] for _ in runners]  # per runner; plain and vLLM runs in each
         for acceptance in cfg.modes:
-            for r in runners:
-                forget = getattr(r.engine.proposer, "forget", None)  # the lookup proposer's history of earlier replies
-                if forget is not None:  # each pass starts from none: no prompt drafts from its own warm-up or earlier reply
-                    forget()
+            for r in runners:  # each pass starts from none: no prompt drafts from its own warm-up or earlier reply
+                r._forget()
             self.progress.begin(total=len(prompts), done=0, unit=f"{acceptance} prompts")
             for i, (p, ids) in enumerate(zip(prompts, encoded)):
                 order: list[tuple[str, int | None]] = [("plain", None), *(("medusa", k) for k in range(len(runners)))]
@@ -238,6 +230,12 @@ class BenchRunner:
                             mine.append(run)
                 self.progress.update(1, tokens=tokens)  # every decoding's tokens
         return [r._result(mine, prompts, encoded) for r, mine in zip(runners, runs)]
+
+    def _forget(self) -> None:
+        """Empty the lookup proposer's history of earlier replies (other proposers keep none)."""
+        forget = getattr(self.engine.proposer, "forget", None)
+        if forget is not None:
+            forget()
 
     def _result(self, runs: list[Run], prompts: list[Prompt], encoded: list[list[int]]) -> BenchResult:
         cfg = self.config
@@ -262,9 +260,7 @@ class BenchRunner:
     def _tree_acceptance(self, prompts: list[Prompt], encoded: list[list[int]]) -> float:
         """Tokens per step of the whole tree on the greedy prompts (untimed; the lookup's history forgotten first, as
         before each timed pass)."""
-        forget = getattr(self.engine.proposer, "forget", None)
-        if forget is not None:
-            forget()
+        self._forget()
         self.progress.begin(total=len(prompts), done=0, unit="prompts with the full tree")
         tokens = steps = 0
         with self.engine.full_tree():
@@ -313,12 +309,23 @@ def summarize(runs: list[Run]) -> list[Group]:
     return groups
 
 
+def check_one_pass(configs: Sequence[BenchConfig]) -> None:
+    """Benchmarks measured in one pass decode the same prompts the same way, or it is a one-line error."""
+    def shared(c: BenchConfig) -> tuple:
+        return c.prompts, c.limit, c.max_tokens, c.modes, c.temperature, c.seed, c.chat_template, c.chat_template_kwargs
+
+    if any(shared(c) != shared(configs[0]) for c in configs[1:]):
+        raise ConfigError("benchmarks run in one pass must share their prompts, limit, max_tokens, modes, temperature, "
+                          "seed and chat template")
+
+
 def run_benches(configs: Sequence[BenchConfig], progress=None) -> list[tuple[BenchResult, dict[str, Path]]]:
     """Several proposers (one config each, the same model and prompts) against plain decoding in one interleaved pass
     (:meth:`BenchRunner.run_with`): plain decoding and bare vLLM (the first config's ``vllm``) run once per prompt for
     all of them. Each result is written into its config's ``out``."""
     from distill.bench.report import write_all
 
+    check_one_pass(configs)  # before any engine loads
     first = BenchRunner(configs[0], progress=progress)
     others = [BenchRunner(c, progress=progress, baseline=first.baseline) for c in configs[1:]]  # one vLLM, the first's
     results = first.run_with(others)
