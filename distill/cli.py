@@ -659,7 +659,7 @@ LookupDataOpt = Annotated[Optional[Path], typer.Option("--lookup-data", help="Wi
 LookupHistoryOpt = Annotated[Optional[int], typer.Option("--lookup-history", help="With --heads lookup: tokens of the replies already produced that later requests draft from, oldest dropped first (default 262144; 0: none). Greedy requests draft from it (their output never depends on drafts; a seeded sample stays reproducible); `distill bench` clears it before each pass.")]
 LookupOpt = Annotated[Optional[bool], typer.Option("--lookup/--no-lookup", help="With --heads FOLDER (Medusa heads or an EAGLE-3 drafter): merge the lookup proposer's tree (n-gram matches in the context, --lookup-data, the earlier replies) into theirs every step; one verification forward holds both. --lookup-data and --lookup-history then apply to it.")]
 LookupNodesOpt = Annotated[Optional[int], typer.Option("--lookup-nodes", help="The lookup proposer's node budget, with --heads lookup or --lookup (default: --draft-nodes with --heads lookup, else 8).")]
-TreeOpt = Annotated[Optional[str], typer.Option("--tree", help="Verification tree: tree.json path, chain[-K], sparse-N, or Cartesian 3,2,2,1 (default: the heads' tree.json, else sparse-24).")]
+TreeOpt = Annotated[Optional[str], typer.Option("--tree", help="Verification tree: tree.json path, chain[-K], sparse-N, or Cartesian 3,2,2,1 (default: the heads' tree.json, else sparse-24). With an EAGLE-3 drafter only a tree.json of distill calibrate: its per-depth accuracy.")]
 
 
 @app.command(cls=_PassThroughCommand)
