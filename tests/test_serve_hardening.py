@@ -139,6 +139,15 @@ def test_text_utf8_cannot_encode_gets_a_400_naming_the_field(server, path, paylo
     assert httpx.post(f"{server.url}/tokenize", json={"prompt": "Hi!"}, timeout=60).status_code == 200
 
 
+@pytest.mark.parametrize("raw", [b'{"model": "x", "messages": [{"role": "user", "content": "\xff\xfe"}]}', b'{"model": '])
+def test_a_body_that_is_not_utf8_json_gets_a_400_in_the_openai_error_shape(server, raw):
+    r = httpx.post(f"{server.url}/v1/chat/completions", content=raw, headers={"Content-Type": "application/json"}, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and ("UTF-8" in error["message"] or "JSON" in error["message"]), error
+    assert httpx.get(f"{server.url}/nowhere", timeout=30).json()["error"]["message"] == "Not Found"
+
+
 def test_a_non_streaming_client_that_hangs_up_frees_the_engine(server):
     """The client sends a 2000-token request and closes its connection once the engine decodes it: the
     sequence ends as `abort` within a few decoding steps of the hang-up (the handler awaits the disconnect

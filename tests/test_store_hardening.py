@@ -105,6 +105,27 @@ def test_a_run_that_locks_the_file_its_holder_just_removed_starts_over_on_the_pa
     assert not (tmp_path / LOCK_FILE).exists()
 
 
+def test_a_lock_record_the_disk_has_no_room_for_is_one_line_and_leaves_no_lock_file(tmp_path, monkeypatch):
+    """A full disk while the lock records its holder: a one-line error, and no empty lock file left behind to pass for
+    a run that was killed."""
+    import errno
+
+    real_write = os.write
+
+    def write(fd, data):
+        if os.readlink(f"/proc/self/fd/{fd}") == str(tmp_path / LOCK_FILE):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", write)
+    with pytest.raises(StoreError) as exc:
+        FolderLock(tmp_path).acquire()
+    monkeypatch.undo()
+    assert "\n" not in str(exc.value) and "no space left on the device while taking the folder's lock" in str(exc.value)
+    assert list(tmp_path.iterdir()) == []
+    FolderLock(tmp_path).acquire().release()  # the folder is free, with no warning to take over
+
+
 @pytest.fixture()
 def shards_copy(tmp_path, real_shards):
     out = tmp_path / "data"
@@ -125,6 +146,17 @@ def _flip_byte(path, offset):
     data = bytearray(path.read_bytes())
     data[offset] ^= 0xFF
     path.write_bytes(bytes(data))
+
+
+def test_a_rerun_of_a_finished_folder_leaves_every_file_as_it_was(shards_copy, vllm_backend):
+    """Nothing to do: no file is rewritten (same inode, same modification time), so a rerun does nothing at all."""
+    def files():
+        return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns, p.read_bytes()) for p in shards_copy.iterdir() if p.is_file()}
+
+    before = files()
+    summary = _rerun(shards_copy, vllm_backend)
+    assert summary.new_conversations == 0 and summary.balanced
+    assert files() == before
 
 
 def test_a_flipped_byte_is_refused_by_a_rerun_and_repair_lets_the_rerun_redo_the_shard(shards_copy, vllm_backend):

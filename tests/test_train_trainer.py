@@ -106,6 +106,44 @@ def test_only_the_newest_checkpoints_are_kept_and_the_run_resumes_from_them(real
         TrainConfig(data="x", keep_checkpoints=-1)
 
 
+@pytest.mark.parametrize("arch", ["medusa", "eagle3"])
+def test_a_step_with_no_target_in_the_drafters_reach_trains_on_and_leaves_weights_and_optimizer_as_they_were(
+        tmp_path, arch):
+    """A window whose only reply tokens are its first two (a short reply cut by --max-len) gives the base model a
+    target but no head or drafter step one: the run goes on, and that step changes neither the weights nor the
+    optimizer's moments (Adam would otherwise move them by its momentum alone)."""
+    import pyarrow.parquet as pq
+    from safetensors.torch import load_file
+
+    from distill.data.convert import seed_to_shards
+    from distill.train.checkpoint import checkpoints
+    from distill.train.trainer import count_items
+
+    chats = [("Say something about the sea.", "Here is a sentence about the sea, and another one that goes on a little longer."),
+             ("Answer with one word: is the sea wet?", "Yes")]  # the second ends the epoch
+    seed = tmp_path / "seed.jsonl"
+    seed.write_text("".join(json.dumps({"messages": [{"role": "user", "content": u}, {"role": "assistant", "content": a}]}) + "\n"
+                            for u, a in chats))
+    seed_to_shards(str(seed), tmp_path / "ds")
+    rows = pq.read_table(sorted((tmp_path / "ds").glob("*.parquet"))[0]).to_pylist()
+    last = rows[-1]["loss_mask"]
+    first_target = last.index(True)  # a window from here holds the reply's token and its end: targets at 0 and 1 only
+    opts = dict(data=str(tmp_path / "ds"), out=str(tmp_path / "run"), arch=arch, batch_size=1, max_len=first_target,
+                context=0, lr=3e-3, warmup_steps=0, seed=0, save_every=1, keep_checkpoints=2, progress=False,
+                report_to="none", eval_data="none")
+    steps = count_items(opts["data"], first_target)
+    assert steps >= 2
+    done = train(TrainConfig(steps=steps, **opts))
+    assert done.steps == steps
+    metrics = read_metrics(tmp_path / "run")
+    assert metrics[-1]["loss"] == 0.0 and all(m["loss"] > 0 for m in metrics[:-1]), metrics
+    before, after = checkpoints(tmp_path / "run")[-2:]
+    assert after.name == f"step-{steps:06d}"
+    for name in ("trainable.safetensors", "optimizer.safetensors"):
+        a, b = load_file(before / name), load_file(after / name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+
+
 def test_a_second_run_into_the_same_folder_needs_resume_and_the_same_options(real_shards, tmp_path):
     opts = dict(data=str(real_shards), out=str(tmp_path / "run"), steps=2, **TINY)
     train(TrainConfig(stop_after=1, **opts))

@@ -396,7 +396,8 @@ class Generator:
             raise ConfigError(f"{cfg.out} holds {len(fewer)} samples beyond --samples {cfg.samples} (e.g. {fewer[-1]}): "
                               "rerun with the --samples it was made with (or more), or use another --out")
         store.seed_rejects = seed_rejects
-        store.commit(complete=False)
+        if todo:  # the folder says it is being completed; with nothing to do, the final commit alone (often no write)
+            store.commit(complete=False)
 
         self.order = {conv_id: i for i, (conv_id, _) in enumerate(seed_ids)}  # shards keep seed order
         for row_id in done - self.order.keys():  # later rows of a conversation (the journal's too) follow its first
@@ -422,7 +423,11 @@ class Generator:
         store.flush(self.order)  # what the journal holds (this run's last conversations, or a killed run's)
         new_convs, new_tokens = self.new
 
-        summary = self._account(store, seed_ids, seed_rows)
+        try:
+            summary = self._account(store, seed_ids, seed_rows)
+        except StoreError:  # rows the summary cannot count (an id listed twice): the folder is not complete
+            store.commit(complete=False)
+            raise
         summary.new_conversations, summary.new_tokens = new_convs, new_tokens
         summary.seconds = time.monotonic() - t0
         store.commit(

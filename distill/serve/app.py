@@ -32,6 +32,7 @@ from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from distill.models import TEMPLATE_PARAMS
@@ -422,6 +423,13 @@ def create_app(engine, settings: AppSettings, worker_thread: bool = True) -> Fas
     async def _api_error(request: Request, exc: APIError):
         return JSONResponse(exc.body(), status_code=exc.status)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        """Starlette's own errors (a body that is not UTF-8 JSON, an unknown route or method) in the same error shape."""
+        message = BODY_UNREADABLE if exc.detail == "There was an error parsing the body" else str(exc.detail)
+        return JSONResponse(APIError(exc.status_code, message).body(), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
@@ -559,6 +567,8 @@ _STARTED = now()
 _ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize", "/health", "/metrics"}
 #: The routes answered without the API key (the module docstring says why).
 OPEN_ROUTES = frozenset({"/health", "/metrics"})
+#: What a request whose body FastAPI could not parse (bytes that are not UTF-8, say) is told.
+BODY_UNREADABLE = "the request body could not be read: send JSON encoded as UTF-8"
 
 
 def _given(*values):

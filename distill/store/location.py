@@ -309,6 +309,11 @@ class ObjectFolder:
 Folder = Union[LocalFolder, ObjectFolder]
 
 
+def json_bytes(doc, indent: int | None = 2) -> bytes:
+    """``doc`` as JSON text with a final newline, as :func:`write_json` writes it."""
+    return (json.dumps(doc, indent=indent, default=str) + "\n").encode("utf-8")
+
+
 def write_json(folder: Folder, name: str, doc, indent: int | None = 2) -> None:
     """``doc`` as JSON text with a final newline (as :func:`distill.store.atomic.atomic_write_json`), written atomically."""
-    folder.write_bytes(name, (json.dumps(doc, indent=indent, default=str) + "\n").encode("utf-8"))
+    folder.write_bytes(name, json_bytes(doc, indent))

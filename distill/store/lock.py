@@ -138,6 +138,8 @@ class FolderLock:
                 try:
                     self._record(fd)
                 except BaseException:
+                    if self._names(fd):  # held by this run and unwritten (a full or failing disk): no lock file stays
+                        self.path.unlink(missing_ok=True)  # behind to look like a run that was killed
                     os.close(fd)
                     raise
         except BaseException:

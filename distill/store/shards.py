@@ -57,7 +57,7 @@ import pyarrow.parquet as pq
 from distill.errors import StoreError
 from distill.store.atomic import write_errors
 from distill.store.journal import Journal, SegmentJournal, journal_schema
-from distill.store.location import Folder, LocalFolder, open_folder, write_json
+from distill.store.location import Folder, LocalFolder, json_bytes, open_folder
 
 log = logging.getLogger("distill.store")
 
@@ -407,9 +407,16 @@ class ShardStore:
             "totals": self.totals,
         }
         self._lock.verify()  # still this run's (see ObjectLock, FolderLock.verify)
+        listed, body = "".join(json.dumps(r) + "\n" for r in rejects).encode(), json_bytes(manifest)
+        if self._holds(REJECTS, listed) and self._holds(MANIFEST, body):
+            return  # a rerun with nothing to do leaves the files as they were
         with write_errors(self.folder.where(MANIFEST), "writing the manifest"):
-            self.folder.write_bytes(REJECTS, "".join(json.dumps(r) + "\n" for r in rejects).encode())
-            write_json(self.folder, MANIFEST, manifest)  # the commit point
+            self.folder.write_bytes(REJECTS, listed)
+            self.folder.write_bytes(MANIFEST, body)  # the commit point
+
+    def _holds(self, name: str, data: bytes) -> bool:
+        """Whether the folder's file ``name`` holds exactly ``data``."""
+        return self.folder.is_file(name) and self.folder.read_bytes(name) == data
 
 
 def shard_entry_problem(index: int, entry: object) -> str | None:

@@ -609,6 +609,10 @@ class Trainer:
             with (acc.no_sync(run.module) if not sync and run.world > 1 and not run.sharded else contextlib.nullcontext()), \
                     (acc.autocast() if run.sharded else contextlib.nullcontext()):  # a prepared module autocasts itself
                 loss, stats = run.module(batch, step)
+                if not loss.requires_grad:  # no term has a target here (e.g. a window whose only reply token is its
+                    # last: beyond every head's reach): a zero that still reaches every parameter, so each process's
+                    # backward takes part in the gradient exchange
+                    loss = loss + sum(p.sum() for p in run.trainable.values()) * 0.0
                 acc.backward(loss * scale)
             step_loss += float(loss.detach())
             for i, st in enumerate(stats):
@@ -621,6 +625,9 @@ class Trainer:
         step_loss, step_tokens, sums = float(totals[0]), int(totals[1]), totals[2:].cpu().numpy().reshape(sums.shape)
         if not math.isfinite(step_loss):
             raise ConfigError(_diverged(step + 1, f"the loss is {step_loss}"))
+        if not bool(torch.as_tensor(counts).any()):  # nothing to learn in the whole global batch: the weights and the
+            run.optimizer.zero_grad(set_to_none=True)  # optimizer's moments stay as they were (Adam would still move)
+            return step_loss, step_tokens, sums
         if cfg.max_grad_norm > 0:
             params = list(run.trainable.values())
             clip = torch.nn.utils.clip_grad_norm_ if run.sharded else acc.clip_grad_norm_
