@@ -164,9 +164,9 @@ def test_adaptive_policy_turns_the_tree_off_when_acceptance_is_below_calibration
     assert policy.best(1) == 4  # calibrated: 2.0 tokens for 1.2x the cost
     for _ in range(200):  # the traffic accepts nothing: rho falls towards 0
         n = policy.next_size(1)
-        if n == 0:
+        policy.observe(1, n, 0.100 * policy.model_cost(1, n), [0] if n else [])  # step times as the cost model predicts
+        if policy.best(1) == 0:
             break
-        policy.observe(1, n, 0.100 * policy.model_cost(1, n), [0])  # step times as the cost model predicts
     # off once the 1-node tree's 1 + 0.4 rho tokens no longer beat its 1.05x cost by the 3% margin: rho < 0.204
     assert policy.acceptance_ratio < 0.21 and policy.best(1) == 0
     choices = [policy.next_size(1) for _ in range(32)]
@@ -181,6 +181,23 @@ def test_a_tree_step_measured_cheaper_than_a_plain_step_counts_as_its_cost():
     assert policy.cost(1, 1) == pytest.approx(0.100) and policy.acceptance_ratio < 0.01
     assert policy.best(1) == 0  # a gain within the measurements' noise, at no less cost: plain
     assert 1.0 < policy.tau(1) < 1.0 + policy.min_gain
+
+
+def test_a_tree_is_kept_only_against_a_plain_step_measured_at_the_same_batch_size():
+    """The cost model calls the 4-node tree 1.05x a plain step; here it costs 1.7x (a drafter's passes, a busy server).
+    Measured against a plain step the model only predicts, the tree would look as good as calibrated forever; the
+    policy measures plain decoding first, finds it gives more tokens a second, and from then on probes."""
+    policy = AdaptivePolicy({4: 1.5}, 0.0125, probe_every=32, plain_probe_every=128)
+    assert policy.best(1) == 4
+    real = {0: 0.100, 4: 0.170}
+    sizes = []
+    for _ in range(160):
+        n = policy.next_size(1)
+        sizes.append(n)
+        policy.observe(1, n, real[n], [sizes.count(4) % 2] if n else [])  # as calibrated: 0.5 candidates a tree step
+    assert sizes[:2] == [0, 0] and policy.cost(1, 0) == pytest.approx(0.100)  # measured before any tree
+    assert policy.best(1) == 0 and abs(policy.acceptance_ratio - 1.0) < 0.2
+    assert sizes[32:].count(4) == 4  # after the switch, only the calibrated choice's probe every 32nd step
 
 
 def test_adaptive_policy_follows_measured_step_times_and_recovers():

@@ -213,7 +213,8 @@ def test_adaptive_policy_turns_off_heads_that_guess_wrong_and_stays_lossless(hf_
     assert res[0].token_ids == plain_reference[0].token_ids[:NEW_TOKENS]
     assert res[0].accepted == [1] * res[0].steps  # no guess was accepted
     nodes = stats.tree_nodes_per_step
-    assert nodes[0] > 0 and nodes[-1] == 0, nodes  # it started with the tree and switched to plain steps
+    # plain steps until plain decoding's cost is measured (the first is never timed), then the tree, then plain again
+    assert nodes[:2] == [0, 0] and nodes[2] > 0 and nodes[-1] == 0, nodes
     # after one tree step ρ = 0.08 / 0.64: a tree no longer pays by the cost model, which scales the measured plain
     # step (a pair's first step is never timed, so the single tree step's own time does not enter the choice)
     assert engine.policy.acceptance_ratio < 0.5, engine.policy.acceptance_ratio

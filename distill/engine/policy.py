@@ -177,6 +177,13 @@ class AdaptivePolicy:
         ``probe_every``-th step at B runs that tree anyway, so that ρ and the tree's cost are
         measured again (traffic changes); it costs at most 1/``probe_every`` of a tree step's
         extra time.
+    plain probe
+        when a tree wins at B, plain decoding's cost there is measured, not predicted: a tree step
+        measured against a plain step the cost model only predicts (the model's ratio of the two
+        can be far from this machine's, a drafter's passes and a busy server's steps included)
+        keeps a tree that loses. So the first steps at a batch size run plain until its cost is
+        measured, and every ``plain_probe_every``-th step at B runs plain again; that costs a
+        tree's extra tokens once in that many steps.
     """
 
     def __init__(
@@ -189,6 +196,7 @@ class AdaptivePolicy:
         halflife: float = 512.0,
         alpha: float = 0.2,
         probe_every: int = 32,
+        plain_probe_every: int = 128,
         min_gain: float = 0.03,
     ):
         self.taus = dict(taus)
@@ -197,6 +205,7 @@ class AdaptivePolicy:
         self.sizes = sorted({0, *self.taus})
         self.alpha = alpha
         self.probe_every = probe_every
+        self.plain_probe_every = plain_probe_every
         self.min_gain = min_gain
         self._decay = 0.5 ** (1.0 / halflife)
         self._prior = prior
@@ -265,8 +274,12 @@ class AdaptivePolicy:
         k = self._steps.get(batch, 0)
         self._steps[batch] = k + 1
         choice = self.best(batch)
-        if choice == 0 and self.probe_every and k % self.probe_every == self.probe_every - 1:
-            return self.best(batch, measured=False)
+        if choice == 0:
+            if self.probe_every and k % self.probe_every == self.probe_every - 1:
+                return self.best(batch, measured=False)
+            return 0
+        if (batch, 0) not in self._cost or (self.plain_probe_every and k % self.plain_probe_every == self.plain_probe_every - 1):
+            return 0  # the plain probe (class docstring)
         return choice
 
     def observe(self, batch: int, nodes: int, seconds: float, accepted: Sequence[int]) -> None:
