@@ -32,8 +32,8 @@ from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from distill.models import TEMPLATE_PARAMS
 from distill.serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics

@@ -181,6 +181,7 @@ class ShardStore:
         self.shards: list[ShardInfo] = []
         self.totals: dict[str, Any] = {}
         self.seed_rejects: list[dict] = []
+        self._committed: dict[str, bytes] = {}  # what the manifest and rejects files hold (read once, then as written)
         self._lock = self.folder.lock()
         schema = journal_schema(shard_schema(id_dtype), config_key)
         self.journal = SegmentJournal(self.folder, schema) if self.folder.remote else Journal(self.root, schema)
@@ -189,6 +190,7 @@ class ShardStore:
     def open(self) -> "ShardStore":
         """Lock the folder for this run, then check and resume what it holds (see the module docstring)."""
         self._lock.acquire()
+        self._committed.clear()  # another run may have written since an earlier open
         try:
             with write_errors(self.root, "opening it for this run"):
                 self._open()
@@ -214,7 +216,7 @@ class ShardStore:
             folder.remove(stray)
         if folder.is_file(MANIFEST):
             try:
-                manifest = json.loads(folder.read_bytes(MANIFEST))
+                manifest = json.loads(self._read(MANIFEST))
             except ValueError as exc:
                 raise StoreError(f"{folder.where(MANIFEST)} is not valid JSON ({exc}); move the folder aside or fix it") from None
             manifest = checked_manifest(folder, manifest)
@@ -412,11 +414,20 @@ class ShardStore:
             return  # a rerun with nothing to do leaves the files as they were
         with write_errors(self.folder.where(MANIFEST), "writing the manifest"):
             self.folder.write_bytes(REJECTS, listed)
+            self._committed[REJECTS] = listed
             self.folder.write_bytes(MANIFEST, body)  # the commit point
+            self._committed[MANIFEST] = body
+
+    def _read(self, name: str) -> bytes | None:
+        """The folder's file ``name`` (None if absent), read once; this run's writes keep it current (the lock makes
+        this run the folder's only writer)."""
+        if name not in self._committed:
+            self._committed[name] = self.folder.read_bytes(name) if self.folder.is_file(name) else None
+        return self._committed[name]
 
     def _holds(self, name: str, data: bytes) -> bool:
         """Whether the folder's file ``name`` holds exactly ``data``."""
-        return self.folder.is_file(name) and self.folder.read_bytes(name) == data
+        return self._read(name) == data
 
 
 def shard_entry_problem(index: int, entry: object) -> str | None:

@@ -609,9 +609,9 @@ class Trainer:
             with (acc.no_sync(run.module) if not sync and run.world > 1 and not run.sharded else contextlib.nullcontext()), \
                     (acc.autocast() if run.sharded else contextlib.nullcontext()):  # a prepared module autocasts itself
                 loss, stats = run.module(batch, step)
-                if not loss.requires_grad:  # no term has a target here (e.g. a window whose only reply token is its
-                    # last: beyond every head's reach): a zero that still reaches every parameter, so each process's
-                    # backward takes part in the gradient exchange
+                if not loss.requires_grad:  # no term has a target here (e.g. a window whose only reply tokens are its
+                    # first two: beyond every head's reach): a zero that still reaches every parameter, so each
+                    # process's backward takes part in the gradient exchange
                     loss = loss + sum(p.sum() for p in run.trainable.values()) * 0.0
                 acc.backward(loss * scale)
             step_loss += float(loss.detach())
