@@ -63,8 +63,10 @@ def budget_subset(src: Path, out: Path, budget: int) -> dict:
     return info
 
 
-def curve(heads: Path) -> list[dict]:
-    """The run's evaluations from its metrics.jsonl: tokens seen, simulated tree and chain acceptance."""
+def curve(heads: Path, trained_tokens: int) -> list[dict]:
+    """The run's evaluations from its metrics.jsonl: the window tokens it has read (``tokens``: replies, prompts and
+    re-read context), the share of the budget's trained tokens seen (``trained_tokens``: the budget times the share
+    of the run's steps done), simulated tree and chain acceptance."""
     points, tokens_at = [], {}
     for line in (heads / "metrics.jsonl").read_text().splitlines():
         rec = json.loads(line)
@@ -75,6 +77,9 @@ def curve(heads: Path) -> list[dict]:
             seen = tokens_at.get(step) or max((t for s, t in tokens_at.items() if s <= step), default=0)
             points.append({"step": step, "tokens": seen, "tree": rec["eval_tree_acceptance"],
                            "chain": rec["eval_chain_acceptance"]})
+    last = max(tokens_at, default=0)
+    for p in points:
+        p["trained_tokens"] = round(trained_tokens * p["step"] / last) if last else 0
     return points
 
 
@@ -155,13 +160,13 @@ def main() -> None:
                                             str(args.bench_prompts), "--max-tokens", "64", "--modes", "greedy",
                                             "--draft-nodes", str(args.nodes), "--full-tree", "--no-vllm", "--out",
                                             str(bench), "--quiet"], work / "logs" / f"bench-{arch}.log")
-        report["runs"][arch] = {"heads": str(heads), "best": str(best), "curve": curve(heads),
+        report["runs"][arch] = {"heads": str(heads), "best": str(best), "curve": curve(heads, data["trained_tokens"]),
                                 "bench": json.loads((bench / "bench.json").read_text())}
     report["seconds"] = seconds
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
     for arch, r in report["runs"].items():
-        print(arch, " ".join(f"{p['tokens'] // 1000}k:{p['tree']:.2f}" for p in r["curve"]))
+        print(arch, " ".join(f"{p['trained_tokens'] // 1000}k:{p['tree']:.2f}" for p in r["curve"]))
 
 
 if __name__ == "__main__":
