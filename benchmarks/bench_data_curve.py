@@ -24,8 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,34 +31,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from bench_selfdistill import ARCHS, complete, run  # noqa: E402
+from bench_selfdistill import ARCHS, budget_subset, complete, run  # noqa: E402
 import self_instruct  # noqa: E402
-
-
-def budget_subset(src: Path, out: Path, budget: int) -> dict:
-    """The first rows of ``src`` (in stored order) holding ``budget`` trained tokens, as a derived dataset."""
-    from distill.data.dataset import Dataset
-    from distill.data.write import ShardWriter, derived_meta
-
-    d = Dataset.open(src)
-    if (out / "subset.json").exists():
-        info = json.loads((out / "subset.json").read_text())
-        if info.get("source_rows") == d.rows:
-            return info
-    if out.exists():  # made from fewer rows, or published and stopped before its subset.json
-        shutil.rmtree(out)
-    tokens = rows = 0
-    with ShardWriter(out, derived_meta(d.meta, "subset", budget_tokens=budget), d.id_dtype, 1024) as w:
-        for r in d.iter_rows():
-            if tokens >= budget:
-                break
-            w.add(r)
-            rows += 1
-            tokens += int(sum(r["loss_mask"]))
-        w.close()
-    info = {"rows": rows, "trained_tokens": tokens, "short_of_budget": max(0, budget - tokens), "source_rows": d.rows}
-    (out / "subset.json").write_text(json.dumps(info, indent=1))
-    return info
 
 
 def curve(heads: Path, trained_tokens: int) -> list[dict]:

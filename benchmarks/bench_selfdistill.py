@@ -150,34 +150,37 @@ def pool_index(row_id: str) -> int:
     return int(seed_conversation_id(conversation_id(row_id)).split("-")[1])
 
 
-def subset(src: Path, out: Path, budget: int) -> dict:
-    """The rows of ``src`` in pool order until ``budget`` trained tokens, as a derived dataset folder."""
-    if (out / "subset.json").exists():
-        return json.loads((out / "subset.json").read_text())
-    if out.exists():  # published, then stopped before its subset.json: made again
-        shutil.rmtree(out)
+def budget_subset(src: Path, out: Path, budget: int, order=None) -> dict:
+    """The rows of ``src`` (sorted by ``order``, a row -> key function; None: as stored) until ``budget`` trained
+    tokens (the tokens a loss mask marks), as a derived dataset folder, and what it holds; made again when ``src``
+    has gained rows since. ``short_of_budget``: the tokens missing when ``src`` holds fewer."""
+    from distill.conversation import conversation_id
     from distill.data.dataset import Dataset
     from distill.data.write import ShardWriter, derived_meta
 
     d = Dataset.open(src)
-    rows = sorted(d.iter_rows(), key=lambda r: (pool_index(r["id"]), r["id"]))
-    taken, tokens, convs = [], 0, set()
+    if (out / "subset.json").exists():
+        info = json.loads((out / "subset.json").read_text())
+        if info.get("source_rows") == d.rows:
+            return info
+    if out.exists():  # made from fewer rows, or published and stopped before its subset.json
+        shutil.rmtree(out)
+    rows = d.iter_rows() if order is None else sorted(d.iter_rows(), key=order)
+    taken, tokens = [], 0
     for r in rows:
         if tokens >= budget:
             break
         taken.append(r)
         tokens += int(sum(r["loss_mask"]))
-        convs.add(pool_index(r["id"]))
-    if tokens < budget:
-        raise SystemExit(f"{src} holds {tokens} trained tokens, under --budget {budget}: raise --generate or --chitchat")
-    meta = derived_meta(d.meta, "subset", budget_tokens=budget)
-    with ShardWriter(out, meta, d.id_dtype, 256) as w:
+    with ShardWriter(out, derived_meta(d.meta, "subset", budget_tokens=budget), d.id_dtype, 256) as w:
         for r in taken:
             w.add(r)
         w.close()
-    info = {"rows": len(taken), "conversations": len(convs), "trained_tokens": tokens,
-            "tokens": int(sum(len(r["input_ids"]) for r in taken)),
-            "mean_reply_tokens": round(tokens / max(1, sum(1 for r in taken for t in r["turns"] if t["role"] == "assistant")), 1)}
+    replies = sum(1 for r in taken for t in r["turns"] if t["role"] == "assistant")
+    info = {"rows": len(taken), "conversations": len({conversation_id(r["id"]) for r in taken}),
+            "trained_tokens": tokens, "tokens": int(sum(len(r["input_ids"]) for r in taken)),
+            "mean_reply_tokens": round(tokens / max(1, replies), 1), "short_of_budget": max(0, budget - tokens),
+            "source_rows": d.rows}
     (out / "subset.json").write_text(json.dumps(info, indent=1))
     return info
 
@@ -258,7 +261,11 @@ def main() -> None:
         if not complete(folder):  # an interrupted generate resumes where it stopped
             seconds[f"data:{name}"] = run(cmd + ["--out", str(folder)], work / "logs" / f"data-{name}.log")
     sets = {"originals": "data-originals", "greedy": "data-greedy", "sampled": "data-sampled", "soft": "data-sampled"}
-    subsets = {v: subset(work / src, work / f"train-{src.split('-')[1]}", args.budget) for v, src in sets.items()}
+    subsets = {v: budget_subset(work / src, work / f"train-{src.split('-')[1]}", args.budget,
+                                order=lambda r: (pool_index(r["id"]), r["id"])) for v, src in sets.items()}
+    short = {v: x["short_of_budget"] for v, x in subsets.items() if x["short_of_budget"]}
+    if short:
+        raise SystemExit(f"trained tokens missing under --budget {args.budget}: {short}; raise --generate or --chitchat")
 
     # the seed sets the initialization and, through the shuffle buffer, the order of the windows (Medusa-1's blocks
     # start at zero, so without shuffling its seeds would train the same heads)
@@ -300,6 +307,8 @@ def main() -> None:
     with ThreadPoolExecutor(args.jobs) as ex:
         list(ex.map(lambda j: (train(j), measure(j)), jobs))
 
+    from distill.data.dataset import Dataset
+
     results = []
     for job in jobs:
         arch, v, s = job
@@ -313,8 +322,7 @@ def main() -> None:
         "threads": os.environ.get("OMP_NUM_THREADS"),
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "training_sets": subsets,
-        "heldout": {h: {"rows": sum(1 for _ in __import__("distill.data.dataset", fromlist=["Dataset"]).Dataset.open(
-            work / f"heldout-{h}").iter_rows(columns=["id"]))} for h in HELDOUT_SETS},
+        "heldout": {h: {"rows": Dataset.open(work / f"heldout-{h}").rows} for h in HELDOUT_SETS},
         "results": results,
         "summary": summarize(results),
         "seconds": seconds,
