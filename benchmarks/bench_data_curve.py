@@ -55,13 +55,36 @@ def curve(heads: Path, trained_tokens: int) -> list[dict]:
     return points
 
 
+def plot(report: dict, png: Path) -> None:
+    """Tokens/step of each drafter's tree against the trained tokens seen, log-scaled (the curve's shape in a picture)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    for arch, r in report["runs"].items():
+        pts = [p for p in r["curve"] if p["trained_tokens"]]
+        ax.plot([p["trained_tokens"] for p in pts], [p["tree"] for p in pts], marker="o", label=f"{arch}, tree")
+        ax.plot([p["trained_tokens"] for p in pts], [p["chain"] for p in pts], linestyle="--", label=f"{arch}, chain")
+    ax.set_xscale("log")
+    ax.set_xlabel("trained tokens seen (one pass, one schedule)")
+    ax.set_ylabel("expected tokens/step, MT-Bench answers")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--work", type=Path, required=True)
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "data-curve.json")
     ap.add_argument("--tokens", type=int, default=2_000_000, help="trained tokens of the longest run")
     ap.add_argument("--copies", type=int, default=4, help="meta-prompts per topic and kind")
-    ap.add_argument("--samples", type=int, default=12, help="requests sampled per meta-prompt")
+    ap.add_argument("--samples", type=int, default=12,
+                    help="requests sampled per meta-prompt (fixed once a --work folder holds its requests)")
     ap.add_argument("--replies", type=int, default=0,
                     help="answer only the first N requests (0: all); raise it and run again to add data")
     ap.add_argument("--archs", nargs="+", default=["eagle3", "medusa1"], choices=list(ARCHS))
@@ -105,7 +128,7 @@ def main() -> None:
     data = budget_subset(replies, work / "train", args.tokens)
     if data["short_of_budget"]:  # the trainings start only on the whole budget (a run cannot grow its data)
         raise SystemExit(f"{replies} holds {data['trained_tokens']} trained tokens of --tokens {args.tokens}: "
-                         "raise --replies (or --samples) and run again")
+                         "raise --replies (up to the distinct requests), or use a new --work with more --samples")
 
     report: dict = {"command": " ".join(sys.argv), "threads": os.environ.get("OMP_NUM_THREADS"),
                     "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
@@ -137,6 +160,8 @@ def main() -> None:
     report["seconds"] = seconds
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
+    if report["runs"]:
+        plot(report, args.out.with_suffix(".png"))
     for arch, r in report["runs"].items():
         print(arch, " ".join(f"{p['trained_tokens'] // 1000}k:{p['tree']:.2f}" for p in r["curve"]))
 

@@ -153,7 +153,7 @@ def pool_index(row_id: str) -> int:
 def budget_subset(src: Path, out: Path, budget: int, order=None) -> dict:
     """The rows of ``src`` (sorted by ``order``, a row -> key function; None: as stored) until ``budget`` trained
     tokens (the tokens a loss mask marks), as a derived dataset folder, and what it holds; made again when ``src``
-    has gained rows since. ``short_of_budget``: the tokens missing when ``src`` holds fewer."""
+    has gained rows since or the budget differs. ``short_of_budget``: the tokens missing when ``src`` holds fewer."""
     from distill.conversation import conversation_id
     from distill.data.dataset import Dataset
     from distill.data.write import ShardWriter, derived_meta
@@ -161,7 +161,7 @@ def budget_subset(src: Path, out: Path, budget: int, order=None) -> dict:
     d = Dataset.open(src)
     if (out / "subset.json").exists():
         info = json.loads((out / "subset.json").read_text())
-        if info.get("source_rows") == d.rows:
+        if info.get("source_rows") == d.rows and info.get("budget") == budget:
             return info
     if out.exists():  # made from fewer rows, or published and stopped before its subset.json
         shutil.rmtree(out)
@@ -177,7 +177,7 @@ def budget_subset(src: Path, out: Path, budget: int, order=None) -> dict:
             w.add(r)
         w.close()
     replies = sum(1 for r in taken for t in r["turns"] if t["role"] == "assistant")
-    info = {"rows": len(taken), "conversations": len({conversation_id(r["id"]) for r in taken}),
+    info = {"budget": budget, "rows": len(taken), "conversations": len({conversation_id(r["id"]) for r in taken}),
             "trained_tokens": tokens, "tokens": int(sum(len(r["input_ids"]) for r in taken)),
             "mean_reply_tokens": round(tokens / max(1, replies), 1), "short_of_budget": max(0, budget - tokens),
             "source_rows": d.rows}
