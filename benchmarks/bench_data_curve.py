@@ -31,7 +31,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from bench_selfdistill import ARCHS, budget_subset, complete, run  # noqa: E402
+from bench_selfdistill import ARCHS, WINDOWS, budget_subset, complete, full_tree_bench, run  # noqa: E402
 import self_instruct  # noqa: E402
 
 
@@ -137,9 +137,8 @@ def main() -> None:
         heads = work / f"heads-{arch}"
         done = (heads / "distill-heads.json").exists()
         if not done and not out_of_time():
-            cmd = ["train-heads", "--data", str(work / "train"), "--out", str(heads), *ARCHS[arch], "--max-len", "512",
-                   "--context", "128", "--batch-size", "4", "--pack", "--epochs", "1", "--lr", "3e-3", "--warmup-steps",
-                   "20", "--precision", args.precision, "--eval-data", str(work / "heldout-mt-bench"), "--eval-every",
+            cmd = ["train-heads", "--data", str(work / "train"), "--out", str(heads), *ARCHS[arch], *WINDOWS, "--epochs",
+                   "1", "--warmup-steps", "20", "--precision", args.precision, "--eval-data", str(work / "heldout-mt-bench"), "--eval-every",
                    str(args.eval_every), "--eval-nodes", str(args.nodes), "--save-every", str(args.eval_every),
                    "--keep-checkpoints", "2", "--report-to", "none", "--quiet"]
             if (heads / "checkpoints").exists():
@@ -151,10 +150,8 @@ def main() -> None:
         bench = work / f"bench-{arch}"
         best = heads / "best" if (heads / "best").exists() else heads
         if not (bench / "bench.json").exists():
-            seconds[f"bench:{arch}"] = run(["bench", "--heads", str(best), "--prompts", "mt-bench", "--limit",
-                                            str(args.bench_prompts), "--max-tokens", "64", "--modes", "greedy",
-                                            "--draft-nodes", str(args.nodes), "--full-tree", "--no-vllm", "--out",
-                                            str(bench), "--quiet"], work / "logs" / f"bench-{arch}.log")
+            seconds[f"bench:{arch}"] = run(full_tree_bench(best, "mt-bench", args.bench_prompts, args.nodes, bench),
+                                           work / "logs" / f"bench-{arch}.log")
         report["runs"][arch] = {"heads": str(heads), "best": str(best), "curve": curve(heads, data["trained_tokens"]),
                                 "bench": json.loads((bench / "bench.json").read_text())}
     report["seconds"] = seconds

@@ -53,6 +53,8 @@ ARCHS = {
     "eagle3": ["--arch", "eagle3", "--ttt-steps", "3", "--draft-vocab", "auto"],
 }
 HELDOUT_SETS = ("mt-bench", "heldout-chat")
+#: the windows and learning rate of every training in the self-distillation and data-curve benches
+WINDOWS = ["--max-len", "512", "--context", "128", "--batch-size", "4", "--pack", "--lr", "3e-3"]
 
 
 def distill_cli() -> list[str]:
@@ -185,6 +187,13 @@ def budget_subset(src: Path, out: Path, budget: int, order=None) -> dict:
     return info
 
 
+def full_tree_bench(heads: Path, prompts: str, limit: int, nodes: int, out: Path) -> list[str]:
+    """The ``distill bench`` command that decodes the first ``limit`` prompts (64 tokens, greedy) with the drafter's
+    whole ``nodes``-node tree: the tokens/step the engine accepts."""
+    return ["bench", "--heads", str(heads), "--prompts", prompts, "--limit", str(limit), "--max-tokens", "64", "--modes",
+            "greedy", "--draft-nodes", str(nodes), "--full-tree", "--no-vllm", "--out", str(out), "--quiet"]
+
+
 def calibration(folder: Path) -> dict:
     c = json.loads((folder / "calibration.json").read_text())
     return {"tree": c["expected_acceptance_length"], "chain": c["chain_expected_acceptance_length"],
@@ -269,9 +278,8 @@ def main() -> None:
 
     # the seed sets the initialization and, through the shuffle buffer, the order of the windows (Medusa-1's blocks
     # start at zero, so without shuffling its seeds would train the same heads)
-    train_common = ["--max-len", "512", "--context", "128", "--batch-size", "4", "--pack", "--shuffle-buffer", "256",
-                    "--epochs", str(args.epochs), "--lr", "3e-3", "--warmup-steps", "4", "--precision", args.precision, "--eval-every", "0",
-                    "--save-every", "100000", "--quiet"]
+    train_common = [*WINDOWS, "--shuffle-buffer", "256", "--epochs", str(args.epochs), "--warmup-steps", "4", "--precision",
+                    args.precision, "--eval-every", "0", "--save-every", "100000", "--quiet"]
     jobs = [(arch, v, s) for arch in args.archs for v in VARIANTS for s in args.seeds]
 
     def heads_dir(arch, v, s) -> Path:
@@ -299,10 +307,8 @@ def main() -> None:
                 b = work / "bench" / f"{out.name}-{held}"
                 if not (b / "bench.json").exists():
                     seed = "mt-bench" if held == "mt-bench" else str(heldout_seed(work))
-                    seconds[f"bench:{b.name}"] = run(
-                        ["bench", "--heads", str(out), "--prompts", seed, "--limit", str(args.bench_prompts),
-                         "--max-tokens", "64", "--modes", "greedy", "--draft-nodes", str(args.nodes),
-                         "--full-tree", "--no-vllm", "--out", str(b), "--quiet"], work / "logs" / f"bench-{b.name}.log")
+                    seconds[f"bench:{b.name}"] = run(full_tree_bench(out, seed, args.bench_prompts, args.nodes, b),
+                                                     work / "logs" / f"bench-{b.name}.log")
 
     with ThreadPoolExecutor(args.jobs) as ex:
         list(ex.map(lambda j: (train(j), measure(j)), jobs))
