@@ -114,10 +114,13 @@ def ours(engine: Engine, prompts: list[list[int]], max_tokens: int, batch: int) 
 
 
 def vllm_llm(model_path: str, speculative_config: dict | None = None):
+    """vLLM for the in-process comparisons. Their rounds resend the same prompts, so prefix caching is off: with it,
+    every round after the first would skip the prompts' prefill, which no served prompt sent once does."""
     from vllm import LLM
 
     extra = {"speculative_config": speculative_config} if speculative_config else {}
-    return LLM(model=model_path, dtype="float32", enforce_eager=True, seed=0, max_model_len=2048, **extra)
+    return LLM(model=model_path, dtype="float32", enforce_eager=True, seed=0, max_model_len=2048,
+               enable_prefix_caching=False, **extra)
 
 
 def vllm(llm, prompts: list[list[int]], max_tokens: int, batch: int, stop_ids: list[int]) -> tuple[int, float, list[list[int]]]:
@@ -401,6 +404,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=3, help="batch-1 prompts (MT-Bench first turns)")
     ap.add_argument("--batch", type=int, default=8, help="the batched run's batch size (0: skip it)")
     ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--first", type=int, default=0, help="the prompt sets start at this MT-Bench question (40: the c = 16 "
+                    "level of bench_vs_vllm.py --prompts-per-level 16,24,40, with its long prompts)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--nodes", type=int, nargs="*", default=[2, 16, 64])
     ap.add_argument("--steps", type=int, default=12, help="steps per verification timing run")
@@ -447,7 +452,7 @@ def main() -> None:
         result["gpu"] = torch.cuda.get_device_name(engine.device)
         torch.cuda.reset_peak_memory_stats(engine.device)
     print(json.dumps(result["engine"]), result.get("gpu", ""))
-    prompts = mt_bench_prompts(engine.tokenizer, max(args.prompts, args.batch))
+    prompts = mt_bench_prompts(engine.tokenizer, args.first + max(args.prompts, args.batch))[args.first :]
     one, many = prompts[: args.prompts], prompts[: args.batch]
     engine.warmup()  # --compile: compiled here, before anything is timed
     ours(engine, one[:1], args.max_tokens, 1)  # warm-up

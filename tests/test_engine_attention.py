@@ -39,3 +39,57 @@ def test_switching_keeps_every_output_and_reads_shared_heads_in_place(monkeypatc
 def test_a_model_on_another_attention_is_left_alone():
     model = tiny_gqa("eager")
     assert not use_gqa_sdpa(model) and model.config._attn_implementation == "eager"
+
+
+def test_row_chunk_plan_isolates_outliers_and_covers_every_row_once():
+    from distill.engine.attention import plan_row_chunks
+
+    assert plan_row_chunks([1], [500]) is None  # one row: nothing to split
+    assert plan_row_chunks([1] * 8, [100] * 8) is None  # equal rows: one call
+    assert plan_row_chunks([1] * 4, [100, 101, 99, 100]) is None  # what a split would save is less than a call
+    keys = [60, 400, 62, 58, 390, 61]
+    plan = plan_row_chunks([1] * 6, keys, overhead=64)
+    assert [(r0, r1) for r0, r1, _, _ in plan] == [(0, 1), (1, 2), (2, 4), (4, 5), (5, 6)]
+    assert all(q == 1 and k == max(keys[r0:r1]) for r0, r1, q, k in plan)
+    # a dearer call merges neighbours: the long rows stay apart from the short ones, the short ones share
+    plan = plan_row_chunks([1] * 6, sorted(keys, reverse=True), overhead=1000)
+    assert [(r0, r1) for r0, r1, _, _ in plan] == [(0, 2), (2, 6)]
+    # a prefill: queries and keys are the prompts' lengths, so a long prompt costs its square
+    plan = plan_row_chunks([300, 20, 20], [300, 20, 20])
+    assert [(r0, r1, q, k) for r0, r1, q, k in plan] == [(0, 1, 300, 300), (1, 3, 20, 20)]
+
+
+def test_row_chunks_give_the_same_outputs_on_each_row_and_zeros_past_a_runs_queries():
+    model = tiny_gqa()
+    assert use_gqa_sdpa(model)
+    lengths = [12, 3, 5, 11]
+    P = max(lengths)
+    ids = torch.randint(0, 64, (4, P))
+    causal = torch.zeros(1, 1, P, P).masked_fill_(~torch.ones(P, P, dtype=torch.bool).tril(), torch.finfo(torch.float32).min)
+    chunks = [(0, 1, 12, 12), (1, 3, 5, 5), (3, 4, 11, 11)]
+    seen = []
+    from distill.engine import attention
+
+    real = attention._sdpa
+
+    def counting(q, k, v, mask, dropout, scaling):
+        seen.append((q.shape[0], q.shape[2], k.shape[2]))
+        return real(q, k, v, mask, dropout, scaling)
+
+    into_o_proj = []
+    hook = model.model.layers[0].self_attn.o_proj.register_forward_pre_hook(lambda m, args: into_o_proj.append(args[0]))
+    with torch.no_grad():
+        whole = model(ids, attention_mask=causal)
+        attention._sdpa = counting
+        try:
+            split = model(ids, attention_mask=causal, row_chunks=chunks)
+        finally:
+            attention._sdpa = real
+            hook.remove()
+    assert seen[:3] == [(1, 12, 12), (2, 5, 5), (1, 11, 11)]  # each run over its own queries and keys
+    for b, n in enumerate(lengths):  # a row's real positions: the same numbers
+        torch.testing.assert_close(split.logits[b, :n], whole.logits[b, :n], rtol=1e-5, atol=1e-5)
+    # rows 1 and 2 share a run of 5 queries: their padding queries past it are not attended, zeros go into o_proj
+    before, after = into_o_proj
+    assert after[1:3, 5:].abs().sum() == 0 and before[1:3, 5:].abs().sum() > 0
+    torch.testing.assert_close(after[1:3, :5], before[1:3, :5], rtol=1e-5, atol=1e-6)

@@ -16,9 +16,9 @@ def shape(layers: int = 2, heads: int = 1, key_dim: int = 1, value_dim: int = 1)
     return kv.KVShape(layers, heads, key_dim, value_dim, torch.float32, CPU)
 
 
-def write(cache: kv.SlotCache, values: torch.Tensor, slots: torch.Tensor, window: int) -> list:
+def write(cache: kv.SlotCache, values: torch.Tensor, slots: torch.Tensor, window: int, from_start: bool = False) -> list:
     """One forward's writes: ``values`` (B, T) at ``slots`` (B, T) in every layer (keys = values, values = -values)."""
-    cache.prepare(slots, window)
+    cache.prepare(slots, window, from_start=from_start)
     out = []
     for layer in range(cache.shape.layers):
         x = values[:, None, :, None].float()  # (B, 1, T, 1)
@@ -29,6 +29,18 @@ def write(cache: kv.SlotCache, values: torch.Tensor, slots: torch.Tensor, window
 def keys(cache: kv.SlotCache, layer: int = 0) -> list[list[float]]:
     """Row-major (B, S) keys of one layer (head 0, dim 0) of the rows in use."""
     return cache.keys[layer, : cache.rows, 0, :, 0].tolist()
+
+
+def test_a_prefills_block_copy_writes_what_the_scatter_writes():
+    values = torch.tensor([[1, 2, 3], [4, 5, 0]])
+    slots = torch.arange(3)[None].expand(2, 3)
+    caches = [kv.SlotCache(shape(), 2, 8) for _ in range(2)]
+    outs = [write(c, values, slots, 3, from_start=f) for c, f in zip(caches, (False, True))]
+    assert torch.equal(caches[0].keys, caches[1].keys) and torch.equal(caches[0].values, caches[1].values)
+    assert all(torch.equal(a, b) for x, y in zip(*outs) for a, b in zip(x, y))
+    assert keys(caches[1]) == [[1, 2, 3, 0, 0, 0, 0, 0], [4, 5, 0, 0, 0, 0, 0, 0]]
+    write(caches[1], torch.tensor([[7], [8]]), torch.tensor([[3], [2]]), 4)  # the next step scatters again
+    assert keys(caches[1]) == [[1, 2, 3, 7, 0, 0, 0, 0], [4, 5, 8, 0, 0, 0, 0, 0]]
 
 
 def test_prefill_is_causal_for_every_right_padded_row():

@@ -132,6 +132,27 @@ def test_sequences_joining_a_running_batch_decode_as_in_batch_one(hf_model, toke
         assert max(a for r in results.values() for a in r.accepted) >= 2  # speculation ran in the mixed batch
 
 
+def test_rows_of_very_different_lengths_attend_in_chunks_and_decode_as_in_batch_one(hf_model, tokenizer, monkeypatch):
+    """A long prompt beside short ones: the prefill and every plain step attend in row chunks (engine.attention),
+    and each greedy row still equals its batch-1 decoding."""
+    import distill.engine.target as target_module
+
+    every = mt_bench_prompts(tokenizer, 60)
+    by_length = sorted(every, key=len)
+    chosen = [by_length[0], by_length[-1], by_length[1]]  # the longest between two of the shortest
+    assert len(chosen[1]) > 4 * len(chosen[0])
+    engine = Engine(hf_model, tokenizer, None, EngineConfig(max_batch=3))
+    params = SamplingParams(max_tokens=12)
+    single = [engine.generate([p], params)[0][0].token_ids for p in chosen]
+    plans = []
+    real = target_module.plan_row_chunks
+    monkeypatch.setattr(target_module, "plan_row_chunks", lambda q, k: plans.append(real(q, k)) or plans[-1])
+    batched, stats = engine.generate(chosen, params)
+    assert [r.token_ids for r in batched] == single
+    assert len(plans) == stats.steps + 1 and all(p is not None for p in plans)
+    assert [(r0, r1) for r0, r1, _, _ in plans[0]] == [(0, 1), (1, 3)]  # the prefill: the long prompt first, alone
+
+
 def test_stop_tokens_cancellation_and_callbacks(hf_model, tokenizer, prompts, plain_reference):
     engine = Engine(hf_model, tokenizer, make_heads(hf_model, random_w1=True), EngineConfig(tree="chain", speculate_max_batch=2))
     ref = plain_reference[0].token_ids

@@ -87,3 +87,26 @@ def test_the_forward_takes_what_the_engine_passes(name):
         plain = model(input_ids=ids).logits[:, -1:]
     assert out.logits.shape == (1, 1, 64) and torch.allclose(out.logits, plain, atol=1e-5)
     assert model.get_decoder() is model.model and hasattr(torch.nn.Module, "set_submodule")
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_a_forward_keyword_reaches_the_attention_function(name):
+    """The engine's row chunks (distill.engine.attention) travel as a keyword of the model's forward, which the decoder
+    layers hand down to the registered attention function untouched."""
+    from transformers import AttentionInterface
+
+    from distill.engine.attention import sdpa_gqa
+
+    seen = []
+
+    def spy(module, query, key, value, attention_mask, row_chunks=None, **kwargs):
+        seen.append(row_chunks)
+        return sdpa_gqa(module, query, key, value, attention_mask, row_chunks=row_chunks, **kwargs)
+
+    AttentionInterface.register("distill_contract_spy", spy)
+    model = tiny(name)
+    model.set_attn_implementation("distill_contract_spy")
+    bias = torch.zeros(2, 1, 3, 3).masked_fill_(~torch.ones(3, 3, dtype=torch.bool).tril(), torch.finfo(torch.float32).min)
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([[1, 2, 3], [4, 5, 0]]), attention_mask=bias, row_chunks=[(0, 1, 3, 3), (1, 2, 2, 2)])
+    assert seen == [[(0, 1, 3, 3), (1, 2, 2, 2)]] * 2, f"{name}: the forward's keyword did not reach the attention ({seen})"

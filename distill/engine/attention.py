@@ -1,4 +1,5 @@
-"""The attention the engine's forwards use: transformers' SDPA attention, grouped key/value heads read in place.
+"""The attention the engine's forwards use: transformers' SDPA attention, grouped key/value heads read in place,
+each run of rows over no more keys than its longest row needs.
 
 Terms
 -----
@@ -9,6 +10,14 @@ grouped key/value heads (GQA)
     (tree and padding masks). On CPU, ``F.scaled_dot_product_attention(enable_gqa=True)``
     reads the shared heads in place, much faster than copy + attention at decoding sizes,
     with identical results. Measured: BENCHMARKS.md, "The engine's step on a CPU".
+row chunks
+    a batch's rows have different lengths, and one attention call reads every row's keys up
+    to the longest row's window, the shorter rows' extra keys masked. A plan of row chunks
+    ``(first row, end row, queries, keys)`` splits the rows into contiguous runs, each
+    attended over its own longest row's keys and queries (:func:`plan_row_chunks`); the
+    masked keys left out contribute exactly nothing to a softmax, so the outputs are the
+    same. The plan reaches the attention as the forward's ``row_chunks`` keyword, which
+    transformers' decoder layers hand down to the attention function untouched.
 ``distill_sdpa``
     the attention implementation registered here through transformers' public
     ``AttentionInterface`` / ``AttentionMaskInterface``: :func:`sdpa_gqa` for the
@@ -26,16 +35,72 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 NAME = "distill_sdpa"
 
+#: What one more attention call costs, in query-key pairs of one row, with a margin (BENCHMARKS.md, "The attention path").
+CHUNK_OVERHEAD = 512
 
-def sdpa_gqa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None, **kwargs):
-    """query (B, heads, T, d), key/value (B, kv_heads, S, d), mask (B | 1, 1, T, S) -> ((B, T, heads, d), None)."""
+RowChunk = tuple[int, int, int, int]  # (first row, end row, queries, keys)
+
+
+def plan_row_chunks(queries: list[int], keys: list[int], overhead: int = CHUNK_OVERHEAD) -> list[RowChunk] | None:
+    """Contiguous runs of rows that attend at the least cost; None when one call over all rows is best.
+
+    Row b needs its first ``queries[b]`` queries and ``keys[b]`` keys. A run of rows costs
+    ``overhead + rows x its longest queries x its longest keys`` (query-key pairs); the runs are
+    chosen by dynamic programming over where they start.
+    """
+    B = len(keys)
+    Q, K = max(queries, default=0), max(keys, default=0)
+    whole = overhead + B * Q * K
+    if B < 2 or whole - sum(q * k for q, k in zip(queries, keys)) <= overhead:
+        return None
+    best = [0] + [None] * B  # best[i]: the least cost of rows 0..i-1
+    start = [0] * (B + 1)
+    for i in range(1, B + 1):
+        q = k = 0
+        for j in range(i - 1, -1, -1):  # the last run is rows j..i-1
+            q, k = max(q, queries[j]), max(k, keys[j])
+            cost = best[j] + overhead + (i - j) * q * k
+            if best[i] is None or cost < best[i]:
+                best[i], start[i] = cost, j
+    if best[B] >= whole:
+        return None
+    chunks, i = [], B
+    while i:
+        j = start[i]
+        chunks.append((j, i, max(queries[j:i]), max(keys[j:i])))
+        i = j
+    return chunks[::-1]
+
+
+def _sdpa(query, key, value, mask, dropout, scaling):
+    return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout,
+                                                            scale=scaling, enable_gqa=True)
+
+
+def sdpa_gqa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None,
+             row_chunks: list[RowChunk] | None = None, **kwargs):
+    """query (B, heads, T, d), key/value (B, kv_heads, S, d), mask (B | 1, 1, T, S) -> ((B, T, heads, d), None).
+
+    ``row_chunks``: attend each run of rows over its own queries and keys (module docstring, "row chunks"); a
+    row's queries past its run's are padding, and their outputs are zeros.
+    """
     groups = query.shape[1] // key.shape[1]
     if groups == 1 or attention_mask is None or kwargs.get("position_bias") is not None or kwargs.get("cache") is not None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
-    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
-                                                           scale=scaling, enable_gqa=True)  # (B, heads, T, d)
-    return out.transpose(1, 2).contiguous(), None
+    if row_chunks is None:
+        out = _sdpa(query, key, value, attention_mask, dropout, scaling)  # (B, heads, T, d)
+        return out.transpose(1, 2).contiguous(), None
+    B, H, T, _ = query.shape
+    out = query.new_empty(B, T, H, value.shape[-1])
+    per_row = attention_mask.shape[0] > 1
+    for r0, r1, q, k in row_chunks:
+        mask = attention_mask[r0:r1] if per_row else attention_mask
+        part = _sdpa(query[r0:r1, :, :q], key[r0:r1, :, :k], value[r0:r1, :, :k], mask[:, :, :q, :k], dropout, scaling)
+        out[r0:r1, :q] = part.transpose(1, 2)
+        if q < T:
+            out[r0:r1, q:] = 0
+    return out, None
 
 
 AttentionInterface.register(NAME, sdpa_gqa)
@@ -50,4 +115,4 @@ def use_gqa_sdpa(model) -> bool:
     return model.config._attn_implementation == NAME
 
 
-__all__ = ["NAME", "sdpa_gqa", "use_gqa_sdpa"]
+__all__ = ["CHUNK_OVERHEAD", "NAME", "RowChunk", "plan_row_chunks", "sdpa_gqa", "use_gqa_sdpa"]

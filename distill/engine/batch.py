@@ -168,7 +168,8 @@ class Batch:
     @classmethod
     def prefill(cls, decoding: Decoding, prompts: list[list[int]], seqs: list[Sequence], on_tokens, stats: StepStats,
                 speculative: bool) -> "Batch":
-        """One forward over the right-padded prompts into a fresh cache; emits each sequence's first token.
+        """One forward over the right-padded prompts (as rows, longest first) into a fresh cache; emits each sequence's
+        first token.
 
         ``speculative``: the proposer's prefill hook runs (its draft state follows the batch).
         """
@@ -180,13 +181,16 @@ class Batch:
                  speculative: bool) -> "Batch":
         target, dev = d.target, d.target.device
         t0 = time.perf_counter()
+        # longest first: rows of similar lengths sit together, so the attention's row chunks stay few (attention.py)
+        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+        prompts, seqs = [prompts[i] for i in order], [seqs[i] for i in order]
         lengths = [len(p) for p in prompts]
         P = max(lengths)
         slots = -(-(max(n + s.params.max_tokens for n, s in zip(lengths, seqs)) + d.max_tree_size) // SLOT_ROUND) * SLOT_ROUND
         cache = target.new_cache(len(prompts), slots)
         ids = torch.tensor([list(p) + [0] * (P - len(p)) for p in prompts], dtype=torch.long, device=dev)  # (B, P)
         positions = torch.arange(P, device=dev)[None].expand(len(prompts), P)  # (B, P)
-        cache.prepare(positions, P)
+        cache.prepare(positions, P, from_start=True)
         echo = [b for b, s in enumerate(seqs) if s.params.prompt_logprobs is not None]
         # the positions whose logits are needed: each row's last, or all of them for prompt logprobs
         last = list(range(P)) if echo else sorted(set(n - 1 for n in lengths))
@@ -269,7 +273,7 @@ class Batch:
             bias = kv.attention_bias(kv.step_allowed(end, buf.mask, window), target.dtype)  # (B, 1, T, W)
         with record_function("distill.forward"):
             layers = d.proposer.feature_layers if speculative else None
-            logits, features = target.step(tokens, end[:, None] + buf.depth, write, bias, self.cache, layers)
+            logits, features = target.step(tokens, end[:, None] + buf.depth, write, bias, self.cache, layers, self.ends)
         with record_function("distill.accept"):  # 4. accept
             acc = d.accept(tokens, logits, buf, active, proposal.draft)
         with record_function("distill.compact"):  # 5. commit: accepted nodes follow the root, tree slot end + path_k -> end + k

@@ -211,6 +211,7 @@ class SlotCache(Cache):
         self.window = 0
         self._index_k: torch.Tensor | None = None  # (B, heads, T, key_dim) write slots, expanded
         self._index_v: torch.Tensor | None = None
+        self._from_start = False  # the write slots are 0 .. T - 1 of every row: a copy, no scatter
         super().__init__(layers=[SlotLayer(self, i) for i in range(shape.layers)])
 
     def _use(self, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -234,14 +235,18 @@ class SlotCache(Cache):
         return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
 
     # -- one forward ---------------------------------------------------------------------------
-    def prepare(self, write: torch.Tensor, window: int) -> None:
-        """The next forward writes its (B, T) tokens at ``write`` (B, T) slots and attends over ``window`` slots."""
+    def prepare(self, write: torch.Tensor, window: int, from_start: bool = False) -> None:
+        """The next forward writes its (B, T) tokens at ``write`` (B, T) slots and attends over ``window`` slots.
+
+        ``from_start``: ``write`` is slots ``0 .. T - 1`` in every row (a prefill), copied as one block.
+        """
         B, T = write.shape
         if B != self.rows:
             raise ValueError(f"the forward has {B} rows but the cache holds {self.rows}")
         if window > self.slots:
             raise ValueError(f"window {window} exceeds the cache's {self.slots} slots")
         s = self.shape
+        self._from_start = from_start
         self._index_k = write[:, None, :, None].expand(B, s.heads, T, s.key_dim)
         self._index_v = self._index_k if s.value_dim == s.key_dim else write[:, None, :, None].expand(B, s.heads, T, s.value_dim)
         self.window = window
@@ -250,8 +255,13 @@ class SlotCache(Cache):
         """Write (B, heads, T, d) keys/values at the prepared slots; -> this layer's first ``window`` slots (views)."""
         keys = self.keys[layer_idx, : self.rows]  # (B, heads, S, key_dim)
         values = self.values[layer_idx, : self.rows]
-        keys.scatter_(2, self._index_k, key_states)
-        values.scatter_(2, self._index_v, value_states)
+        if self._from_start:
+            T = key_states.shape[2]
+            keys[:, :, :T].copy_(key_states)
+            values[:, :, :T].copy_(value_states)
+        else:
+            keys.scatter_(2, self._index_k, key_states)
+            values.scatter_(2, self._index_v, value_states)
         return keys[:, :, : self.window], values[:, :, : self.window]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

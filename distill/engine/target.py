@@ -6,7 +6,8 @@ target
     the model being decoded (a transformers decoder-only model). :class:`Target` prepares it once:
     on a CPU, with ``EngineConfig.weight_layout="auto"``, through the CPU kernels' one interface
     (:func:`distill.engine.cpu.prepare`; the GPU path never imports them); everywhere, ``sdpa``
-    attention switched to ``distill_sdpa`` (:mod:`distill.engine.attention`).
+    attention switched to ``distill_sdpa`` (:mod:`distill.engine.attention`), whose eager forwards
+    attend each run of rows over no more keys than its longest row needs ("row chunks" there).
 hidden state
     the backbone's last hidden state after the final norm (what the LM head reads): the decoder's
     (``model.get_decoder()``) ``last_hidden_state``. Medusa's feature.
@@ -33,7 +34,7 @@ from pathlib import Path
 import torch
 
 from distill.engine import cache as kv
-from distill.engine.attention import use_gqa_sdpa
+from distill.engine.attention import plan_row_chunks, use_gqa_sdpa
 from distill.engine.config import EngineConfig
 from distill.engine.graphs import Graphs, cache_key
 from distill.engine.rows import rowwise_modules, valid_rows
@@ -122,19 +123,22 @@ class Target:
     def prefill(self, ids, positions, bias, cache: kv.SlotCache, keep: torch.Tensor, layers, lengths: list[int]):
         """The prefill's forward over right-padded prompts of ``lengths`` tokens: products skip the padding."""
         with valid_rows(lengths, ids.shape[1], self.device, self.rowwise):
-            return self.forward(ids, positions, bias, cache, keep, layers)
+            return self.forward(ids, positions, bias, cache, keep, layers, chunks=plan_row_chunks(lengths, lengths))
 
     def window(self, cache: kv.SlotCache, eager: int) -> int:
         """The slots a step attends to: ``eager`` (the longest row's end + tree size), or, graphed, every slot of the
         cache (a static shape: graphs.py, "static window")."""
         return cache.slots if self.graphs is not None else eager
 
-    def step(self, tokens, positions, write, bias, cache: kv.SlotCache, layers):
+    def step(self, tokens, positions, write, bias, cache: kv.SlotCache, layers, ends: list[int] | None = None):
         """A decoding step's forward: ``tokens`` written at slots ``write`` (B, T) -> (logits (B, T, V) float32,
-        features); replayed from its graph bucket when graphs are on."""
+        features); replayed from its graph bucket when graphs are on. ``ends``: the rows' committed lengths (host),
+        so that an eager forward attends each run of rows over its own keys only."""
         if self.graphs is None:
             cache.prepare(write, bias.shape[-1])
-            return self.forward(tokens, positions, bias, cache, layers=layers, step=True)
+            T = tokens.shape[1]
+            chunks = plan_row_chunks([T] * len(ends), [e + T for e in ends]) if ends is not None else None
+            return self.forward(tokens, positions, bias, cache, layers=layers, step=True, chunks=chunks)
 
         def forward(ids, positions, write, bias):
             cache.prepare(write, cache.slots)
@@ -143,13 +147,14 @@ class Target:
         return self.graphs(("step", cache_key(cache), tokens.shape[1], layers), forward, tokens, positions, write, bias)
 
     def forward(self, ids, positions, bias, cache: kv.SlotCache, keep: int | torch.Tensor = 0,
-                layers: tuple[int, ...] | None = None, step: bool = False):
+                layers: tuple[int, ...] | None = None, step: bool = False, chunks=None):
         """ids/positions (B, T), bias (B or 1, 1, T, window) -> logits (B, T', V) float32, features (B, T, F).
 
         ``keep``: which positions get logits (0: all; a tensor: those indices, ``logits_to_keep``).
         ``layers``: None, the features are the hidden state; layer ids, the hidden states entering
         those decoder layers, concatenated. ``step``: a decoding step's forward, compiled under
-        ``EngineConfig.compile`` (module docstring, "compiled steps").
+        ``EngineConfig.compile`` (module docstring, "compiled steps"). ``chunks``: the eager attention's
+        row chunks (:func:`distill.engine.attention.plan_row_chunks`; a compiled forward attends over the whole window).
         """
         if self._compiled is not None and step and (self._compile_all or (layers is None and ids.numel() == 1)):
             for storage in (cache.keys, cache.values):  # the slots grow with the sequences: one graph for every capacity
@@ -174,8 +179,9 @@ class Target:
         else:
             handles = [self.decoder.layers[i].register_forward_pre_hook(entering(i), with_kwargs=True) for i in layers]
         try:
+            extra = {"row_chunks": chunks} if chunks is not None else {}
             out = self.model(input_ids=ids, position_ids=positions, attention_mask=bias, past_key_values=cache,
-                             use_cache=True, logits_to_keep=keep)
+                             use_cache=True, logits_to_keep=keep, **extra)
         finally:
             for h in handles:
                 h.remove()
