@@ -60,10 +60,10 @@ def test_static_window_calls_decode_as_the_eager_calls_batched_and_continuous():
         steps, drafts = [], []
         forward = engine.target.forward
 
-        def spy(ids, positions, bias, cache, keep=0, layers=None, step=False):
+        def spy(ids, positions, bias, cache, keep=0, layers=None, step=False, chunks=None):
             if step:
-                steps.append((bias.shape[-1], cache.slots, ids.shape))
-            return forward(ids, positions, bias, cache, keep, layers, step)
+                steps.append((bias.shape[-1], cache.slots, ids.shape, chunks))
+            return forward(ids, positions, bias, cache, keep, layers, step, chunks)
 
         engine.target.forward = spy
         if name == "eagle":  # the drafter's keep-mask (B, 1, q, W) and its cache
@@ -73,9 +73,9 @@ def test_static_window_calls_decode_as_the_eager_calls_batched_and_continuous():
         assert decode(engine, True) == plain, name
         assert continuous(engine) == cont, name
         # every graphed step attended over all the cache's slots; buckets: rows in use x tree sizes
-        assert steps and all(w == s for w, s, _ in steps)
-        assert {shape[1] for _, _, shape in steps} == {1, engine.max_tree_size}
-        assert len({shape[0] for _, _, shape in steps}) > 1  # rows left the batch: new buckets
+        assert steps and all(w == s and chunks is None for w, s, _, chunks in steps)  # one call over the whole window
+        assert {shape[1] for _, _, shape, _ in steps} == {1, engine.max_tree_size}
+        assert len({shape[0] for _, _, shape, _ in steps}) > 1  # rows left the batch: new buckets
         kinds = {key[0] for key in engine.graphs.keys()}
         if name == "eagle":  # catch-ups and expansions graphed too (prompt catch-ups stay eager: their window is short)
             assert kinds == {"step", "eagle catch-up", "eagle expansion"}
