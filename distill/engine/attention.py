@@ -15,8 +15,8 @@ row chunks
     to the longest row's window, the shorter rows' extra keys masked. A plan of row chunks
     ``(first row, end row, queries, keys)`` splits the rows into contiguous runs, each
     attended over its own longest row's keys and queries (:func:`plan_row_chunks`); the
-    masked keys left out contribute exactly nothing to a softmax, so the outputs are the
-    same. The plan reaches the attention as the forward's ``row_chunks`` keyword, which
+    masked keys left out add nothing to a softmax, so the outputs are the same but for float
+    rounding (another summation order). The plan reaches the attention as the forward's ``row_chunks`` keyword, which
     transformers' decoder layers hand down to the attention function untouched.
 ``distill_sdpa``
     the attention implementation registered here through transformers' public
