@@ -136,6 +136,47 @@ def vllm(llm, prompts: list[list[int]], max_tokens: int, batch: int, stop_ids: l
     return sum(map(len, outs)), time.perf_counter() - t0, outs
 
 
+def profile_batch(engine: Engine, llm, prompts: list[list[int]], steps: int) -> dict:
+    """Both engines' breakdowns of plain decoding of ``prompts`` in one batch (torch profiler; vLLM's engine core runs in
+    this process): the self CPU ms of each op per decoding step (a run of ``steps`` + 1 tokens less a run of 1, over
+    ``steps``), and of the prefill (the run of 1)."""
+    from vllm import SamplingParams as VSP
+    from vllm.inputs import TokensPrompt
+
+    def run_vllm(n: int) -> None:
+        sp = VSP(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
+        llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+
+    def run_ours(n: int) -> None:
+        engine.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True), speculative=False)
+
+    out = {"batch": len(prompts), "steps": steps}
+    for name, run in (("ours", run_ours), ("vllm", run_vllm)):
+        out[name] = breakdown(run, steps)
+        print(f"{name} per decoding step (ms):", out[name]["per_step_ms"])
+    return out
+
+
+def breakdown(run, steps: int) -> dict:
+    from collections import defaultdict
+
+    from torch.profiler import ProfilerActivity, profile
+
+    def ops(n: int) -> dict[str, float]:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            run(n)
+        out: dict[str, float] = defaultdict(float)
+        for ev in prof.events():
+            out[ev.name] += ev.self_cpu_time_total / 1000
+        return out
+
+    first, many = ops(1), ops(steps + 1)
+    per_step = {k: (v - first.get(k, 0.0)) / steps for k, v in many.items()}
+    top = sorted(per_step.items(), key=lambda kv: -kv[1])[:12]
+    return {"per_step_ms": {k: round(v, 2) for k, v in top},
+            "prefill_ms": {k: round(v, 1) for k, v in sorted(first.items(), key=lambda kv: -kv[1])[:8]}}
+
+
 def same_prefix(a: list[list[int]], b: list[list[int]]) -> list[int]:
     """Per sequence: how many leading tokens two greedy decodings share."""
     out = []
@@ -411,6 +452,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12, help="steps per verification timing run")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--profile-steps", type=int, default=8)
+    ap.add_argument("--profile-batch", action="store_true", help="both engines' per-op breakdown of the batched run's steps")
     ap.add_argument("--no-vllm", action="store_true")
     ap.add_argument("--compile", action="store_true", help="EngineConfig(compile=True)")
     ap.add_argument("--no-fuse", action="store_true", help="every linear its own product (the engine without the fusion)")
@@ -524,6 +566,8 @@ def main() -> None:
         print("EAGLE step ms (proposal + verification)", {n: round(1000 * s, 2) for n, s in esecs.items()})
     if engine.graphs is not None:
         result["cuda_graphs"] = {"recorded": engine.graphs.recorded, "replays": engine.graphs.replays}
+    if args.profile_batch and llm is not None:
+        result["batch_profile"] = profile_batch(engine, llm, many if args.batch else one, 64)
     if args.profile:
         result["profile"] = [profile_steps(engines[n], one[0], n, args.profile_steps) for n in [0] + [n for n in (16, 64) if n in engines]]
         for p in result["profile"]:
