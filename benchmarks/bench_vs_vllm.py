@@ -359,6 +359,8 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=None, help="the first N MT-Bench first turns (default: all 80)")
     ap.add_argument("--prompts-per-level", default=None, metavar="N1,N2,...",
                     help="a slice of its own of the prompts per concurrency level, each prompt sent once per server")
+    ap.add_argument("--first", type=int, default=0, help="the prompts start at this MT-Bench question (40: the c = 16 level "
+                    "of --prompts-per-level 16,24,40 on its own)")
     ap.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
     ap.add_argument("--concurrency", default="1,4,16", help="comma-separated client concurrencies")
     ap.add_argument("--repeats", type=int, default=2, help="server starts each, the order reversed every other repeat")
@@ -394,7 +396,7 @@ def main() -> None:
     dtype = placement(resolved.path, "auto", args.dtype).dtype
     cmds = server_commands(args, resolved.path, dtype, args.max_batch or max(levels))
     work = Path(tempfile.mkdtemp(prefix="bench_vs_vllm-"))
-    per_level = level_prompts(mt_bench_prompts(), levels, args.prompts_per_level, args.limit)
+    per_level = level_prompts(mt_bench_prompts()[args.first :], levels, args.prompts_per_level, args.limit)
     datasets = {c: work / f"mt-bench-first-turns-c{c}.jsonl" for c in levels}
     counts = {c: write_prompts(datasets[c], per_level[c]) for c in levels}
     n = sum(counts.values()) if args.prompts_per_level else counts[levels[0]]
