@@ -32,6 +32,15 @@ from distill.engine.attention import CHUNK_OVERHEAD, plan_row_chunks, sdpa_gqa  
 HEADS, KV_HEADS, DIM, LAYERS = 9, 3, 64, 30
 
 
+def mt_bench_lengths(n: int) -> list[int]:
+    """The token lengths of the first ``n`` MT-Bench first turns under the bundled model's chat template (seed order)."""
+    from transformers import AutoTokenizer
+
+    from distill.models import resolve_model
+
+    return [len(p) for p in mt_bench_prompts(AutoTokenizer.from_pretrained(resolve_model(None).path), n)]
+
+
 def timed(fn, calls: int, rounds: int) -> list[float]:
     for _ in range(5):
         fn()
@@ -103,12 +112,8 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=60)
     ap.add_argument("--out", default=None, help="JSON file to write")
     args = ap.parse_args()
-    from transformers import AutoTokenizer
-
-    from distill.models import resolve_model
-
-    lengths = [len(p) for p in mt_bench_prompts(AutoTokenizer.from_pretrained(resolve_model(None).path), 56)]
-    FIRST_16, TAIL_16 = lengths[:16], lengths[40:56]  # MT-Bench first turns under the chat template, seed order
+    lengths = mt_bench_lengths(56)
+    FIRST_16, TAIL_16 = lengths[:16], lengths[40:56]
     torch.manual_seed(0)
     slots = max(TAIL_16) + 64 + 1
     store = (torch.randn(LAYERS, 16, KV_HEADS, slots, DIM), torch.randn(LAYERS, 16, KV_HEADS, slots, DIM))

@@ -19,30 +19,23 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_batching import mt_bench_prompts  # noqa: E402
 from bench_engine_step import cpu_description  # noqa: E402
+from bench_row_chunks import DIM, HEADS, KV_HEADS, LAYERS, mt_bench_lengths, timed  # noqa: E402
 
 from distill.engine.attention import plan_row_chunks, sdpa_gqa  # noqa: E402
 
-HEADS, KV_HEADS, DIM, LAYERS, GENERATED = 9, 3, 64, 30, 32
+GENERATED = 32
 
 
-def timed(fn, calls: int, rounds: int) -> float:
-    for i in range(10):
-        fn(i % LAYERS)
-    out = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for i in range(calls):
-            fn(i % LAYERS)
-        out.append((time.perf_counter() - t0) / calls * 1e6)
-    return statistics.median(out)
+def per_layer_us(fn, calls: int, rounds: int) -> float:
+    """Median microseconds of ``fn(layer)``, the layers' storage cycled call by call."""
+    layer = iter(range(10**9))
+    return statistics.median(timed(lambda: fn(next(layer) % LAYERS), calls, rounds))
 
 
 def compare(name: str, lengths: list[int], args) -> dict:
@@ -90,8 +83,8 @@ def compare(name: str, lengths: list[int], args) -> dict:
 
     diff = float((sdpa(0) - kernel(0)).abs().max())
     row = {"case": name, "rows": B, "slots": S, "isa": isa, "values_as_ours": same_values, "keys_as_ours": same_keys,
-           "sdpa_row_chunks_us": round(timed(sdpa, args.calls, args.rounds), 1),
-           "vllm_kernel_us": round(timed(kernel, args.calls, args.rounds), 1), "max_abs_diff": diff}
+           "sdpa_row_chunks_us": round(per_layer_us(sdpa, args.calls, args.rounds), 1),
+           "vllm_kernel_us": round(per_layer_us(kernel, args.calls, args.rounds), 1), "max_abs_diff": diff}
     row["ratio"] = round(row["vllm_kernel_us"] / row["sdpa_row_chunks_us"], 3)
     print(json.dumps(row))
     return row
@@ -103,12 +96,8 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=60)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    from transformers import AutoTokenizer
-
-    from distill.models import resolve_model
-
     torch.manual_seed(0)
-    lengths = [len(p) for p in mt_bench_prompts(AutoTokenizer.from_pretrained(resolve_model(None).path), 56)]
+    lengths = mt_bench_lengths(56)
     rows = [compare("questions 0-15", lengths[:16], args), compare("questions 40-55", lengths[40:56], args)]
     if args.out:
         Path(args.out).write_text(json.dumps({"cpu": cpu_description(), "cases": rows}, indent=1) + "\n")
