@@ -130,14 +130,14 @@ class Target:
         cache (a static shape: graphs.py, "static window")."""
         return cache.slots if self.graphs is not None else eager
 
-    def step(self, tokens, positions, write, bias, cache: kv.SlotCache, layers, ends: list[int] | None = None):
+    def step(self, tokens, positions, write, bias, cache: kv.SlotCache, layers, ends: list[int]):
         """A decoding step's forward: ``tokens`` written at slots ``write`` (B, T) -> (logits (B, T, V) float32,
         features); replayed from its graph bucket when graphs are on. ``ends``: the rows' committed lengths (host),
         so that an eager forward attends each run of rows over its own keys only."""
         if self.graphs is None:
             cache.prepare(write, bias.shape[-1])
             T = tokens.shape[1]
-            chunks = plan_row_chunks([T] * len(ends), [e + T for e in ends]) if ends is not None else None
+            chunks = plan_row_chunks([T] * len(ends), [e + T for e in ends])
             return self.forward(tokens, positions, bias, cache, layers=layers, step=True, chunks=chunks)
 
         def forward(ids, positions, write, bias):
