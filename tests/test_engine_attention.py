@@ -93,3 +93,74 @@ def test_row_chunks_give_the_same_outputs_on_each_row_and_zeros_past_a_runs_quer
     before, after = into_o_proj
     assert after[1:3, 5:].abs().sum() == 0 and before[1:3, 5:].abs().sum() > 0
     torch.testing.assert_close(after[1:3, :5], before[1:3, :5], rtol=1e-5, atol=1e-6)
+
+
+def _dims_cache(keys: torch.Tensor, values: torch.Tensor):
+    """A one-layer ``"dims"`` slot cache holding keys/values (B, kv_heads, S, d) at slots 0 .. S - 1."""
+    from distill.engine.cache import KVShape, SlotCache
+
+    B, H, S, d = keys.shape
+    cache = SlotCache(KVShape(1, H, d, d, torch.float32, torch.device("cpu")), B, S, key_order="dims")
+    cache.prepare(torch.arange(S)[None].expand(B, S), S, from_start=True)
+    cache.update(keys, values, 0)
+    return cache
+
+
+def _reference(query, keys, values, allowed):
+    return torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=allowed, enable_gqa=True)
+
+
+def test_keys_in_dimension_order_attend_as_sdpa_with_and_without_row_chunks():
+    from distill.engine.attention import plan_row_chunks, sdpa_gqa
+
+    g = torch.Generator().manual_seed(0)
+    B, S, T = 4, 40, 3
+    keys, values, query = torch.randn(B, 2, S, 32, generator=g), torch.randn(B, 2, S, 32, generator=g), torch.randn(B, 6, T, 32, generator=g)
+    cache = _dims_cache(keys, values)
+    ends = [37, 5, 9, 20]
+    allowed = torch.arange(S)[None, None, None] <= (torch.tensor(ends)[:, None, None, None] + torch.arange(T)[None, None, :, None])
+    bias = torch.zeros(allowed.shape).masked_fill_(~allowed, torch.finfo(torch.float32).min)
+    want = _reference(query, keys, values, allowed).transpose(1, 2)
+    dims_keys, dims_values = cache.keys[0, :B, :, :S], cache.values[0, :B, :, :S]  # the window a forward gets
+    assert dims_keys.stride(-1) != 1
+    whole, _ = sdpa_gqa(None, query, dims_keys, dims_values, bias)
+    plan = plan_row_chunks([T] * B, [e + T for e in ends], overhead=1)
+    assert plan is not None and len(plan) > 1
+    chunked, _ = sdpa_gqa(None, query, dims_keys, dims_values, bias, row_chunks=plan)
+    torch.testing.assert_close(whole, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(chunked, want, rtol=1e-5, atol=1e-5)
+
+
+def test_vllm_kernel_attends_causally_per_row_over_the_dims_cache():
+    """A prefill of right-padded prompts (padding queries give zeros), a plain step and a chain of three tokens, rows of
+    different lengths: the kernel's outputs are SDPA's over the same keys."""
+    from distill.engine.cache import KVShape
+    from distill.engine.cpu import paged
+
+    assert paged.paged_problem(KVShape(1, 2, 32, 32, torch.float32, torch.device("cpu")), 6) == ""
+    assert "float32" in paged.paged_problem(KVShape(1, 2, 32, 32, torch.bfloat16, torch.device("cpu")), 6)
+    g = torch.Generator().manual_seed(1)
+    B, S = 3, 64
+    keys, values = torch.randn(B, 2, S, 32, generator=g), torch.randn(B, 2, S, 32, generator=g)
+    cache = _dims_cache(keys, values)
+    lengths = [30, 7, 12]
+    query = torch.randn(B, 6, 30, 32, generator=g)
+    out = paged.paged_attention(paged.plan(cache, lengths, [0] * B, 6, padded=True), 0, query, 0.25)
+    assert out.shape == (B, 30, 6, 32)
+    for b, n in enumerate(lengths):
+        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        want = torch.nn.functional.scaled_dot_product_attention(query[b : b + 1, :, :n], keys[b : b + 1, :, :n],
+                                                                values[b : b + 1, :, :n], attn_mask=causal, scale=0.25,
+                                                                enable_gqa=True)
+        torch.testing.assert_close(out[b, :n], want[0].transpose(0, 1), rtol=1e-4, atol=1e-5)
+        assert out[b, n:].abs().sum() == 0
+    ends = [40, 3, 17]
+    for T in (1, 3):
+        q = query[:, :, :T].contiguous()
+        out = paged.paged_attention(paged.plan(cache, [T] * B, ends, 6, padded=False), 0, q, 0.25)
+        for b, e in enumerate(ends):
+            allowed = torch.arange(e + T)[None] <= torch.arange(e, e + T)[:, None]
+            want = torch.nn.functional.scaled_dot_product_attention(q[b : b + 1], keys[b : b + 1, :, : e + T],
+                                                                    values[b : b + 1, :, : e + T], attn_mask=allowed,
+                                                                    scale=0.25, enable_gqa=True)
+            torch.testing.assert_close(out[b], want[0].transpose(0, 1), rtol=1e-4, atol=1e-5)

@@ -132,25 +132,57 @@ def test_sequences_joining_a_running_batch_decode_as_in_batch_one(hf_model, toke
         assert max(a for r in results.values() for a in r.accepted) >= 2  # speculation ran in the mixed batch
 
 
-def test_rows_of_very_different_lengths_attend_in_chunks_and_decode_as_in_batch_one(hf_model, tokenizer, monkeypatch):
-    """A long prompt beside short ones: the prefill and every plain step attend in row chunks (engine.attention),
-    and each greedy row still equals its batch-1 decoding."""
+@pytest.fixture(scope="module")
+def uneven(tokenizer) -> list[list[int]]:
+    """A long prompt between two of the shortest MT-Bench turns."""
+    by_length = sorted(mt_bench_prompts(tokenizer, 60), key=len)
+    chosen = [by_length[0], by_length[-1], by_length[1]]
+    assert len(chosen[1]) > 4 * len(chosen[0])
+    return chosen
+
+
+def test_rows_of_very_different_lengths_attend_in_chunks_and_decode_as_in_batch_one(hf_model, tokenizer, uneven, monkeypatch):
+    """SDPA attention: the prefill and every plain step attend in row chunks (engine.attention), and each greedy row
+    still equals its batch-1 decoding."""
     import distill.engine.target as target_module
 
-    every = mt_bench_prompts(tokenizer, 60)
-    by_length = sorted(every, key=len)
-    chosen = [by_length[0], by_length[-1], by_length[1]]  # the longest between two of the shortest
-    assert len(chosen[1]) > 4 * len(chosen[0])
-    engine = Engine(hf_model, tokenizer, None, EngineConfig(max_batch=3))
+    engine = Engine(hf_model, tokenizer, None, EngineConfig(max_batch=3, attention="sdpa"))
+    assert engine.target.paged_problem and engine.target.new_cache(1, 8).key_order == "slots"
     params = SamplingParams(max_tokens=12)
-    single = [engine.generate([p], params)[0][0].token_ids for p in chosen]
+    single = [engine.generate([p], params)[0][0].token_ids for p in uneven]
     plans = []
     real = target_module.plan_row_chunks
     monkeypatch.setattr(target_module, "plan_row_chunks", lambda q, k: plans.append(real(q, k)) or plans[-1])
-    batched, stats = engine.generate(chosen, params)
+    batched, stats = engine.generate(uneven, params)
     assert [r.token_ids for r in batched] == single
     assert len(plans) == stats.steps + 1 and all(p is not None for p in plans)
     assert [(r0, r1) for r0, r1, _, _ in plans[0]] == [(0, 1), (1, 3)]  # the prefill: the long prompt first, alone
+
+
+def test_kernel_attention_runs_prefills_plain_steps_and_chains_and_decodes_as_sdpa(hf_model, tokenizer, uneven, monkeypatch):
+    """vLLM's CPU kernel (engine.cpu.paged) attends in the prefill and every plain step of rows of uneven lengths and in
+    chain steps; branching trees attend in distill_sdpa over the same keys. Every greedy row equals its batch-1
+    decoding and SDPA's."""
+    from distill.engine.cpu import paged
+
+    sdpa = Engine(hf_model, tokenizer, None, EngineConfig(max_batch=3, attention="sdpa"))
+    engine = Engine(hf_model, tokenizer, None, EngineConfig(max_batch=3))
+    assert engine.target.paged_problem == "" and engine.target.new_cache(1, 8).key_order == "dims"
+    params = SamplingParams(max_tokens=12)
+    want = [sdpa.generate([p], params)[0][0].token_ids for p in uneven]
+    assert [engine.generate([p], params)[0][0].token_ids for p in uneven] == want
+    plans = []
+    real = paged.plan
+    monkeypatch.setattr(paged, "plan", lambda *a, **k: plans.append(real(*a, **k)) or plans[-1])
+    batched, stats = engine.generate(uneven, params)
+    assert [r.token_ids for r in batched] == want
+    assert len(plans) == stats.steps + 1 and plans[0].pack is not None and all(p.pack is None for p in plans[1:])
+    for tree in ("chain", "sparse-8"):
+        plans.clear()
+        medusa = Engine(hf_model, tokenizer, make_heads(hf_model, random_w1=False), EngineConfig(max_batch=3, tree=tree, speculate_max_batch=3))
+        results, stats = medusa.generate(uneven, params)
+        assert [r.token_ids for r in results] == want and stats.tree_nodes > 0
+        assert (len(plans) == stats.steps + 1) == (tree == "chain")  # a branching tree's steps are not the kernel's
 
 
 def test_stop_tokens_cancellation_and_callbacks(hf_model, tokenizer, prompts, plain_reference):

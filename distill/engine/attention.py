@@ -18,6 +18,12 @@ row chunks
     masked keys left out add nothing to a softmax, so the outputs are the same but for float
     rounding (another summation order). The plan reaches the attention as the forward's ``row_chunks`` keyword, which
     transformers' decoder layers hand down to the attention function untouched.
+keys in dimension order
+    a slot cache whose keys vLLM's CPU kernel reads keeps them (key_dim, slots) per head
+    (:mod:`distill.engine.cache`, "key order"). Forwards the kernel computes (causal per row) get a
+    :class:`~distill.engine.cpu.paged.PagedPlan` as the ``paged`` keyword and attend on it; the others
+    (branching trees) multiply the queries by those keys as they lie (:func:`attend_dims`): SDPA would
+    copy them into slot order first, which costs it two to three times its own attention.
 ``distill_sdpa``
     the attention implementation registered here through transformers' public
     ``AttentionInterface`` / ``AttentionMaskInterface``: :func:`sdpa_gqa` for the
@@ -77,18 +83,37 @@ def _sdpa(query, key, value, mask, dropout, scaling):
                                                             scale=scaling, enable_gqa=True)
 
 
+def attend_dims(query, key, value, mask, scaling):
+    """SDPA's attention (B, heads, T, d) with keys in dimension order (module docstring): ``key`` a (B, kv_heads, S, d)
+    view of (d, S) blocks, mask (B | 1, 1, T, S). Each key/value head's query groups are one product."""
+    B, H, T, d = query.shape
+    G = H // key.shape[1]
+    scores = torch.matmul(query.reshape(B, key.shape[1], G * T, d), key.transpose(2, 3))  # (B, kv_heads, G T, S)
+    scores = scores.view(B, key.shape[1], G, T, -1).mul_(d ** -0.5 if scaling is None else scaling).add_(mask[:, :, None])
+    weights = torch.softmax(scores, dim=-1).view(B, key.shape[1], G * T, -1)
+    return torch.matmul(weights, value).view(B, H, T, value.shape[-1])
+
+
 def sdpa_gqa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None,
-             row_chunks: list[RowChunk] | None = None, **kwargs):
+             row_chunks: list[RowChunk] | None = None, paged=None, **kwargs):
     """query (B, heads, T, d), key/value (B, kv_heads, S, d), mask (B | 1, 1, T, S) -> ((B, T, heads, d), None).
 
     ``row_chunks``: attend each run of rows over its own queries and keys (module docstring, "row chunks"); a
-    row's queries past its run's are padding, and their outputs are zeros.
+    row's queries past its run's are padding, and their outputs are zeros. ``paged``: the forward's plan on vLLM's
+    CPU kernel (module docstring, "keys in dimension order"), which reads ``module.layer_idx``'s cache itself.
     """
-    groups = query.shape[1] // key.shape[1]
-    if groups == 1 or attention_mask is None or kwargs.get("position_bias") is not None or kwargs.get("cache") is not None:
+    if paged is not None:
+        from distill.engine.cpu.paged import paged_attention
+
+        return paged_attention(paged, module.layer_idx, query, scaling), None
+    plain = attention_mask is None or kwargs.get("position_bias") is not None or kwargs.get("cache") is not None
+    dims = key.stride(-1) != 1 and dropout == 0.0 and not plain
+    if not dims and (plain or query.shape[1] == key.shape[1]):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     if row_chunks is None:
+        if dims:
+            return attend_dims(query, key, value, attention_mask, scaling).transpose(1, 2).contiguous(), None
         out = _sdpa(query, key, value, attention_mask, dropout, scaling)  # (B, heads, T, d)
         return out.transpose(1, 2).contiguous(), None
     B, H, T, _ = query.shape
@@ -96,7 +121,8 @@ def sdpa_gqa(module, query, key, value, attention_mask, dropout: float = 0.0, sc
     per_row = attention_mask.shape[0] > 1
     for r0, r1, q, k in row_chunks:
         mask = attention_mask[r0:r1] if per_row else attention_mask
-        part = _sdpa(query[r0:r1, :, :q], key[r0:r1, :, :k], value[r0:r1, :, :k], mask[:, :, :q, :k], dropout, scaling)
+        args = (query[r0:r1, :, :q], key[r0:r1, :, :k], value[r0:r1, :, :k], mask[:, :, :q, :k])
+        part = attend_dims(*args, scaling) if dims else _sdpa(*args, dropout, scaling)
         out[r0:r1, :q] = part.transpose(1, 2)
         if q < T:
             out[r0:r1, q:] = 0
@@ -115,4 +141,4 @@ def use_gqa_sdpa(model) -> bool:
     return model.config._attn_implementation == NAME
 
 
-__all__ = ["CHUNK_OVERHEAD", "NAME", "RowChunk", "plan_row_chunks", "sdpa_gqa", "use_gqa_sdpa"]
+__all__ = ["CHUNK_OVERHEAD", "NAME", "RowChunk", "attend_dims", "plan_row_chunks", "sdpa_gqa", "use_gqa_sdpa"]

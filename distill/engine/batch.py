@@ -273,7 +273,8 @@ class Batch:
             bias = kv.attention_bias(kv.step_allowed(end, buf.mask, window), target.dtype)  # (B, 1, T, W)
         with record_function("distill.forward"):
             layers = d.proposer.feature_layers if speculative else None
-            logits, features = target.step(tokens, end[:, None] + buf.depth, write, bias, self.cache, layers, self.ends)
+            chain = not target.paged_problem and buf.is_chain  # the kernel attention computes chains, not trees
+            logits, features = target.step(tokens, end[:, None] + buf.depth, write, bias, self.cache, layers, self.ends, chain)
         with record_function("distill.accept"):  # 4. accept
             acc = d.accept(tokens, logits, buf, active, proposal.draft)
         with record_function("distill.compact"):  # 5. commit: accepted nodes follow the root, tree slot end + path_k -> end + k

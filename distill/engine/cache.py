@@ -27,6 +27,15 @@ capacity
     the storage's rows and slots. Rows and slots beyond what is in use are spare; joining
     rows or longer sequences grow the storage (a copy, geometric growth), never a step.
 
+key order
+    how each head's keys lie in memory: ``"slots"``, (slots, key_dim) as the values (what SDPA
+    reads fastest), or ``"dims"``, (key_dim, slots): the order vLLM's CPU attention kernel reads
+    (:mod:`distill.engine.cpu.paged`). ``keys`` is always a (layers, R, heads, S, key_dim) view, so
+    moves and copies are the same code for both; :attr:`SlotCache.kernel_keys` is the storage as
+    the kernel takes it. A forward's writes go through the cache's ``writer`` when it has one (the
+    kernel's own: a column of a (key_dim, slots) block per key is where a scatter is slowest).
+    :class:`Writer` is what it is called with.
+
 pooled storage
     with CUDA graphs (:mod:`distill.engine.graphs`) a graph is tied to the addresses of the
     storage it writes, so a batch's cache takes its storage from a :class:`SlotPool` and gives
@@ -43,6 +52,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from transformers import DynamicCache
@@ -155,8 +165,22 @@ class SlotLayer(CacheLayerMixin):
         return self.cache.slots
 
 
-def _alloc(shape: KVShape, rows: int, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
-    keys = torch.zeros(shape.layers, rows, shape.heads, slots, shape.key_dim, dtype=shape.dtype, device=shape.device)
+KEY_ORDERS = ("slots", "dims")
+#: A cache's own writer: (keys (N, heads, key_dim), values (N, heads, value_dim), the layer's kernel keys and values
+#: (R, heads, S, d), flat slots (N,) = row x S + slot) -> None, writing in place.
+Writer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+#: A ``"dims"`` cache's slots are a multiple of this: the block sizes vLLM's CPU kernel takes.
+DIMS_SLOT_MULTIPLE = 32
+
+
+def _alloc(shape: KVShape, rows: int, slots: int, key_order: str = "slots") -> tuple[torch.Tensor, torch.Tensor]:
+    """Zeroed storage; keys as a (layers, rows, heads, slots, key_dim) view in either key order (module docstring)."""
+    if key_order == "dims":
+        slots = -(-slots // DIMS_SLOT_MULTIPLE) * DIMS_SLOT_MULTIPLE
+        keys = torch.zeros(shape.layers, rows, shape.heads, shape.key_dim, slots, dtype=shape.dtype,
+                           device=shape.device).transpose(3, 4)
+    else:
+        keys = torch.zeros(shape.layers, rows, shape.heads, slots, shape.key_dim, dtype=shape.dtype, device=shape.device)
     values = torch.zeros(shape.layers, rows, shape.heads, slots, shape.value_dim, dtype=shape.dtype, device=shape.device)
     return keys, values
 
@@ -201,12 +225,22 @@ class SlotCache(Cache):
     slots and the window; the model's attention then calls :meth:`update` once per layer.
     """
 
-    def __init__(self, shape: KVShape, rows: int, slots: int, pool: SlotPool | None = None):
-        """``pool``: take the storage from it (room for at least ``rows`` x ``slots``) and give it back when this cache is gone."""
+    def __init__(self, shape: KVShape, rows: int, slots: int, pool: SlotPool | None = None, key_order: str = "slots",
+                 writer: Writer | None = None):
+        """``pool``: take the storage from it (room for at least ``rows`` x ``slots``) and give it back when this cache is
+        gone (pooled storage keeps its keys in slot order); ``key_order`` and ``writer`` ("dims" order only): module
+        docstring."""
+        if key_order not in KEY_ORDERS or (pool is not None and key_order != "slots"):
+            raise ValueError(f"key order {key_order!r}: one of {KEY_ORDERS}, and 'slots' for pooled storage")
+        if writer is not None and key_order != "dims":
+            raise ValueError("a writer writes keys in 'dims' order")
+        self.writer = writer
+        self._flat: torch.Tensor | None = None  # (B T,) the writer's slots: row x S + slot
         self.shape = shape
         self.pool = pool
+        self.key_order = key_order
         self._give_back = None
-        self._use(*(pool.take(rows, slots) if pool is not None else _alloc(shape, rows, slots)))
+        self._use(*(pool.take(rows, slots) if pool is not None else _alloc(shape, rows, slots, key_order)))
         self.rows = rows  # rows in use (the batch)
         self.window = 0
         self._index_k: torch.Tensor | None = None  # (B, heads, T, key_dim) write slots, expanded
@@ -231,6 +265,14 @@ class SlotCache(Cache):
         return self.keys.shape[3]
 
     @property
+    def kernel_keys(self) -> torch.Tensor:
+        """The keys of a ``"dims"`` cache as vLLM's CPU kernel takes them: (layers, R, heads, S, key_dim), each (S,
+        key_dim) block holding key_dim x S values (a reinterpreting view)."""
+        if self.key_order != "dims":
+            raise ValueError("only a cache with keys in 'dims' order is read by the kernel")
+        return self.keys.transpose(3, 4).view(self.keys.shape)
+
+    @property
     def nbytes(self) -> int:
         return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
 
@@ -247,6 +289,10 @@ class SlotCache(Cache):
             raise ValueError(f"window {window} exceeds the cache's {self.slots} slots")
         s = self.shape
         self._from_start = from_start
+        if self.writer is not None:
+            self._flat = (torch.arange(B, device=write.device)[:, None] * self.slots + write).reshape(-1)
+            self.window = window
+            return
         self._index_k = write[:, None, :, None].expand(B, s.heads, T, s.key_dim)
         self._index_v = self._index_k if s.value_dim == s.key_dim else write[:, None, :, None].expand(B, s.heads, T, s.value_dim)
         self.window = window
@@ -255,7 +301,11 @@ class SlotCache(Cache):
         """Write (B, heads, T, d) keys/values at the prepared slots; -> this layer's first ``window`` slots (views)."""
         keys = self.keys[layer_idx, : self.rows]  # (B, heads, S, key_dim)
         values = self.values[layer_idx, : self.rows]
-        if self._from_start:
+        if self.writer is not None:
+            B, H, T, _ = key_states.shape
+            self.writer(key_states.transpose(1, 2).reshape(B * T, H, -1), value_states.transpose(1, 2).reshape(B * T, H, -1),
+                        self.kernel_keys[layer_idx], self.values[layer_idx], self._flat)
+        elif self._from_start:
             T = key_states.shape[2]
             keys[:, :, :T].copy_(key_states)
             values[:, :, :T].copy_(value_states)
@@ -305,10 +355,10 @@ class SlotCache(Cache):
             return
         R2 = max(rows, 2 * R) if rows > R else R
         S2 = max(slots, 2 * S) if slots > S else S
-        keys, values = self.pool.take(R2, S2) if self.pool is not None else _alloc(self.shape, R2, S2)
+        keys, values = self.pool.take(R2, S2) if self.pool is not None else _alloc(self.shape, R2, S2, self.key_order)
         keys[:, : self.rows, :, :S] = self.keys[:, : self.rows]
         values[:, : self.rows, :, :S] = self.values[:, : self.rows]
         self._use(keys, values)
 
 
-__all__ = ["KVShape", "SlotCache", "SlotPool", "attention_bias", "prefill_allowed", "step_allowed"]
+__all__ = ["KEY_ORDERS", "KVShape", "SlotCache", "SlotPool", "attention_bias", "prefill_allowed", "step_allowed"]

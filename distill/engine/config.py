@@ -17,6 +17,7 @@ TYPICAL_EPSILON = 0.09
 TYPICAL_DELTA = 0.3
 ACCEPTANCE_MODES = ("greedy", "typical", "rejection")
 WEIGHT_LAYOUTS = ("auto", "as-loaded")
+ATTENTIONS = ("auto", "sdpa")
 
 
 #: The heads value that selects the lookup proposer (nothing trained): ``--heads lookup``.
@@ -54,6 +55,8 @@ class EngineConfig:
     adaptive: bool = False  # correct the policy with measured acceptance and step times (policy.AdaptivePolicy)
     weight_layout: str = "auto"  # "auto": CPU float32 linears re-laid out and packed (engine.cpu.linears), RMSNorms and
     # the rotary embedding on vLLM's CPU kernels where they load (engine.cpu.norms, engine.cpu.rotary); "as-loaded": as they came
+    attention: str = "auto"  # "auto": on a CPU with weight_layout "auto" and eager steps, vLLM's attention kernel where
+    # it passes its check (engine.cpu.paged), SDPA elsewhere; "sdpa": SDPA (in row chunks) everywhere
     compile: bool = False  # torch.compile the decoding steps' forwards (on a CPU single-token steps only; Target.forward)
     cuda_graphs: bool | None = None  # decoding steps replayed as CUDA graphs (engine.graphs), compiled or not; None: on for CUDA
 
@@ -67,6 +70,7 @@ class EngineConfig:
             raise ConfigError(f"speculate_max_batch must be >= 0, got {self.speculate_max_batch}")
         self.dtype = canonical_dtype(self.dtype)
         check_choice("weight_layout", self.weight_layout, WEIGHT_LAYOUTS)
+        check_choice("attention", self.attention, ATTENTIONS)
         if self.step_cost_ratio is not None and self.step_cost_ratio < 0:
             raise ConfigError(f"step_cost_ratio must be >= 0, got {self.step_cost_ratio}")
         if self.lookup_history is not None and self.lookup_history < 0:

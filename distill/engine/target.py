@@ -8,6 +8,11 @@ target
     (:func:`distill.engine.cpu.prepare`; the GPU path never imports them); everywhere, ``sdpa``
     attention switched to ``distill_sdpa`` (:mod:`distill.engine.attention`), whose eager forwards
     attend each run of rows over no more keys than its longest row needs ("row chunks" there).
+kernel attention
+    on a CPU with ``weight_layout="auto"`` and eager steps, where vLLM's attention kernel passes its
+    check (:func:`distill.engine.cpu.paged.paged_problem`): the caches keep their keys in the
+    kernel's order, and every forward it computes (a prefill, a plain step, a step whose rows all
+    verify a chain) attends on it; a branching tree's step attends in ``distill_sdpa``.
 hidden state
     the backbone's last hidden state after the final norm (what the LM head reads): the decoder's
     (``model.get_decoder()``) ``last_hidden_state``. Medusa's feature.
@@ -70,6 +75,15 @@ class Target:
         # every step's forward compiles where no linear runs on packed weights (a GPU, or "as-loaded" weights)
         self._compile_all = self.compile and (self.device.type != "cpu" or config.weight_layout == "as-loaded")
         self.use_graphs(Graphs(capture=True) if graphs else None)
+        self.heads = model.config.get_text_config().num_attention_heads
+        #: why the attention does not run on vLLM's kernel ("": it does; module docstring, "kernel attention")
+        self.paged_problem = "attention 'sdpa', or not a CPU with its kernels, or compiled or graphed steps"
+        if (config.attention == "auto" and config.weight_layout == "auto" and self.device.type == "cpu" and not self.compile
+                and self.graphs is None):
+            from distill.engine.cpu.paged import paged_problem
+
+            self.paged_problem = paged_problem(self.kv_shape, self.heads)
+        self.prep["attention_vllm"] = int(not self.paged_problem)
 
     def _example(self):
         """One short forward -> its logits: what the CPU linears learn which of them read one input from."""
@@ -104,6 +118,10 @@ class Target:
         self.kv_pool = kv.SlotPool(self.kv_shape) if graphs is not None else None
 
     def new_cache(self, rows: int, slots: int) -> kv.SlotCache:
+        if not self.paged_problem:
+            from distill.engine.cpu import paged
+
+            return kv.SlotCache(self.kv_shape, rows, slots, key_order="dims", writer=paged.write)
         return kv.SlotCache(self.kv_shape, rows, slots, pool=self.kv_pool)
 
     def forward_weights(self) -> int:
@@ -123,6 +141,11 @@ class Target:
     def prefill(self, ids, positions, bias, cache: kv.SlotCache, keep: torch.Tensor, layers, lengths: list[int]):
         """The prefill's forward over right-padded prompts of ``lengths`` tokens: products skip the padding."""
         with valid_rows(lengths, ids.shape[1], self.device, self.rowwise):
+            if not self.paged_problem:
+                from distill.engine.cpu import paged
+
+                return self.forward(ids, positions, bias, cache, keep, layers,
+                                    paged=paged.plan(cache, lengths, [0] * len(lengths), self.heads, padded=True))
             return self.forward(ids, positions, bias, cache, keep, layers, chunks=plan_row_chunks(lengths, lengths))
 
     def window(self, cache: kv.SlotCache, eager: int) -> int:
@@ -130,13 +153,19 @@ class Target:
         cache (a static shape: graphs.py, "static window")."""
         return cache.slots if self.graphs is not None else eager
 
-    def step(self, tokens, positions, write, bias, cache: kv.SlotCache, layers, ends: list[int]):
+    def step(self, tokens, positions, write, bias, cache: kv.SlotCache, layers, ends: list[int], chain: bool = False):
         """A decoding step's forward: ``tokens`` written at slots ``write`` (B, T) -> (logits (B, T, V) float32,
         features); replayed from its graph bucket when graphs are on. ``ends``: the rows' committed lengths (host),
-        so that an eager forward attends each run of rows over its own keys only."""
+        so that an eager forward attends each run of rows over its own keys only. ``chain``: every row's tokens are a
+        chain (each the parent of the next), which the kernel attention computes (module docstring)."""
         if self.graphs is None:
             cache.prepare(write, bias.shape[-1])
             T = tokens.shape[1]
+            if not self.paged_problem and (T == 1 or chain):
+                from distill.engine.cpu import paged
+
+                plan = paged.plan(cache, [T] * len(ends), ends, self.heads, padded=False)
+                return self.forward(tokens, positions, bias, cache, layers=layers, step=True, paged=plan)
             chunks = plan_row_chunks([T] * len(ends), [e + T for e in ends])
             return self.forward(tokens, positions, bias, cache, layers=layers, step=True, chunks=chunks)
 
@@ -147,14 +176,15 @@ class Target:
         return self.graphs(("step", cache_key(cache), tokens.shape[1], layers), forward, tokens, positions, write, bias)
 
     def forward(self, ids, positions, bias, cache: kv.SlotCache, keep: int | torch.Tensor = 0,
-                layers: tuple[int, ...] | None = None, step: bool = False, chunks=None):
+                layers: tuple[int, ...] | None = None, step: bool = False, chunks=None, paged=None):
         """ids/positions (B, T), bias (B or 1, 1, T, window) -> logits (B, T', V) float32, features (B, T, F).
 
         ``keep``: which positions get logits (0: all; a tensor: those indices, ``logits_to_keep``).
         ``layers``: None, the features are the hidden state; layer ids, the hidden states entering
         those decoder layers, concatenated. ``step``: a decoding step's forward, compiled under
         ``EngineConfig.compile`` (module docstring, "compiled steps"). ``chunks``: the eager attention's
-        row chunks (:func:`distill.engine.attention.plan_row_chunks`; a compiled forward attends over the whole window).
+        row chunks (:func:`distill.engine.attention.plan_row_chunks`; a compiled forward attends over the whole window);
+        ``paged``: its plan on vLLM's kernel instead (module docstring, "kernel attention").
         """
         if self._compiled is not None and step and (self._compile_all or (layers is None and ids.numel() == 1)):
             for storage in (cache.keys, cache.values):  # the slots grow with the sequences: one graph for every capacity
@@ -179,7 +209,7 @@ class Target:
         else:
             handles = [self.decoder.layers[i].register_forward_pre_hook(entering(i), with_kwargs=True) for i in layers]
         try:
-            extra = {"row_chunks": chunks} if chunks is not None else {}
+            extra = {"row_chunks": chunks} if chunks is not None else {"paged": paged} if paged is not None else {}
             out = self.model(input_ids=ids, position_ids=positions, attention_mask=bias, past_key_values=cache,
                              use_cache=True, logits_to_keep=keep, **extra)
         finally:

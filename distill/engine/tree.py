@@ -97,6 +97,13 @@ class TreeBuffers:
         return self.size - 1
 
     @property
+    def is_chain(self) -> bool:
+        """Whether every row's tree is a chain, each node the parent of the next (a parent comes before its children,
+        so the last node at depth ``nodes`` means every node sits one deeper than the one before). Reads the depths
+        on the host."""
+        return bool((self.depth[..., -1] == self.nodes).all())
+
+    @property
     def per_row(self) -> bool:
         """Whether every row has its own tree (a leading batch axis)."""
         return self.depth.dim() == 2
