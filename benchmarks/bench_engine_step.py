@@ -66,6 +66,7 @@ import torch  # noqa: E402
 
 from distill.runtime import machine  # noqa: E402
 from distill.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
+from distill.engine.config import ATTENTIONS  # noqa: E402
 from distill.engine.target import Target  # noqa: E402
 from bench_batching import mt_bench_prompts  # noqa: E402  (one MT-Bench first-turn prompt set for the engine benches)
 from distill.store.atomic import atomic_write_bytes  # noqa: E402
@@ -455,6 +456,8 @@ def main() -> None:
     ap.add_argument("--profile-batch", action="store_true", help="both engines' per-op breakdown of the batched run's steps")
     ap.add_argument("--no-vllm", action="store_true")
     ap.add_argument("--compile", action="store_true", help="EngineConfig(compile=True)")
+    ap.add_argument("--attention", choices=ATTENTIONS, default="auto", help="EngineConfig(attention=...): sdpa for the "
+                    "engine without vLLM's attention kernel")
     ap.add_argument("--no-fuse", action="store_true", help="every linear its own product (the engine without the fusion)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
@@ -479,7 +482,7 @@ def main() -> None:
     extra = {"compile": True} if args.compile else {}
     if args.cuda_graphs != "auto":
         extra["cuda_graphs"] = args.cuda_graphs == "on"
-    config = EngineConfig(max_batch=max(args.batch, 1), device=args.device, dtype=args.dtype, **extra)
+    config = EngineConfig(max_batch=max(args.batch, 1), device=args.device, dtype=args.dtype, attention=args.attention, **extra)
     if args.no_fuse:  # no example forward: prepare_linears finds no linears that read one input
         Target._example = lambda self: None
     if args.shape:

@@ -136,17 +136,14 @@ def test_kv_shape_probe_reads_the_models_layers_and_refuses_sliding_windows():
 
 def test_keys_in_dimension_order_hold_what_slot_order_holds_through_every_operation():
     """A ``"dims"`` cache (the order vLLM's CPU kernel reads) behind the same (…, slots, key_dim) view: prefill, step
-    writes, compaction, rows leaving and joining give the keys a slot-order cache gives, written by torch or by vLLM's
-    kernel writer; the kernel's view holds each head's keys as (key_dim, slots)."""
-    from distill.engine.cpu import paged
-
-    s = shape(heads=2, key_dim=32, value_dim=32)
-    assert paged.paged_problem(s, 4) == ""
-    kinds = {"slots": {}, "dims": {"key_order": "dims"}, "writer": {"key_order": "dims", "writer": paged.write}}
+    writes, compaction, rows leaving and joining give the keys a slot-order cache gives; the kernel's view holds each
+    head's keys as (key_dim, slots)."""
+    s = shape(heads=2, key_dim=3, value_dim=3)
+    kinds = {"slots": {}, "dims": {"key_order": "dims"}}
     caches = {kind: kv.SlotCache(s, 3, 40, **kw) for kind, kw in kinds.items()}
     assert caches["dims"].slots % kv.DIMS_SLOT_MULTIPLE == 0 and caches["dims"].keys.stride(-1) != 1
     g = torch.Generator().manual_seed(0)
-    prompt, step = torch.randn(3, 2, 5, 32, generator=g), torch.randn(3, 2, 4, 32, generator=g)
+    prompt, step = torch.randn(3, 2, 5, 3, generator=g), torch.randn(3, 2, 4, 3, generator=g)
     other = {kind: kv.SlotCache(s, 2, 40, **kw) for kind, kw in kinds.items()}
     for order, cache in caches.items():
         cache.prepare(torch.arange(5)[None].expand(3, 5), 5, from_start=True)
@@ -166,13 +163,11 @@ def test_keys_in_dimension_order_hold_what_slot_order_holds_through_every_operat
         cache.reserve(4, 80)  # growth copies in the cache's own order
     a, b = caches["slots"], caches["dims"]
     assert b.key_order == "dims" and b.rows == a.rows == 4 and b.slots >= 80
-    for c in (b, caches["writer"]):
-        assert torch.equal(a.keys[:, :4, :, :9], c.keys[:, :4, :, :9]) and torch.equal(a.values[:, :4, :, :9], c.values[:, :4, :, :9])
+    assert torch.equal(a.keys[:, :4, :, :9], b.keys[:, :4, :, :9]) and torch.equal(a.values[:, :4, :, :9], b.values[:, :4, :, :9])
     blocks = b.kernel_keys[0, 1, 0].reshape(-1)  # row 1 (the old row 2), head 0: dimension 0 of every slot first
     assert torch.equal(blocks[: b.slots][:9], a.keys[0, 1, 0, :9, 0]) and torch.equal(blocks[b.slots :][:9], a.keys[0, 1, 0, :9, 1])
     with pytest.raises(ValueError, match="only a cache"):
         a.kernel_keys
     with pytest.raises(ValueError, match="key order"):
         kv.SlotCache(s, 1, 8, key_order="heads")
-    with pytest.raises(ValueError, match="writer"):
-        kv.SlotCache(s, 1, 8, writer=paged.write)
+

@@ -32,9 +32,8 @@ key order
     reads fastest), or ``"dims"``, (key_dim, slots): the order vLLM's CPU attention kernel reads
     (:mod:`distill.engine.cpu.paged`). ``keys`` is always a (layers, R, heads, S, key_dim) view, so
     moves and copies are the same code for both; :attr:`SlotCache.kernel_keys` is the storage as
-    the kernel takes it. A forward's writes go through the cache's ``writer`` when it has one (the
-    kernel's own: a column of a (key_dim, slots) block per key is where a scatter is slowest).
-    :class:`Writer` is what it is called with.
+    the kernel takes it. (Its own cache writer was no faster than the scatter into the view in a
+    decoding step, and slower at one row.)
 
 pooled storage
     with CUDA graphs (:mod:`distill.engine.graphs`) a graph is tied to the addresses of the
@@ -52,7 +51,6 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from transformers import DynamicCache
@@ -166,9 +164,6 @@ class SlotLayer(CacheLayerMixin):
 
 
 KEY_ORDERS = ("slots", "dims")
-#: A cache's own writer: (keys (N, heads, key_dim), values (N, heads, value_dim), the layer's kernel keys and values
-#: (R, heads, S, d), flat slots (N,) = row x S + slot) -> None, writing in place.
-Writer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 #: A ``"dims"`` cache's slots are a multiple of this: the block sizes vLLM's CPU kernel takes.
 DIMS_SLOT_MULTIPLE = 32
 
@@ -225,17 +220,11 @@ class SlotCache(Cache):
     slots and the window; the model's attention then calls :meth:`update` once per layer.
     """
 
-    def __init__(self, shape: KVShape, rows: int, slots: int, pool: SlotPool | None = None, key_order: str = "slots",
-                 writer: Writer | None = None):
+    def __init__(self, shape: KVShape, rows: int, slots: int, pool: SlotPool | None = None, key_order: str = "slots"):
         """``pool``: take the storage from it (room for at least ``rows`` x ``slots``) and give it back when this cache is
-        gone (pooled storage keeps its keys in slot order); ``key_order`` and ``writer`` ("dims" order only): module
-        docstring."""
+        gone (pooled storage keeps its keys in slot order); ``key_order``: module docstring."""
         if key_order not in KEY_ORDERS or (pool is not None and key_order != "slots"):
             raise ValueError(f"key order {key_order!r}: one of {KEY_ORDERS}, and 'slots' for pooled storage")
-        if writer is not None and key_order != "dims":
-            raise ValueError("a writer writes keys in 'dims' order")
-        self.writer = writer
-        self._flat: torch.Tensor | None = None  # (B T,) the writer's slots: row x S + slot
         self.shape = shape
         self.pool = pool
         self.key_order = key_order
@@ -289,10 +278,6 @@ class SlotCache(Cache):
             raise ValueError(f"window {window} exceeds the cache's {self.slots} slots")
         s = self.shape
         self._from_start = from_start
-        if self.writer is not None:
-            self._flat = (torch.arange(B, device=write.device)[:, None] * self.slots + write).reshape(-1)
-            self.window = window
-            return
         self._index_k = write[:, None, :, None].expand(B, s.heads, T, s.key_dim)
         self._index_v = self._index_k if s.value_dim == s.key_dim else write[:, None, :, None].expand(B, s.heads, T, s.value_dim)
         self.window = window
@@ -301,11 +286,7 @@ class SlotCache(Cache):
         """Write (B, heads, T, d) keys/values at the prepared slots; -> this layer's first ``window`` slots (views)."""
         keys = self.keys[layer_idx, : self.rows]  # (B, heads, S, key_dim)
         values = self.values[layer_idx, : self.rows]
-        if self.writer is not None:
-            B, H, T, _ = key_states.shape
-            self.writer(key_states.transpose(1, 2).reshape(B * T, H, -1), value_states.transpose(1, 2).reshape(B * T, H, -1),
-                        self.kernel_keys[layer_idx], self.values[layer_idx], self._flat)
-        elif self._from_start:
+        if self._from_start:
             T = key_states.shape[2]
             keys[:, :, :T].copy_(key_states)
             values[:, :, :T].copy_(value_states)

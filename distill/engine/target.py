@@ -119,9 +119,7 @@ class Target:
 
     def new_cache(self, rows: int, slots: int) -> kv.SlotCache:
         if not self.paged_problem:
-            from distill.engine.cpu import paged
-
-            return kv.SlotCache(self.kv_shape, rows, slots, key_order="dims", writer=paged.write)
+            return kv.SlotCache(self.kv_shape, rows, slots, key_order="dims")
         return kv.SlotCache(self.kv_shape, rows, slots, pool=self.kv_pool)
 
     def forward_weights(self) -> int:

@@ -78,13 +78,6 @@ def plan(cache, queries: list[int], ends: list[int], heads: int, padded: bool) -
                      pack, padding)
 
 
-def write(keys: torch.Tensor, values: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-          slots: torch.Tensor) -> None:
-    """The kernel's own cache writer (:data:`distill.engine.cache.Writer`): keys/values (N, kv_heads, d) at flat
-    ``slots`` (row x S + slot) of one layer's caches (R, kv_heads, S, d), keys in its order."""
-    torch.ops._C.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots, ISA, 1.0, 1.0, "auto")
-
-
 def paged_attention(plan: PagedPlan, layer: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
     """query (B, heads, T, d) of layer ``layer`` -> its attention (B, T, heads, d); a padded forward's padding
     queries get zeros."""
@@ -153,4 +146,4 @@ def _problem(kv_shape, heads: int) -> str:
     return ""
 
 
-__all__ = ["ISA", "PagedPlan", "paged_attention", "paged_problem", "plan", "write"]
+__all__ = ["ISA", "PagedPlan", "paged_attention", "paged_problem", "plan"]
