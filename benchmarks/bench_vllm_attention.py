@@ -1,16 +1,23 @@
-"""A plain step's attention: the engine's SDPA (in row chunks) against vLLM's CPU kernel reading a cache of the slot cache's shape.
+"""One layer's attention three ways: SDPA over slot-order keys, vLLM's CPU kernel and ``attend_dims`` over the kernel's key order.
 
     OMP_NUM_THREADS=2 PYTHONPATH=.:benchmarks .venv/bin/python benchmarks/bench_vllm_attention.py --out benchmarks/results/vllm-attention.json
 
-The slot cache keeps each layer's keys and values as (rows, kv_heads, slots, head_dim). vLLM's
-``_C::cpu_attention_with_kv_cache`` reads paged caches of (blocks, kv_heads, block_size, head_dim):
-one block per row (block table ``[[b]]``, block size = the slots) is the slot cache's shape. Its values
-are laid out as ours; its keys are written by ``_C::cpu_attn_reshape_and_cache`` in an order of its own
-(what the script checks and reports), so the kernel reads a copy written through that op. One query per
-row (a plain step) of 16 rows whose lengths are MT-Bench first turns (questions 0-15 and 40-55) with 32
-tokens generated, the bundled model's shapes (9 query heads, 3 key/value heads of 64, float32), 30
-layers' storage cycled. Microseconds per layer call (median of rounds), and the largest difference of the
-outputs.
+The engine's own code on random keys, values and queries of the bundled model's shapes (9 query heads, 3
+key/value heads of 64, float32), 30 layers' storage cycled so the cache is as cold as in a forward:
+
+sdpa
+    ``distill.engine.attention.sdpa_gqa`` over a slot cache with keys in slot order, in row chunks where
+    :func:`plan_row_chunks` plans them (what a GPU, compiled steps and ``attention="sdpa"`` run);
+kernel
+    ``distill.engine.cpu.paged.paged_attention`` over a cache with keys in the kernel's order (prefills,
+    plain steps and chains: what the kernel computes);
+dims
+    ``sdpa_gqa`` over that same cache, i.e. ``attend_dims`` (branching trees on a CPU with the kernel).
+
+Cases: plain steps, chains and trees of rows whose lengths are MT-Bench first turns (with 32 tokens generated;
+questions 0-15, 40-55 longest first, and single rows), and the prefill of questions 40-55. A tree is Medusa's
+``sparse-N`` shape. Microseconds per layer call (median of rounds) and the largest difference from ``sdpa``
+at the real queries.
 """
 
 from __future__ import annotations
@@ -27,78 +34,85 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine_step import cpu_description  # noqa: E402
 from bench_row_chunks import DIM, HEADS, KV_HEADS, LAYERS, mt_bench_lengths, timed  # noqa: E402
 
+from distill.engine import cache as kv  # noqa: E402
 from distill.engine.attention import plan_row_chunks, sdpa_gqa  # noqa: E402
+from distill.engine.cpu import paged  # noqa: E402
+from distill.engine.tree import build_buffers, resolve_tree  # noqa: E402
 
 GENERATED = 32
+SCALE = DIM ** -0.5
 
 
-def per_layer_us(fn, calls: int, rounds: int) -> float:
-    """Median microseconds of ``fn(layer)``, the layers' storage cycled call by call."""
-    layer = iter(range(10**9))
-    return statistics.median(timed(lambda: fn(next(layer) % LAYERS), calls, rounds))
+def caches(B: int, slots: int, g: torch.Generator) -> dict[str, kv.SlotCache]:
+    """The same random keys and values in a slot-order and a kernel-order cache."""
+    shape = kv.KVShape(LAYERS, KV_HEADS, DIM, DIM, torch.float32, torch.device("cpu"))
+    out = {order: kv.SlotCache(shape, B, slots, key_order=order) for order in kv.KEY_ORDERS}
+    keys, values = torch.randn(LAYERS, B, KV_HEADS, slots, DIM, generator=g), torch.randn(LAYERS, B, KV_HEADS, slots, DIM, generator=g)
+    for cache in out.values():
+        cache.keys[:, :, :, :slots] = keys
+        cache.values[:, :, :, :slots] = values
+    return out
 
 
-def compare(name: str, lengths: list[int], args) -> dict:
-    import vllm._custom_ops as ops
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
+def case(name: str, lengths: list[int], T: int, tree: str | None, prefill: bool, args, g) -> dict:
     B = len(lengths)
-    ends = [n + GENERATED for n in lengths]
-    S = -(-(max(ends) + 1) // 64) * 64  # the slot cache's capacity: a multiple of 64 (engine.batch.SLOT_ROUND)
-    keys, values = torch.randn(LAYERS, B, KV_HEADS, S, DIM), torch.randn(LAYERS, B, KV_HEADS, S, DIM)
-    query = torch.randn(B, HEADS, 1, DIM)
-    W = max(ends) + 1
-    allowed = (torch.arange(W)[None] < torch.tensor(ends)[:, None] + 1)[:, None, None]
-    bias = torch.zeros(allowed.shape).masked_fill_(~allowed, torch.finfo(torch.float32).min)
-    plan = plan_row_chunks([1] * B, [e + 1 for e in ends])
+    ends = [0] * B if prefill else [n + GENERATED for n in lengths]
+    queries = lengths if prefill else [T] * B
+    W = max(e + q for e, q in zip(ends, queries))
+    Q = max(queries)
+    store = caches(B, -(-(W + 1) // 64) * 64, g)
+    if prefill:
+        allowed = (torch.arange(W)[None] <= torch.arange(Q)[:, None])[None, None]
+    else:
+        mask = build_buffers(resolve_tree(tree, 8).paths).mask if tree else torch.ones(T, T, dtype=torch.bool).tril()
+        allowed = kv.step_allowed(torch.tensor(ends), mask, W)
+    bias = kv.attention_bias(allowed, torch.float32)
+    chunks = plan_row_chunks(queries, [e + q for e, q in zip(ends, queries)])
+    query = torch.randn(B, HEADS, Q, DIM, generator=g)
+    def over(order: str):
+        c = store[order]
+        return lambda i: sdpa_gqa(None, query, c.keys[i, :B, :, :W], c.values[i, :B, :, :W], bias, scaling=SCALE,
+                                  row_chunks=chunks)[0]
 
-    def sdpa(i: int) -> torch.Tensor:
-        return sdpa_gqa(None, query, keys[i, :, :, :W], values[i, :, :, :W], bias, row_chunks=plan)[0][:, 0]
-
-    # vLLM's copy of the keys, written through its own op; its values are ours
-    isa = _get_attn_isa(torch.float32, S, DIM)
-    theirs = torch.zeros_like(keys)
-    slots = (torch.arange(B)[:, None] * S + torch.arange(S)[None]).reshape(-1)
-    for i in range(LAYERS):
-        flat_k = keys[i].permute(0, 2, 1, 3).reshape(B * S, KV_HEADS, DIM).contiguous()
-        flat_v = values[i].permute(0, 2, 1, 3).reshape(B * S, KV_HEADS, DIM).contiguous()
-        written_v = torch.zeros_like(values[i])
-        ops.cpu_attn_reshape_and_cache(flat_k, flat_v, theirs[i], written_v, slots, isa)
-        if i == 0:
-            same_values = torch.equal(written_v, values[i])
-            same_keys = torch.equal(theirs[i], keys[i])
-    seq_lens = torch.tensor([e + 1 for e in ends], dtype=torch.int32)
-    starts = torch.arange(B + 1, dtype=torch.int32)
-    meta = ops.cpu_attn_get_scheduler_metadata(num_reqs=B, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM,
-                                               seq_lens=seq_lens, dtype=torch.float32, query_start_loc=starts, causal=True,
-                                               sliding_window_size=-1, isa=isa, enable_kv_split=False)
-    table = torch.arange(B, dtype=torch.int32)[:, None]
-    out = torch.empty(B, HEADS, DIM)
-    q_rows = query[:, :, 0].contiguous()
-
-    def kernel(i: int) -> torch.Tensor:
-        ops.cpu_attention_with_kv_cache(q_rows, theirs[i], values[i], out, starts, seq_lens, DIM ** -0.5, True, None, -1,
-                                        table, 0.0, meta, None)
-        return out
-
-    diff = float((sdpa(0) - kernel(0)).abs().max())
-    row = {"case": name, "rows": B, "slots": S, "isa": isa, "values_as_ours": same_values, "keys_as_ours": same_keys,
-           "sdpa_row_chunks_us": round(per_layer_us(sdpa, args.calls, args.rounds), 1),
-           "vllm_kernel_us": round(per_layer_us(kernel, args.calls, args.rounds), 1), "max_abs_diff": diff}
-    row["ratio"] = round(row["vllm_kernel_us"] / row["sdpa_row_chunks_us"], 3)
-    print(json.dumps(row))
+    paths = {"sdpa": over("slots"), "dims": over("dims")}
+    if tree is None:
+        plan = paged.plan(store["dims"], queries, ends, HEADS, padded=prefill)
+        paths["kernel"] = lambda i: paged.paged_attention(plan, i, query, SCALE)
+    real = torch.arange(Q)[None] < torch.tensor(queries)[:, None]  # (B, Q)
+    row = {"case": name, "rows": B, "queries": Q, "keys": W}
+    want = paths["sdpa"](0)
+    layer = iter(range(10**9))
+    for p, fn in paths.items():
+        calls = max(3, args.calls // (Q if prefill else 1))
+        out = fn(0)
+        row[f"{p}_us"] = round(statistics.median(timed(lambda: fn(next(layer) % LAYERS), calls, args.rounds)), 1)
+        row[f"{p}_diff"] = float((out - want)[real].abs().max()) if p != "sdpa" else 0.0
+    print(json.dumps(row), flush=True)
     return row
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=9)
-    ap.add_argument("--calls", type=int, default=60)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--calls", type=int, default=40)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    torch.manual_seed(0)
+    why = paged.paged_problem(kv.KVShape(1, KV_HEADS, DIM, DIM, torch.float32, torch.device("cpu")), HEADS)
+    if why:
+        raise SystemExit(f"vLLM's attention kernel is not available here: {why}")
+    g = torch.Generator().manual_seed(0)
     lengths = mt_bench_lengths(56)
-    rows = [compare("questions 0-15", lengths[:16], args), compare("questions 40-55", lengths[40:56], args)]
+    short, tail = lengths[:16], sorted(lengths[40:56], reverse=True)
+    rows = [case("batch 1, plain step", lengths[40:41], 1, None, False, args, g),
+            case("batch 4, plain step", sorted(lengths[40:44], reverse=True), 1, None, False, args, g),
+            case("batch 1, chain of 8", lengths[40:41], 9, None, False, args, g),
+            case("batch 1, tree of 16", lengths[40:41], 17, "sparse-16", False, args, g),
+            case("questions 0-15, plain step", short, 1, None, False, args, g),
+            case("questions 40-55, plain step", tail, 1, None, False, args, g),
+            case("questions 40-55, chain of 4", tail, 5, None, False, args, g),
+            case("questions 0-15, tree of 8", short, 9, "sparse-8", False, args, g),
+            case("questions 40-55, tree of 8", tail, 9, "sparse-8", False, args, g),
+            case("questions 40-55, prefill", tail, 0, None, True, args, g)]
     if args.out:
         Path(args.out).write_text(json.dumps({"cpu": cpu_description(), "cases": rows}, indent=1) + "\n")
         print("wrote", args.out)
