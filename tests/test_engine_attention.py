@@ -164,3 +164,19 @@ def test_vllm_kernel_attends_causally_per_row_over_the_dims_cache():
                                                                     values[b : b + 1, :, : e + T], attn_mask=allowed,
                                                                     scale=0.25, enable_gqa=True)
             torch.testing.assert_close(out[b], want[0].transpose(0, 1), rtol=1e-4, atol=1e-5)
+
+
+def test_kernel_attention_is_for_models_on_distill_sdpa_only():
+    """The kernel's plan reaches only distill_sdpa: a model on another attention keeps slot-order keys and SDPA."""
+    from distill.engine import EngineConfig
+    from distill.engine.target import Target
+
+    def target(attn: str, **config) -> Target:
+        model = tiny_llama(vocab=64, hidden=128, intermediate=64, layers=2, heads=4, kv_heads=2, positions=64)
+        model.set_attn_implementation(attn)
+        return Target(model, EngineConfig(**config))
+
+    on_sdpa = target("sdpa")
+    assert on_sdpa.paged_problem == "" and on_sdpa.new_cache(1, 8).key_order == "dims"
+    for t in (target("eager"), target("sdpa", attention="sdpa")):
+        assert t.paged_problem and t.new_cache(1, 8).key_order == "slots"

@@ -23,7 +23,7 @@ keys in dimension order
     (:mod:`distill.engine.cache`, "key order"). Forwards the kernel computes (causal per row) get a
     :class:`~distill.engine.cpu.paged.PagedPlan` as the ``paged`` keyword and attend on it; the others
     (branching trees) multiply the queries by those keys as they lie (:func:`attend_dims`): SDPA would
-    copy them into slot order first, which costs it two to three times its own attention.
+    read them through a copy into slot order, slower than either (BENCHMARKS.md, "The attention path").
 ``distill_sdpa``
     the attention implementation registered here through transformers' public
     ``AttentionInterface`` / ``AttentionMaskInterface``: :func:`sdpa_gqa` for the

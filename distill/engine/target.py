@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from distill.engine import cache as kv
+from distill.engine.attention import NAME as ATTENTION_NAME
 from distill.engine.attention import plan_row_chunks, use_gqa_sdpa
 from distill.engine.config import EngineConfig
 from distill.engine.graphs import Graphs, cache_key
@@ -65,6 +66,7 @@ class Target:
 
             self.prep = cpu.prepare(model, None if self.compile else self._example(), kept)
         use_gqa_sdpa(model)  # sdpa without copying shared key/value heads under the engine's masks (same outputs)
+        switched = getattr(model.config, "_attn_implementation", None) == ATTENTION_NAME  # now, or by an engine before
         self.decoder = model.get_decoder()  # its output's last_hidden_state is what the LM head reads
         self.rowwise = rowwise_modules(getattr(self.decoder, "layers", ()))  # dense MLPs: a padded prefill's rows
         self.dtype = next(model.parameters()).dtype
@@ -77,9 +79,10 @@ class Target:
         self.use_graphs(Graphs(capture=True) if graphs else None)
         self.heads = model.config.get_text_config().num_attention_heads
         #: why the attention does not run on vLLM's kernel ("": it does; module docstring, "kernel attention")
-        self.paged_problem = "attention 'sdpa', or not a CPU with its kernels, or compiled or graphed steps"
-        if (config.attention == "auto" and config.weight_layout == "auto" and self.device.type == "cpu" and not self.compile
-                and self.graphs is None):
+        self.paged_problem = ("attention 'sdpa', or not a CPU with its kernels, or compiled or graphed steps, or a model not "
+                              "on sdpa attention")
+        if (switched and config.attention == "auto" and config.weight_layout == "auto" and self.device.type == "cpu"
+                and not self.compile and self.graphs is None):
             from distill.engine.cpu.paged import paged_problem
 
             self.paged_problem = paged_problem(self.kv_shape, self.heads)
