@@ -273,7 +273,7 @@ class Batch:
             bias = kv.attention_bias(kv.step_allowed(end, buf.mask, window), target.dtype)  # (B, 1, T, W)
         with record_function("distill.forward"):
             layers = d.proposer.feature_layers if speculative else None
-            chain = not target.paged_problem and buf.is_chain  # the kernel attention computes chains, not trees
+            chain = buf.nodes > 0 and not target.paged_problem and buf.is_chain  # the kernel computes chains, not trees
             logits, features = target.step(tokens, end[:, None] + buf.depth, write, bias, self.cache, layers, self.ends, chain)
         with record_function("distill.accept"):  # 4. accept
             acc = d.accept(tokens, logits, buf, active, proposal.draft)

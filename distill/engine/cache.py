@@ -32,8 +32,8 @@ key order
     reads fastest), or ``"dims"``, (key_dim, slots): the order vLLM's CPU attention kernel reads
     (:mod:`distill.engine.cpu.paged`). ``keys`` is always a (layers, R, heads, S, key_dim) view, so
     moves and copies are the same code for both; :attr:`SlotCache.kernel_keys` is the storage as
-    the kernel takes it. (Its own cache writer was no faster than the scatter into the view in a
-    decoding step, and slower at one row.)
+    the kernel takes it. Writes are the scatter into that view (vLLM's own cache writer is no faster:
+    BENCHMARKS.md, "The engine's step on a CPU").
 
 pooled storage
     with CUDA graphs (:mod:`distill.engine.graphs`) a graph is tied to the addresses of the
