@@ -8,11 +8,16 @@ plain decoding
     the first ``--prompts`` MT-Bench first turns (chat template) at batch 1, one request after
     the other, and the first ``--batch`` turns in one batch, ``--max-tokens`` new tokens each,
     decoded by ``distill.engine.Engine`` (``speculative=False``) and by bare vLLM
-    (``vllm.LLM``: in-process engine core, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``enforce_eager``,
+    (``vllm.LLM``: in-process engine core, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, its forward compiled as
+    vLLM's server compiles it (``--vllm-eager``: ``enforce_eager``, the forward op by op as ours runs),
     ``detokenize=False``, the same prompt token ids and max tokens). The two engines alternate
     for ``--rounds`` rounds (vLLM first in even rounds, ours first in odd ones), so machine
     noise hits both alike; tok/s = generated tokens / wall seconds of the whole call (prefill
     included); the ratio is ours / vLLM per round, and its median is reported.
+steady step
+    each engine's decoding step alone, prefill excluded: every setting is also decoded to
+    ``--max-tokens`` and to a quarter of it with EOS ignored, and a step's milliseconds are the
+    difference of the two calls' seconds over the difference of their steps (medians over rounds).
 verification step cost
     the engine's step with a tree of N nodes (``--nodes``; N = 0 is the plain step) over the
     first prompt, its proposal replaced by fixed tokens so that only verification is timed
@@ -104,8 +109,9 @@ def cpu_description() -> dict:
 
 
 # -- plain decoding, ours and vLLM's ------------------------------------------------------------------
-def ours(engine: Engine, prompts: list[list[int]], max_tokens: int, batch: int) -> tuple[int, float, list[list[int]]]:
-    sp = SamplingParams(max_tokens=max_tokens)
+def ours(engine: Engine, prompts: list[list[int]], max_tokens: int, batch: int,
+         ignore_eos: bool = False) -> tuple[int, float, list[list[int]]]:
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
     t0 = time.perf_counter()
     outs = []
     for lo in range(0, len(prompts), batch):
@@ -114,13 +120,14 @@ def ours(engine: Engine, prompts: list[list[int]], max_tokens: int, batch: int) 
     return sum(map(len, outs)), time.perf_counter() - t0, outs
 
 
-def vllm_llm(model_path: str, speculative_config: dict | None = None):
+def vllm_llm(model_path: str, speculative_config: dict | None = None, eager: bool = True):
     """vLLM for the in-process comparisons. Their rounds resend the same prompts, so prefix caching is off: with it,
-    every round after the first would skip the prompts' prefill, which no served prompt sent once does."""
+    every round after the first would skip the prompts' prefill, which no served prompt sent once does. ``eager``
+    False: its forward compiled, as its server runs it."""
     from vllm import LLM
 
     extra = {"speculative_config": speculative_config} if speculative_config else {}
-    return LLM(model=model_path, dtype="float32", enforce_eager=True, seed=0, max_model_len=2048,
+    return LLM(model=model_path, dtype="float32", enforce_eager=eager, seed=0, max_model_len=2048,
                enable_prefix_caching=False, **extra)
 
 
@@ -128,13 +135,29 @@ def vllm(llm, prompts: list[list[int]], max_tokens: int, batch: int, stop_ids: l
     from vllm import SamplingParams as VSP
     from vllm.inputs import TokensPrompt
 
-    sp = VSP(temperature=0.0, max_tokens=max_tokens, detokenize=False, stop_token_ids=stop_ids)
+    sp = VSP(temperature=0.0, max_tokens=max_tokens, detokenize=False, stop_token_ids=stop_ids, ignore_eos=not stop_ids)
     t0 = time.perf_counter()
     outs = []
     for lo in range(0, len(prompts), batch):
         res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts[lo : lo + batch]], sp, use_tqdm=False)
         outs += [list(r.outputs[0].token_ids) for r in res]
     return sum(map(len, outs)), time.perf_counter() - t0, outs
+
+
+def steady_step_ms(engine: Engine, llm, prompts: list[list[int]], max_tokens: int, rounds: int) -> dict:
+    """Each engine's decoding step without its prefill (module docstring, "steady step") -> ms per step, medians."""
+    short = max(2, max_tokens // 4)
+    runs = {"ours": lambda n: ours(engine, prompts, n, len(prompts), ignore_eos=True)[1]}
+    if llm is not None:
+        runs["vllm"] = lambda n: vllm(llm, prompts, n, len(prompts), [])[1]
+    got: dict = defaultdict(list)
+    for r in range(rounds):
+        for who, run in (runs.items() if r % 2 == 0 else reversed(runs.items())):
+            got[who].append(1000 * (run(max_tokens) - run(short)) / (max_tokens - short))
+    out = {f"{who}_step_ms": statistics.median(v) for who, v in got.items()}
+    if "vllm_step_ms" in out:
+        out["vllm_over_ours"] = out["vllm_step_ms"] / out["ours_step_ms"]
+    return out | {"rounds": dict(got), "tokens": [short, max_tokens]}
 
 
 def profile_batch(engine: Engine, llm, prompts: list[list[int]], steps: int) -> dict:
@@ -456,6 +479,7 @@ def main() -> None:
     ap.add_argument("--profile-batch", action="store_true", help="both engines' per-op breakdown of the batched run's steps")
     ap.add_argument("--no-vllm", action="store_true")
     ap.add_argument("--compile", action="store_true", help="EngineConfig(compile=True)")
+    ap.add_argument("--vllm-eager", action="store_true", help="vLLM with enforce_eager (default: compiled, as its server)")
     ap.add_argument("--attention", choices=ATTENTIONS, default="auto", help="EngineConfig(attention=...): sdpa for the "
                     "engine without vLLM's attention kernel")
     ap.add_argument("--no-fuse", action="store_true", help="every linear its own product (the engine without the fusion)")
@@ -517,7 +541,7 @@ def main() -> None:
     print("linear preparation", result["linear_prep"])
     llm = None
     if not args.no_vllm:
-        llm = vllm_llm(str(engine.model.config._name_or_path))
+        llm = vllm_llm(str(engine.model.config._name_or_path), eager=args.vllm_eager)
         stop = sorted(engine.stop_ids)
         vllm(llm, one[:1], args.max_tokens, 1, stop)
         if args.batch:
@@ -552,6 +576,8 @@ def main() -> None:
             print(name, "median ratio ours/vLLM", round(runs[-1]["ratio_median"], 3))
         else:
             print(name, "ours tok/s (median of rounds)", round(runs[-1]["ours_tok_s"], 1))
+        runs[-1]["steady_step"] = steady_step_ms(engine, llm, ps[:b], args.max_tokens, args.rounds)
+        print(name, "steady step", {k: round(v, 3) for k, v in runs[-1]["steady_step"].items() if isinstance(v, float)})
     result["plain"] = runs
 
     heads = random_heads(engine.model)

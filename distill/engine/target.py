@@ -13,6 +13,10 @@ kernel attention
     check (:func:`distill.engine.cpu.paged.paged_problem`): the caches keep their keys in the
     kernel's order, and every forward it computes (a prefill, a plain step, a step whose rows all
     verify a chain) attends on it; a branching tree's step attends in ``distill_sdpa``.
+direct steps
+    where the attention runs on the kernel, the steps it computes run the model's prepared modules'
+    kernels layer by layer (:mod:`distill.engine.cpu.direct`), not through the modules' calls: the same
+    operations, checked once to give the modules' logits, features and cache writes exactly.
 hidden state
     the backbone's last hidden state after the final norm (what the LM head reads): the decoder's
     (``model.get_decoder()``) ``last_hidden_state``. Medusa's feature.
@@ -87,6 +91,49 @@ class Target:
 
             self.paged_problem = paged_problem(self.kv_shape, self.heads)
         self.prep["attention_vllm"] = int(not self.paged_problem)
+        #: the steps' direct forward (module docstring, "direct steps"), None where ``direct_problem`` says why not
+        self.direct = None
+        self.direct_problem = self.paged_problem and "the attention is not on vLLM's kernel"
+        if not self.paged_problem:
+            self.direct, self.direct_problem = self._direct()
+        self.prep["direct_steps"] = int(self.direct is not None)
+
+    def _direct(self):
+        """The model's :class:`~distill.engine.cpu.direct.DirectDecoder` where it applies and reproduces the modules'
+        step exactly (logits, features, the cache's writes) on two uneven rows, a chain of two tokens and a single
+        token with features of two layers -> (decoder or None, why not)."""
+        from distill.engine.cpu import paged
+        from distill.engine.cpu.direct import DirectDecoder
+
+        direct = DirectDecoder.of(self.model)
+        if isinstance(direct, str):
+            return None, direct
+        g = torch.Generator().manual_seed(0)
+        ends, slots = [3, 6], 16
+        filled = [torch.randn(self.new_cache(2, slots).keys.shape, generator=g) for _ in range(2)]
+        for T, layers in ((2, None), (1, (0, len(direct.layers) - 1))):
+            ids = torch.randint(0, self.vocab_size, (2, T), generator=g, device=self.device)
+            positions = torch.tensor(ends, device=self.device)[:, None] + torch.arange(T, device=self.device)
+            bias = torch.zeros(2, 1, T, max(ends) + T, dtype=self.dtype, device=self.device)
+            got = []
+            for run in ("modules", "direct"):
+                cache = self.new_cache(2, slots)
+                cache.keys.copy_(filled[0])
+                cache.values.copy_(filled[1])
+                cache.prepare(positions, bias.shape[-1])
+                plan = paged.plan(cache, [T] * 2, ends, self.heads, padded=False)
+                with torch.inference_mode():
+                    if run == "modules":
+                        out = self.forward(ids, positions, bias, cache, layers=layers, step=True, paged=plan)
+                    else:
+                        logits, features = direct.forward(ids, positions, cache, plan, layers)
+                        out = logits.float(), features
+                got.append((*out, cache.keys.clone(), cache.values.clone()))
+            same = [torch.equal(a, b) for a, b in zip(*got)]
+            if not all(same):
+                what = [name for name, ok in zip(("logits", "features", "keys", "values"), same) if not ok]
+                return None, f"its step differs from the modules' ({', '.join(what)}, {T} token(s) a row)"
+        return direct, ""
 
     def _example(self):
         """One short forward -> its logits: what the CPU linears learn which of them read one input from."""
@@ -187,6 +234,11 @@ class Target:
         row chunks (:func:`distill.engine.attention.plan_row_chunks`; a compiled forward attends over the whole window);
         ``paged``: its plan on vLLM's kernel instead (module docstring, "kernel attention").
         """
+        if step and paged is not None and self.direct is not None:
+            if self.direct.current():
+                logits, features = self.direct.forward(ids, positions, cache, paged, layers)
+                return logits.float(), features
+            self.direct, self.direct_problem = None, "the model's modules changed, or gained hooks, after the engine was built"
         if self._compiled is not None and step and (self._compile_all or (layers is None and ids.numel() == 1)):
             for storage in (cache.keys, cache.values):  # the slots grow with the sequences: one graph for every capacity
                 torch._dynamo.maybe_mark_dynamic(storage, 3)

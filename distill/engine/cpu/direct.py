@@ -1,0 +1,182 @@
+"""A decoding step's forward with the prepared kernels called layer by layer, not through the model's modules.
+
+Where the attention runs on vLLM's kernel (:mod:`.paged`), a step through the model's modules spends
+milliseconds in Python around the same kernels: module calls, the model's output records, the
+attention interface, the fused linears' bookkeeping. :class:`DirectDecoder` runs the same operations
+in the same order (so the same numbers: its logits and features equal the modules' bit for bit),
+calling each prepared module's ``forward`` itself. The measurement: BENCHMARKS.md, "The engine's step
+on a CPU".
+
+It applies to a Llama-style decoder that :func:`distill.engine.cpu.prepare` prepared whole
+(:func:`direct_problem`): embedding, rotary embedding, decoder layers of an attention
+(:class:`.rotary.KernelAttention` over one fused q/k/v product), a gated SiLU MLP (one fused gate/up
+product) and two :class:`.norms.KernelRMSNorm`, a final kernel norm and an LM head; full attention in
+every layer, no hooks on any of these modules. :class:`distill.engine.target.Target` then checks once
+that it reproduces the modules' step exactly, and uses it for the steps whose attention runs on the
+kernel; prefills, and steps over branching trees, keep the modules. Before each forward it checks, in about
+a hundred microseconds, that the model still holds those modules and that none has gained a hook
+(:meth:`DirectDecoder.current`); where not, the modules compute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from distill.engine.cpu.linears import DualLinear
+from distill.engine.cpu.norms import KernelRMSNorm
+from distill.engine.cpu.paged import PagedPlan, paged_attention
+from distill.engine.cpu import rotary
+from distill.engine.cpu.rotary import KernelAttention
+
+LAYER_CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
+MLP_CHILDREN = {"gate_proj", "up_proj", "down_proj", "act_fn"}
+
+
+@dataclass
+class _Layer:
+    index: int
+    norm_in: KernelRMSNorm
+    attention: KernelAttention
+    qkv: DualLinear  # the fused q/k/v product
+    qkv_sizes: list[int]
+    qkv_order: tuple[int, int, int]  # where q, k and v are among its outputs
+    o_proj: DualLinear
+    norm_post: KernelRMSNorm
+    gate_up: DualLinear  # the fused gate/up product
+    gate_up_sizes: list[int]
+    gate_up_order: tuple[int, int]
+    act: nn.Module
+    down: DualLinear
+
+
+def _hooked(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks)
+
+
+def _fused_order(members: list[nn.Module], wanted: list[nn.Module]) -> tuple[int, ...] | None:
+    """Where each wanted module is among a fused group's members, or None when they are not exactly its members."""
+    if len(members) != len(wanted) or {id(m) for m in members} != {id(m) for m in wanted}:
+        return None
+    return tuple(next(i for i, m in enumerate(members) if m is w) for w in wanted)
+
+
+def _layer(index: int, layer: nn.Module) -> _Layer | str:
+    """One decoder layer's parts, or why it is not a layer :class:`DirectDecoder` runs."""
+    name = type(layer).__name__
+    children = dict(layer.named_children())
+    if not name.endswith("DecoderLayer") or set(children) != LAYER_CHILDREN or "forward" in layer.__dict__:
+        return f"layer {index} ({name}) is not a Llama-style decoder layer"
+    attn, mlp = children["self_attn"], children["mlp"]
+    norms = children["input_layernorm"], children["post_attention_layernorm"]
+    if not isinstance(attn, KernelAttention) or not all(isinstance(n, KernelRMSNorm) for n in norms):
+        return f"layer {index}'s attention or norms are not on the kernels"
+    if set(dict(mlp.named_children())) != MLP_CHILDREN or "SiLU" not in type(mlp.act_fn).__name__:
+        return f"layer {index}'s MLP is not a gated SiLU MLP"
+    linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    if not all(isinstance(m, DualLinear) for m in linears):
+        return f"layer {index}'s linears are not prepared"
+    qkv, gate_up = attn.q_proj.fused, mlp.gate_proj.fused
+    if qkv is None or gate_up is None or attn.o_proj.fused is not None or mlp.down_proj.fused is not None:
+        return f"layer {index}'s q/k/v or gate/up are not one product each"
+    qkv_order = _fused_order(qkv.members, [attn.q_proj, attn.k_proj, attn.v_proj])
+    gate_up_order = _fused_order(gate_up.members, [mlp.gate_proj, mlp.up_proj])
+    if qkv_order is None or gate_up_order is None:
+        return f"layer {index}'s fused products hold other linears"
+    if any(_hooked(m) for m in [layer, attn, mlp, *norms, *linears, mlp.act_fn]):
+        return f"layer {index} has hooks"
+    return _Layer(index, norms[0], attn, qkv.module, qkv.sizes, qkv_order, attn.o_proj, norms[1], gate_up.module,
+                  gate_up.sizes, gate_up_order, mlp.act_fn, mlp.down_proj)
+
+
+def _held(parent: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
+    """(parent, name, child) of ``parent``'s submodules, itself included as the first's parent."""
+    return [(owner, name, child) for owner in parent.modules() for name, child in owner._modules.items() if child is not None]
+
+
+class DirectDecoder:
+    """The step forward of module docstring, over ``model``'s own (prepared) modules; build with :meth:`of`."""
+
+    def __init__(self, model: nn.Module, layers: list[_Layer]):
+        decoder = model.get_decoder()
+        self.embed, self.rotary, self.norm = decoder.embed_tokens, decoder.rotary_emb, decoder.norm
+        self.lm_head = model.get_output_embeddings()
+        self.layers = layers
+        self._held = _held(model)  # what the model holds now: current() compares
+        self._modules = [model] + [child for _, _, child in self._held]
+
+    def current(self) -> bool:
+        """Does the model still hold the modules this forward runs, none of them with a hook (module docstring)?"""
+        hooks = nn.modules.module
+        if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
+            return False
+        return (all(owner._modules.get(name) is child for owner, name, child in self._held)
+                and not any(m._forward_hooks or m._forward_pre_hooks for m in self._modules))
+
+    @classmethod
+    def of(cls, model: nn.Module) -> "DirectDecoder | str":
+        """The direct forward of ``model``, or why it has none (module docstring)."""
+        decoder = model.get_decoder()
+        config = model.config.get_text_config()
+        parts = {name: getattr(decoder, name, None) for name in ("embed_tokens", "rotary_emb", "norm", "layers")}
+        if any(p is None for p in parts.values()):
+            return "not a decoder with embed_tokens, rotary_emb, norm and layers"
+        if not isinstance(parts["norm"], KernelRMSNorm):
+            return "the final norm is not on the kernels"
+        if getattr(config, "sliding_window", None) or any(t != "full_attention" for t in getattr(config, "layer_types", None) or ()):
+            return "a model with sliding-window layers"
+        if len(parts["layers"]) != config.num_hidden_layers:
+            return "the decoder runs a part of its layers"
+        if any(_hooked(m) for m in (model, decoder, parts["embed_tokens"], parts["rotary_emb"], parts["norm"],
+                                    model.get_output_embeddings())):
+            return "the model has hooks"
+        layers = []
+        for i, layer in enumerate(parts["layers"]):
+            got = _layer(i, layer)
+            if isinstance(got, str):
+                return got
+            layers.append(got)
+        return cls(model, layers)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache, plan: PagedPlan,
+                feature_layers: tuple[int, ...] | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids/positions (B, T), written at the slots ``cache`` was prepared with, attending on ``plan`` -> (logits
+        (B, T, V), features (B, T, F)): the hidden state, or the hidden states entering ``feature_layers``."""
+        h = self.embed.forward(ids)
+        cos, sin = self.rotary.forward(h, positions)
+        B, T = ids.shape
+        entering = {}
+        for layer in self.layers:
+            if feature_layers is not None and layer.index in feature_layers:
+                entering[layer.index] = h
+            h = h + self._attention(layer, layer.norm_in.forward(h), cos, sin, cache, plan, B, T)
+            h = h + self._mlp(layer, layer.norm_post.forward(h))
+        hidden = self.norm.forward(h)
+        logits = self.lm_head.forward(hidden)
+        features = hidden if feature_layers is None else torch.cat([entering[i] for i in feature_layers], dim=-1)
+        return logits, features
+
+    @staticmethod
+    def _attention(layer: _Layer, x, cos, sin, cache, plan: PagedPlan, B: int, T: int) -> torch.Tensor:
+        attn = layer.attention
+        outs = layer.qkv.forward(x).split(layer.qkv_sizes, dim=-1)
+        shape = (B, T, -1, attn.head_dim)
+        q, k, v = (outs[i].view(shape).transpose(1, 2) for i in layer.qkv_order)
+        if rotary._kernel_applies(q, k, cos, sin, 1):  # as KernelAttention.forward rotates
+            q, k = rotary._rotate(q, k, cos, sin, attn.table)
+        else:
+            q, k = attn.rotate(q, k, cos, sin)
+        cache.update(k, v, attn.layer_idx)
+        out = paged_attention(plan, attn.layer_idx, q, attn.scaling)
+        return layer.o_proj.forward(out.reshape(B, T, -1).contiguous())
+
+    @staticmethod
+    def _mlp(layer: _Layer, x) -> torch.Tensor:
+        outs = layer.gate_up.forward(x).split(layer.gate_up_sizes, dim=-1)
+        gate, up = (outs[i] for i in layer.gate_up_order)
+        return layer.down.forward(layer.act(gate) * up)
+
+
+__all__ = ["DirectDecoder"]
