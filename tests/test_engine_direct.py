@@ -1,6 +1,7 @@
 """The steps' direct forward (distill.engine.cpu.direct): which models it runs, the engine's check that it gives
-the modules' numbers exactly, and the modules computing again once the model changes or gains a hook. Its equality
-with the modules over whole generations, with logprobs and EAGLE-3 features: test_engine_decoding.py."""
+the modules' numbers exactly, its equality with the modules over whole generations (logprobs, EAGLE-3 features), and
+the modules computing again once the model changes or gains a hook. The engines here run a model of their own: the
+session's has been through other tests' engines, restores and hooks, which the direct forward declines."""
 
 from __future__ import annotations
 
@@ -11,9 +12,24 @@ from distill.engine import Engine, EngineConfig, SamplingParams
 from distill.engine.cpu import prepare
 from distill.engine.cpu.direct import DirectDecoder
 from distill.engine.cpu.linears import vllm_kernels
-from helpers import tiny_llama
+from conftest import mt_bench_prompts
+from helpers import bundled_drafter, tiny_llama
 
 needs_vllm = pytest.mark.skipif(vllm_kernels() != "", reason=f"vLLM's CPU kernels unavailable: {vllm_kernels()}")
+
+
+@pytest.fixture(scope="module")
+def own_model(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def uneven(tokenizer) -> list[list[int]]:
+    """A long prompt between two of the shortest MT-Bench turns."""
+    by_length = sorted(mt_bench_prompts(tokenizer, 60), key=len)
+    return [by_length[0], by_length[-1], by_length[1]]
 
 
 def prepared_tiny(**config):
@@ -37,7 +53,7 @@ def test_a_prepared_llama_runs_direct_and_other_models_say_why_not():
 
 
 @needs_vllm
-def test_a_direct_forward_that_differs_from_the_modules_is_not_used(hf_model, tokenizer, monkeypatch):
+def test_a_direct_forward_that_differs_from_the_modules_is_not_used(own_model, tokenizer, monkeypatch):
     forward = DirectDecoder.forward
 
     def off_by_a_little(self, *args):
@@ -45,10 +61,44 @@ def test_a_direct_forward_that_differs_from_the_modules_is_not_used(hf_model, to
         return logits + 1e-6, features
 
     monkeypatch.setattr(DirectDecoder, "forward", off_by_a_little)
-    engine = Engine(hf_model, tokenizer, None, EngineConfig(max_batch=2))
+    engine = Engine(own_model, tokenizer, None, EngineConfig(max_batch=2))
     assert engine.target.direct is None and engine.target.prep["direct_steps"] == 0
     assert engine.target.direct_problem == "its step differs from the modules' (logits, 2 token(s) a row)"
     assert engine.target.paged_problem == ""  # the kernel attention stays
+
+
+@needs_vllm
+def test_direct_steps_give_the_modules_tokens_logprobs_and_features_exactly(own_model, tokenizer, uneven):
+    """Where the attention runs on the kernel, every plain step of rows of uneven lengths and every chain an EAGLE-3
+    drafter verifies runs the prepared kernels layer by layer (engine.cpu.direct), and gives exactly what the modules
+    give: the same tokens and logprobs, and features (the hidden states entering the drafter's layers) so equal that
+    the drafter proposes and accepts the same tokens every step."""
+
+    def engines(heads, **config):
+        pair = [Engine(own_model, tokenizer, heads, EngineConfig(max_batch=3, **config)) for _ in range(2)]
+        assert pair[0].target.direct is not None and pair[0].target.prep["direct_steps"] == 1
+        pair[1].target.direct = None  # the same engine through the model's modules
+        calls = []
+        direct = pair[0].target.direct
+        forward = direct.forward
+        direct.forward = lambda *args: calls.append(args[4]) or forward(*args)
+        return pair, calls
+
+    (direct, modules), calls = engines(None)
+    params = SamplingParams(max_tokens=12, logprobs=3)
+    got, stats = direct.generate(uneven, params)
+    want, _ = modules.generate(uneven, params)
+    assert len(calls) == stats.steps > 0 and all(layers is None for layers in calls)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert [r.logprobs for r in got] == [r.logprobs for r in want]
+    (direct, modules), calls = engines(bundled_drafter(own_model, "fresh"), draft_topk=1, draft_depth=3, draft_nodes=3,
+                                       speculate_max_batch=3)
+    got, stats = direct.generate(uneven, SamplingParams(max_tokens=12))
+    want, want_stats = modules.generate(uneven, SamplingParams(max_tokens=12))
+    layers = direct.decoding.proposer.feature_layers
+    assert stats.tree_nodes == 3 and len(layers) == 3 and calls and all(c == layers for c in calls)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert stats.accepted_per_step == want_stats.accepted_per_step
 
 
 @needs_vllm
