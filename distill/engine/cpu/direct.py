@@ -4,17 +4,17 @@ Where the attention runs on vLLM's kernel (:mod:`.paged`), a step through the mo
 milliseconds in Python around the same kernels: module calls, the model's output records, the
 attention interface, the fused linears' bookkeeping. :class:`DirectDecoder` runs the same operations
 in the same order (so the same numbers: its logits and features equal the modules' bit for bit),
-calling each prepared module's ``forward`` itself. The measurement: BENCHMARKS.md, "The engine's step
-on a CPU".
+calling each prepared module's ``forward`` itself. Measured: BENCHMARKS.md, "Against vLLM as its server
+runs it".
 
 It applies to a Llama-style decoder that :func:`distill.engine.cpu.prepare` prepared whole
-(:func:`direct_problem`): embedding, rotary embedding, decoder layers of an attention
+(:meth:`DirectDecoder.of` says why not): embedding, rotary embedding, decoder layers of an attention
 (:class:`.rotary.KernelAttention` over one fused q/k/v product), a gated SiLU MLP (one fused gate/up
 product) and two :class:`.norms.KernelRMSNorm`, a final kernel norm and an LM head; full attention in
 every layer, no hooks on any of these modules. :class:`distill.engine.target.Target` then checks once
 that it reproduces the modules' step exactly, and uses it for the steps whose attention runs on the
-kernel; prefills, and steps over branching trees, keep the modules. Before each forward it checks, in about
-a hundred microseconds, that the model still holds those modules and that none has gained a hook
+kernel; prefills, and steps over branching trees, keep the modules. Before each forward it checks, in tens
+of microseconds, that the model still holds those modules and that none has gained a hook
 (:meth:`DirectDecoder.current`); where not, the modules compute.
 """
 
@@ -25,10 +25,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from distill.engine.cpu.linears import DualLinear
+from distill.engine.cpu import rotary
+from distill.engine.cpu.linears import DualLinear, _hooked
 from distill.engine.cpu.norms import KernelRMSNorm
 from distill.engine.cpu.paged import PagedPlan, paged_attention
-from distill.engine.cpu import rotary
 from distill.engine.cpu.rotary import KernelAttention
 
 LAYER_CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
@@ -50,10 +50,6 @@ class _Layer:
     gate_up_order: tuple[int, int]
     act: nn.Module
     down: DualLinear
-
-
-def _hooked(module: nn.Module) -> bool:
-    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks)
 
 
 def _fused_order(members: list[nn.Module], wanted: list[nn.Module]) -> tuple[int, ...] | None:
