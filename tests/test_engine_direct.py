@@ -116,4 +116,5 @@ def test_the_modules_compute_again_once_one_gains_a_hook(model_dir, tokenizer):
     after, stats = engine.generate(prompts, params)
     assert len(seen) == stats.steps + 1  # the prefill and every step ran the layer's module
     assert engine.target.direct is None and "hooks" in engine.target.direct_problem
+    assert engine.linear_prep["direct_steps"] == 0
     assert [r.token_ids for r in after] == [r.token_ids for r in before]

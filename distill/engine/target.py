@@ -92,8 +92,7 @@ class Target:
             self.paged_problem = paged_problem(self.kv_shape, self.heads)
         self.prep["attention_vllm"] = int(not self.paged_problem)
         #: the steps' direct forward (module docstring, "direct steps"), None where ``direct_problem`` says why not
-        self.direct = None
-        self.direct_problem = self.paged_problem and "the attention is not on vLLM's kernel"
+        self.direct, self.direct_problem = None, "the attention is not on vLLM's kernel"  # None during _direct's check too
         if not self.paged_problem:
             self.direct, self.direct_problem = self._direct()
         self.prep["direct_steps"] = int(self.direct is not None)
@@ -239,6 +238,7 @@ class Target:
                 logits, features = self.direct.forward(ids, positions, cache, paged, layers)
                 return logits.float(), features
             self.direct, self.direct_problem = None, "the model's modules changed, or gained hooks, after the engine was built"
+            self.prep["direct_steps"] = 0
         if self._compiled is not None and step and (self._compile_all or (layers is None and ids.numel() == 1)):
             for storage in (cache.keys, cache.values):  # the slots grow with the sequences: one graph for every capacity
                 torch._dynamo.maybe_mark_dynamic(storage, 3)
