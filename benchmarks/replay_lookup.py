@@ -259,6 +259,8 @@ def main() -> None:
     ap.add_argument("--vllm", default="", help="vLLM speculation methods to run on the same prompts: ngram,suffix")
     ap.add_argument("--vllm-tokens", type=int, default=0,
                     help="vLLM's num_speculative_tokens (0: suffix's default, its tree depth; --engine-nodes for others)")
+    ap.add_argument("--shape", choices=("tree", "chain"), default="tree",
+                    help="what the proposer drafts: trees, or one path a step (the engine's choice where chains are cheaper)")
     ap.add_argument("--out", default="benchmarks/results/lookup-replay-heldout.json")
     args = ap.parse_args()
 
@@ -293,12 +295,13 @@ def main() -> None:
     for name, (ds, history, order) in sources.items():
         for n in nodes:
             for length in lengths:
-                lk = Lookup(max_nodes=max(nodes), datastore=ds, history_tokens=history)  # a fresh history per replay
+                lk = Lookup(max_nodes=max(nodes), datastore=ds, history_tokens=history,  # a fresh history per replay
+                            chains=args.shape == "chain")
                 table.setdefault(name, {})[f"{n} nodes, {length} tokens"] = round(
                     replay(lk, prompts, replies, order, n, length, seconds), 4)
         print(name, json.dumps(table[name]), flush=True)
     result = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "cpu": cpu_description(),
-              "model": resolved.name, "prompts": args.prompts, "replies": str(path),
+              "model": resolved.name, "prompts": args.prompts, "replies": str(path), "shape": args.shape,
               "reply_tokens": sum(map(len, replies)),
               "datastore": store.describe() if store is not None else None, "history_tokens": args.history_tokens,
               "seconds": round(time.perf_counter() - t0, 1), "tokens_per_step": table,

@@ -47,7 +47,8 @@ def test_a_flat_curve_lets_the_policy_draft_the_tree_that_the_line_priced_out():
 
 
 def test_the_engine_measures_the_curve_on_a_cpu_unless_given_a_line(hf_model, tokenizer):
-    costs = measure_step_costs(hf_model, max_nodes=8, max_batch=4, repeats=1)
+    target = Engine(hf_model, tokenizer, None, EngineConfig(max_batch=1, dtype="float32", device="cpu")).target
+    costs = measure_step_costs(target, max_nodes=8, max_batch=4, repeats=1)
     # rows n + 1 for the candidate sizes 8 / 4 / 2 / 1, and 2^k + 1 up to a batch of 4 nine-row trees
     assert sorted(costs.points) == [1, 2, 3, 5, 9, 17, 33]
     assert costs(33) > 1.2  # 33 rows cost more than one on any CPU; a measurement that could not tell would fail here
@@ -63,27 +64,30 @@ def test_the_engine_measures_the_curve_on_a_cpu_unless_given_a_line(hf_model, to
 
 def test_a_curve_is_timed_once_per_machine_model_and_rows_and_read_back_after(hf_model, tokenizer, tmp_path, monkeypatch):
     cache = tmp_path / "step-costs"
-    first = step_costs(hf_model, max_nodes=2, max_batch=1, setup={"kernels": "a"}, cache=cache, repeats=1)
+    target = Engine(hf_model, tokenizer, None, EngineConfig(max_batch=1, dtype="float32", device="cpu")).target
+    first = step_costs(target, max_nodes=2, max_batch=1, setup={"kernels": "a"}, cache=cache, repeats=1)
     assert first.source is None and sorted(first.points) == [1, 2, 3]  # timed now
     kept = list(cache.glob("*.json"))
     assert len(kept) == 1 and json.loads(kept[0].read_text())["key"] == json.loads(json.dumps(
         cost_key(hf_model, 2, 1, {"kernels": "a"}, repeats=1)))
 
     timed = []
-    real = costs_module.tree_step_rounds
-    monkeypatch.setattr(costs_module, "tree_step_rounds", lambda *a, **k: timed.append(1) or real(*a, **k))
-    again = step_costs(hf_model, max_nodes=2, max_batch=1, setup={"kernels": "a"}, cache=cache, repeats=1)
+    real = costs_module.target_step_rounds
+    monkeypatch.setattr(costs_module, "target_step_rounds", lambda *a, **k: timed.append(a[2]) or real(*a, **k))
+    again = step_costs(target, max_nodes=2, max_batch=1, setup={"kernels": "a"}, cache=cache, repeats=1)
     assert not timed and again.source == str(kept[0]) and again.points == first.points  # read back, nothing timed
-    # another kernel set-up or more rows (a larger batch): another key, timed anew
-    assert step_costs(hf_model, 2, 1, {"kernels": "b"}, cache=cache, repeats=1).source is None and len(timed) == 1
-    assert step_costs(hf_model, 2, 4, {"kernels": "a"}, cache=cache, repeats=1).source is None and len(timed) == 2
+    # another kernel set-up, more rows (a larger batch) or chains: another key, timed anew
+    assert step_costs(target, 2, 1, {"kernels": "b"}, cache=cache, repeats=1).source is None and len(timed) == 1
+    assert step_costs(target, 2, 4, {"kernels": "a"}, cache=cache, repeats=1).source is None and len(timed) == 2
+    assert step_costs(target, 2, 1, {"kernels": "a"}, cache=cache, chains=True, repeats=1).source is None
+    assert timed == [False, False, True]
     assert cost_key(hf_model, 2, 1)["rows"] == [1, 2, 3] and cost_key(hf_model, 2, 4)["rows"] == [1, 2, 3, 5, 9]
-    assert len(list(cache.glob("*.json"))) == 3
+    assert len(list(cache.glob("*.json"))) == 4
     # a damaged file is timed again and replaced, not an error
     kept[0].write_text("{not json")
-    assert step_costs(hf_model, 2, 1, {"kernels": "a"}, cache=cache, repeats=1).source is None and len(timed) == 3
-    assert step_costs(hf_model, 2, 1, {"kernels": "a"}, cache=cache, repeats=1).source == str(kept[0]) and len(timed) == 3
-    assert step_costs(hf_model, 2, 1, cache=None, repeats=1).source is None and len(timed) == 4  # no folder: always timed
+    assert step_costs(target, 2, 1, {"kernels": "a"}, cache=cache, repeats=1).source is None and len(timed) == 4
+    assert step_costs(target, 2, 1, {"kernels": "a"}, cache=cache, repeats=1).source == str(kept[0]) and len(timed) == 4
+    assert step_costs(target, 2, 1, cache=None, repeats=1).source is None and len(timed) == 5  # no folder: always timed
 
     # the engine keeps its curve in $DISTILL_HOME/step-costs: a second engine on this machine reads it
     monkeypatch.setenv("DISTILL_HOME", str(tmp_path / "home"))
@@ -91,7 +95,7 @@ def test_a_curve_is_timed_once_per_machine_model_and_rows_and_read_back_after(hf
     one = Engine(hf_model, tokenizer, Lookup(max_nodes=4), config)
     two = Engine(hf_model, tokenizer, Lookup(max_nodes=4), config)
     assert one.step_costs.source is None and two.step_costs.source.startswith(str(tmp_path / "home" / "step-costs"))
-    assert two.step_costs.points == one.step_costs.points and len(timed) == 5
+    assert two.step_costs.points == one.step_costs.points and len(timed) == 6
     fresh = Engine(hf_model, tokenizer, Lookup(max_nodes=4), EngineConfig(max_batch=1, dtype="float32", device="cpu",
                                                                             cached_costs=False))
-    assert fresh.step_costs.source is None and len(timed) == 6
+    assert fresh.step_costs.source is None and len(timed) == 7

@@ -16,7 +16,7 @@ import torch
 from conftest import MT_QUESTIONS, MT_TOKENS, run_distill
 from distill.engine import Engine, EngineConfig, SamplingParams
 from distill.engine.proposers.lookup import Lookup, LookupState, _Context
-from distill.engine.proposers.suffix import best_draft
+from distill.engine.proposers.suffix import Draft, best_draft, merge
 from distill.errors import ConfigError
 from helpers import ALPHA, CONT, SAMPLES, chi2_pvalue, exact_distribution, tiny_medusa
 
@@ -82,17 +82,53 @@ def test_rows_without_a_match_are_padded_with_distinct_root_children_and_the_sta
         Lookup(min_ngram=3, max_match=2)
 
 
+def test_a_chain_follows_the_most_probable_child_and_merges_sources_by_probability():
+    ctx = _Context([1, 2, 4, 9, 1, 2, 4, 9, 1, 2, 3, 9, 1, 2, 4, 8, 1, 2])  # (1, 2) four times: 4 9, 4 9, 3 9, 4 8
+    levels = ctx.levels(depth=6, occurrences=64)
+    tree = best_draft(levels, 8, 0.1, 4.0, 0.0, nested=True)
+    chain = best_draft(levels, 8, 0.1, 4.0, 0.0, nested=True, chain=True)
+    # the tree holds the sibling 3 (1/5) and 4 8 (1/5); the chain goes 4 (3/5), 9 1 2 (each 2/5), then 3 9 (1/5 each:
+    # after 4 9 1 2 came 4 once and 3 once, and the tie goes to the more recent occurrence)
+    assert (3,) in dict(tree.paths) and len(tree.paths) == 8
+    assert [p for p, _ in chain.paths] == [(4,), (4, 9), (4, 9, 1), (4, 9, 1, 2), (4, 9, 1, 2, 3), (4, 9, 1, 2, 3, 9)]
+    assert chain.score == pytest.approx(3 / 5 + 3 * 2 / 5 + 2 / 5)
+    lk = Lookup(max_nodes=3, depth=6, history_tokens=0, chains=True)
+    assert lk.draft(ctx, 3) == [(0, 4), (1, 9), (2, 1)]  # (parent, token): each node the child of the one before
+    # two sources: the first token by the higher probability, then that path's continuation only
+    a = Draft([((5,), 0.5), ((5, 6), 0.5)], 1.0, 2)
+    b = Draft([((7,), 0.6), ((7, 8), 0.3), ((7, 8, 9), 0.2)], 1.1, 1)
+    assert merge([a, b], 8, chain=True) == [(0, 7), (1, 8), (2, 9)]
+    assert merge([a, b], 2, chain=True) == [(0, 7), (1, 8)]
+    assert merge([a, b], 8) == [(0, 5), (0, 7), (1, 6), (2, 8), (4, 9)]  # the tree keeps both
+
+
+def test_chains_are_padded_by_continuing_them_so_that_the_batch_verifies_chains():
+    lk = Lookup(max_nodes=4, depth=2, history_tokens=0, chains=True)
+    state = LookupState([_Context([1, 2, 3, 1, 2]), _Context([5, 6, 7])])
+    prop = lk.propose(state, torch.tensor([2, 7]), torch.tensor([4, 2]), 4, 4)
+    assert prop.tokens.tolist() == [[2, 3, 1], [7, 0, 0]]
+    assert prop.buffers.parent.tolist() == [[-1, 0, 1], [-1, 0, 1]] and prop.buffers.is_chain
+    assert lk.taus()[4] < Lookup(chains=False).taus()[4]  # one path accepts less than a tree of as many nodes
+    lk.use_chains(False)  # the engine's word does not override a fixed shape
+    assert lk.drafts_chains
+    free = Lookup()
+    assert not free.drafts_chains
+    free.use_chains(True)
+    assert free.drafts_chains and free.taus()[4] == lk.taus()[4]
+
+
 # -- decoding ----------------------------------------------------------------------------------------
 @pytest.mark.usefixtures("one_torch_thread")
-def test_lookup_rejection_sampling_is_lossless(temperature=0.7, top_p=0.9):  # the rules themselves: test_engine_sampling
+@pytest.mark.parametrize("chains", [False, True])
+def test_lookup_rejection_sampling_is_lossless(chains, temperature=0.7, top_p=0.9):  # the rules: test_engine_sampling
     model, _ = tiny_medusa()
     prompt = [1, 5, 2, 1, 5, 2, 1, 5]
     exact = exact_distribution(model, prompt, temperature, top_p)
     params = [SamplingParams(max_tokens=CONT, temperature=temperature, top_p=top_p, seed=i) for i in range(SAMPLES)]
 
     def engine(acceptance):
-        return Engine(model, None, Lookup(max_nodes=4, depth=3), EngineConfig(acceptance=acceptance, max_batch=SAMPLES,
-                                                                              speculate_max_batch=SAMPLES), model_name="tiny")
+        return Engine(model, None, Lookup(max_nodes=4, depth=3, chains=chains),
+                      EngineConfig(acceptance=acceptance, max_batch=SAMPLES, speculate_max_batch=SAMPLES), model_name="tiny")
 
     results, stats = engine("rejection").generate([prompt] * SAMPLES, params)
     assert all(len(r.token_ids) == CONT for r in results) and stats.tree_nodes >= 2
@@ -102,11 +138,19 @@ def test_lookup_rejection_sampling_is_lossless(temperature=0.7, top_p=0.9):  # t
     assert chi2_pvalue([r.token_ids for r in typical], exact) < ALPHA
 
 
-def test_greedy_lookup_equals_plain_greedy_on_mt_bench(hf_model, tokenizer, mt_prompts, mt_plain):
-    engine = Engine(hf_model, tokenizer, Lookup(max_nodes=8), EngineConfig(speculate_max_batch=8))
+@pytest.mark.parametrize("chains", [None, False])
+def test_greedy_lookup_equals_plain_greedy_on_mt_bench(hf_model, tokenizer, mt_prompts, mt_plain, chains):
+    """Chains where the engine chose them (its attention on vLLM's kernel verifies chains for less), and trees."""
+    engine = Engine(hf_model, tokenizer, Lookup(max_nodes=8, chains=chains), EngineConfig(speculate_max_batch=8))
+    lookup = engine.decoding.proposer
+    assert lookup.drafts_chains == (chains is None and not engine.target.paged_problem)
+    seen = []
+    step = engine.target.step
+    engine.target.step = lambda *a: seen.append((a[0].shape[1], a[-1])) or step(*a)
     results, stats = engine.generate(mt_prompts, SamplingParams(max_tokens=MT_TOKENS))  # batch 3
     assert [r.token_ids for r in results] == mt_plain
     assert stats.batch_size == MT_QUESTIONS and stats.tree_nodes > 0  # drafts were verified
+    assert {chain for T, chain in seen if T > 1} == {lookup.drafts_chains}  # chains on the kernel's path, trees not
     one, _ = engine.generate([mt_prompts[1]], SamplingParams(max_tokens=MT_TOKENS))
     assert one[0].token_ids == mt_plain[1]
 

@@ -7,12 +7,16 @@ the context (the next size overwrites them). Sizes are timed round-robin after o
 round, so that machine noise spreads over all of them, and the median of ``repeats`` rounds is
 kept. ``distill bench --sweep-tree`` times Medusa's trees with it, heads included.
 
-:func:`measure_step_costs` times forwards of 1, 2, 3, 5, 9, ... rows (a root and its children:
-the rows, not the shape, set a step's cost) and returns the :class:`~distill.engine.policy.StepCosts`
-curve the policy prices trees with. The engine measures it when it starts on a CPU with a
-proposer, since a CPU's curve is far from the line ``1 + r·(m − 1)`` (flat over the first rows
-while the products read each weight once, then steep), and priced by the line the policy drafts
-fewer nodes than pay.
+:func:`measure_step_costs` times the engine's own steps (:meth:`~distill.engine.target.Target.step`,
+the path a step of that shape takes: on a CPU, a plain step or a chain on vLLM's attention kernel
+and the direct loop, a branching tree through the modules) of 1, 2, 3, 5, 9, ... new tokens, as
+the proposer drafts them (one chain, or a root and its children), and returns the
+:class:`~distill.engine.policy.StepCosts` curve the policy prices trees with. The engine measures
+it when it starts on a CPU with a proposer, since a CPU's curve is far from the line
+``1 + r·(m − 1)`` (flat over the first rows while the products read each weight once, then steep),
+and priced by the line the policy drafts fewer nodes than pay. Timed on the model alone (outside the
+engine's step paths) the plain step came out dearer than the engine's, and trees looked cheaper
+than they are against it.
 Measured: BENCHMARKS.md, "Step costs and the speculation policy".
 
 :func:`step_costs` is what the engine calls: the curve is a property of the machine, the model's
@@ -100,37 +104,78 @@ def tree_step_rounds(model, heads, trees: dict[int, list[tuple[int, ...]]], cont
     return times
 
 
-def measure_step_costs(model, max_nodes: int, max_batch: int = 1, context: int = COST_CONTEXT,
-                       repeats: int = COST_REPEATS) -> StepCosts:
-    """The step-cost curve: rows n + 1 for the policy's candidate sizes up to ``max_nodes``, and 2^k + 1 rows up to
-    what a full batch of ``max_batch`` trees takes (at most :data:`MAX_COST_ROWS`).
+@torch.inference_mode()
+def target_step_rounds(target, trees: dict[int, list[tuple[int, ...]]], chains: bool, context: int, repeats: int,
+                       seed: int = 0) -> dict[int, list[float]]:
+    """Seconds of one :meth:`~distill.engine.target.Target.step` of one sequence per tree (by node count), one entry
+    per timed round: a cache of ``context`` filled slots (random keys and values: a step's time does not depend on
+    them), the tree's tokens written after them, its mask built inside the timed step as the engine builds it.
+    ``chains``: the trees are chains, verified as the engine verifies chains. Rounds as in :func:`tree_step_rounds`."""
+    from distill.engine import cache as kv
+    from distill.engine.tree import build_buffers
 
-    Each size is a root with n children (a star: the mask's shape does not change the
-    products, which are what grows with the rows). A size's cost is the median over rounds
-    of its time over the plain step's time in the same round: a shared machine's speed
-    drifts between rounds, much less within one.
+    device = target.device
+    sync = _sync(device)
+    gen = torch.Generator().manual_seed(seed)
+    buffers = {n: build_buffers(paths).to(device) for n, paths in trees.items()}
+    top = max(b.size for b in buffers.values())
+    cache = target.new_cache(1, context + top)
+    for storage in (cache.keys, cache.values):
+        storage.copy_(torch.randn(storage.shape, generator=gen, dtype=storage.dtype))
+    tokens = torch.randint(0, target.vocab_size, (1, top), generator=gen).to(device)
+    ends = [context]
+    end = torch.tensor(ends, device=device)  # (1,)
+    times: dict[int, list[float]] = {n: [] for n in trees}
+    for rnd in range(repeats + 1):
+        for n, buf in buffers.items():
+            sync()
+            t0 = time.perf_counter()
+            T = buf.size
+            write = end[:, None] + torch.arange(T, device=device)[None]  # (1, T)
+            bias = kv.attention_bias(kv.step_allowed(end, buf.mask, target.window(cache, context + T)), target.dtype)
+            target.step(tokens[:, :T], end[:, None] + buf.depth, write, bias, cache, None, ends, chains and T > 1)
+            sync()
+            elapsed = time.perf_counter() - t0
+            if rnd:  # round 0 warms up kernels and allocators
+                times[n].append(elapsed)
+    return times
+
+
+def measure_step_costs(target, max_nodes: int, max_batch: int = 1, chains: bool = False, context: int = COST_CONTEXT,
+                       repeats: int = COST_REPEATS) -> StepCosts:
+    """The step-cost curve of ``target`` (a :class:`~distill.engine.target.Target`): rows n + 1 for the policy's
+    candidate sizes up to ``max_nodes``, and 2^k + 1 rows up to what a full batch of ``max_batch`` trees takes (at most
+    :data:`MAX_COST_ROWS`).
+
+    Each size is one sequence's step of n + 1 tokens: a chain where the proposer drafts chains (``chains``), else a
+    root with n children (a star: the products, which grow with the rows, are a tree's; its mask's shape does not
+    change them). A size's cost is the median over rounds of its time over the plain step's time in the same round:
+    a shared machine's speed drifts between rounds, much less within one.
     """
-    trees = cost_trees(max_nodes, max_batch)
-    rounds = tree_step_rounds(model, None, trees, context, repeats)
+    trees = cost_trees(max_nodes, max_batch, chains)
+    rounds = target_step_rounds(target, trees, chains, context, repeats)
     return StepCosts({n + 1: statistics.median(t / t0 for t, t0 in zip(rounds[n], rounds[0])) for n in trees})
 
 
-def cost_trees(max_nodes: int, max_batch: int) -> dict[int, list[tuple[int, ...]]]:
-    """The stars :func:`measure_step_costs` times, by node count (0: the plain step)."""
+def cost_trees(max_nodes: int, max_batch: int, chains: bool = False) -> dict[int, list[tuple[int, ...]]]:
+    """The trees :func:`measure_step_costs` times, by node count (0: the plain step): chains, or stars."""
     top = min(max(max_nodes + 1, max_batch * (max_nodes + 1)), MAX_COST_ROWS)
     sizes = {n for n in candidate_sizes(max_nodes) if n} | {2**k for k in range(1, 8) if 2**k + 1 <= top}
+    if chains:
+        return {0: []} | {n: [(0,) * (d + 1) for d in range(n)] for n in sorted(sizes)}
     return {0: []} | {n: [(i,) for i in range(n)] for n in sorted(sizes)}
 
 
 #: Bumped when what :func:`measure_step_costs` times changes: every kept curve is then timed again.
-COST_CACHE_VERSION = 1
+COST_CACHE_VERSION = 2
 
 
 def cost_key(model, max_nodes: int, max_batch: int, setup: dict | None = None, context: int = COST_CONTEXT,
-             repeats: int = COST_REPEATS) -> dict:
+             repeats: int = COST_REPEATS, chains: bool = False) -> dict:
     """What a measured curve depends on: the machine (CPU model or GPU name, torch's threads), torch, the model's
-    shapes and dtype, how its forwards run (``setup``: the engine's prepared kernels, compilation) and the rows
-    timed. The weights' values are not in it: a forward costs the same whatever they are."""
+    shapes and dtype, how its forwards run (``setup``: the engine's prepared kernels, compilation, the attention and
+    step paths), the shape of the trees (``chains``) and the rows timed. The weights' values are not in it: a forward
+    costs the same whatever they are."""
     from distill.runtime import cpu_info
 
     param = next(model.parameters())
@@ -139,7 +184,8 @@ def cost_key(model, max_nodes: int, max_batch: int, setup: dict | None = None, c
     device = torch.cuda.get_device_name(param.device) if param.device.type == "cuda" else cpu_info().model
     return {"version": COST_CACHE_VERSION, "device": f"{param.device.type}: {device}", "threads": torch.get_num_threads(),
             "torch": torch.__version__, "dtype": str(param.dtype), "model": config, "setup": setup or {},
-            "rows": sorted(n + 1 for n in cost_trees(max_nodes, max_batch)), "context": context, "repeats": repeats}
+            "rows": sorted(n + 1 for n in cost_trees(max_nodes, max_batch)), "shape": "chain" if chains else "tree",
+            "context": context, "repeats": repeats}
 
 
 def forward_setup(model) -> dict[str, int]:
@@ -164,16 +210,18 @@ def forward_setup(model) -> dict[str, int]:
     return dict(sorted(kinds.items()))
 
 
-def step_costs(model, max_nodes: int, max_batch: int = 1, setup: dict | None = None, cache: Path | None = None,
-               context: int = COST_CONTEXT, repeats: int = COST_REPEATS) -> StepCosts:
-    """:func:`measure_step_costs`, kept in ``cache`` (a folder; None: timed every call) under its :func:`cost_key`.
+def step_costs(target, max_nodes: int, max_batch: int = 1, setup: dict | None = None, cache: Path | None = None,
+               chains: bool = False, context: int = COST_CONTEXT, repeats: int = COST_REPEATS) -> StepCosts:
+    """:func:`measure_step_costs` of ``target``, kept in ``cache`` (a folder; None: timed every call) under its
+    :func:`cost_key`.
 
     A kept file that cannot be read, or whose key differs, is timed again and replaced (engine.kept).
     """
-    key = cost_key(model, max_nodes, max_batch, setup, context, repeats)
+    key = cost_key(target.model, max_nodes, max_batch, setup, context, repeats, chains)
 
     def measure() -> dict:
-        return {"points": {str(m): c for m, c in measure_step_costs(model, max_nodes, max_batch, context, repeats).points.items()}}
+        curve = measure_step_costs(target, max_nodes, max_batch, chains, context, repeats)
+        return {"points": {str(m): c for m, c in curve.points.items()}}
 
     doc, source = kept(cache, key, measure)
     return StepCosts({int(m): float(c) for m, c in doc["points"].items()}, source=source)

@@ -82,6 +82,8 @@ class Engine:
             self.proposer = heads if isinstance(heads, Lookup) else self._proposer(heads, tree)
             if lookup is not None:
                 self.proposer = Union([lookup, self.proposer], forward_weights=self.target.forward_weights())
+        if isinstance(self.proposer, Lookup):  # a lookup drafts chains where the target verifies them for less
+            self.proposer.use_chains(not self.target.paged_problem)
         self.step_costs: StepCosts | None = None  # the measured curve the policy prices trees with (None: the line)
         self.pricing: Pricing | None = None
         if self.proposer is not None:
@@ -89,9 +91,10 @@ class Engine:
             if measure is None:
                 measure = self.device.type == "cpu" and self.config.step_cost_ratio is None
             if measure and self.config.speculate_max_batch is None:
-                setup = forward_setup(model) | {"compile": self.target.compile}
-                self.step_costs = step_costs(model, self.proposer.max_nodes, self.config.max_batch, setup,
-                                             self._kept("step-costs"))
+                paths = {k: self.target.prep.get(k, 0) for k in ("attention_vllm", "direct_steps")}
+                setup = forward_setup(model) | {"compile": self.target.compile} | paths
+                self.step_costs = step_costs(self.target, self.proposer.max_nodes, self.config.max_batch, setup,
+                                             self._kept("step-costs"), getattr(self.proposer, "drafts_chains", False))
             self.pricing = Pricing(self.proposer, self.target.forward_weights(), self._cost_model(), self.config)
         max_len = context_limit(model.config, self.max_tree_size - 1)  # prompt + max_tokens, at most
         self.decoding = Decoding(self.target, self.proposer, self.pricing, self.config, self.stop_ids, max_len)

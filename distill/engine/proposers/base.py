@@ -104,12 +104,15 @@ class Proposer(Protocol):
         the step and accepted nodes per row (host)."""
 
 
-def host_proposal(root: torch.Tensor, trees: list[list[tuple[int, int]]], plain: TreeBuffers | None = None) -> Proposal:
+def host_proposal(root: torch.Tensor, trees: list[list[tuple[int, int]]], plain: TreeBuffers | None = None,
+                  chain: bool = False) -> Proposal:
     """The proposal of per-row trees drafted on the host: ``trees[b]`` lists (parent position, token) per node, parents
     first (position 0 is the root). Rows with fewer nodes than the largest tree are padded to its size with filler
     children of the root carrying tokens no sibling carries (lowest ids first): point-mass candidates like any other,
-    so acceptance stays exact and the batch keeps one tree size. No row drafting anything: a plain step (``plain``: the
-    empty tree's buffers on root's device, kept by the caller; built when None)."""
+    so acceptance stays exact and the batch keeps one tree size. ``chain``: every tree is a chain (each node the child
+    of the one before), and a shorter one is continued by filler nodes instead, so that the batch's trees stay chains.
+    No row drafting anything: a plain step (``plain``: the empty tree's buffers on root's device, kept by the caller;
+    built when None)."""
     T = 1 + max(map(len, trees), default=0)
     dev = root.device
     if T == 1:
@@ -121,10 +124,15 @@ def host_proposal(root: torch.Tensor, trees: list[list[tuple[int, int]]], plain:
             par_b.append(p)
             tok_b.append(tok)
             dep_b.append(dep_b[p] + 1)
-        taken = {tok for p, tok in tree if p == 0}
-        tok_b += [x for x in range(T + len(taken)) if x not in taken][: T - len(par_b)]
-        par_b += [0] * (T - len(par_b))
-        dep_b += [1] * (T - len(dep_b))
+        if chain:  # filler continues the chain: node k's child at k + 1
+            dep_b += list(range(len(dep_b), T))
+            par_b += list(range(len(par_b) - 1, T - 1))
+            tok_b += [0] * (T - len(tok_b))
+        else:
+            taken = {tok for p, tok in tree if p == 0}
+            tok_b += [x for x in range(T + len(taken)) if x not in taken][: T - len(par_b)]
+            par_b += [0] * (T - len(par_b))
+            dep_b += [1] * (T - len(dep_b))
         parent.append(par_b)
         tokens.append(tok_b)
         depth.append(dep_b)

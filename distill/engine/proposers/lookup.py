@@ -41,10 +41,18 @@ greedy rows only for the history
     would stop reproducing it: only greedy rows draft from the history. Sampled rows' replies
     still join it. A benchmark that decodes one prompt twice clears it between the passes
     (:meth:`Lookup.forget`).
+chains
+    where the target verifies a chain for less than a branching tree of as many nodes (on a
+    CPU, chains run on vLLM's attention kernel and the direct loop, trees through the modules),
+    each row drafts one path (:func:`~distill.engine.proposers.suffix.merge` with ``chain``):
+    from the root, the most probable continuation of the sources' drafts. ``Lookup.chains``
+    decides it: None (default) lets the engine choose (:meth:`Lookup.use_chains`), True or
+    False fixes it.
 filler
     rows drafting fewer nodes than the batch's largest tree are padded to its size with
-    children of the root whose tokens no sibling carries (lowest ids first): ordinary
-    point-mass candidates, so acceptance stays exact and the batch keeps one tree size.
+    children of the root whose tokens no sibling carries (lowest ids first), or, drafting
+    chains, with their chain continued by such tokens: ordinary point-mass candidates, so
+    acceptance stays exact and the batch keeps one tree size (and the chain shape).
 expected tokens per step
     :data:`DEFAULT_TAUS` until measured: the policy's starting table, corrected from then on
     by the acceptance it observes (:class:`~distill.engine.policy.AdaptivePolicy`).
@@ -73,6 +81,10 @@ from distill.errors import ConfigError
 #: MT-Bench first turns, replayed through the proposer's tree.
 #: Measured: BENCHMARKS.md, "The lookup proposer".
 DEFAULT_TAUS = {1: 1.35, 2: 1.53, 4: 1.71, 8: 1.82, 16: 1.85, 32: 1.87}
+#: The same for chains (one path of at most n nodes a step): the tree table's extra tokens scaled by the share of them
+#: that chains keep in a replay of those replies (context and history, 192 tokens: 0.99 at 2 nodes, 0.96 at 4, 0.91 at 8).
+#: Measured: BENCHMARKS.md, "The lookup proposer".
+DEFAULT_CHAIN_TAUS = {1: 1.35, 2: 1.52, 4: 1.68, 8: 1.74, 16: 1.75, 32: 1.77}
 DEFAULT_NODES, DEFAULT_DEPTH, DEFAULT_OCCURRENCES = 8, 16, 64
 #: The longest suffix matched in a row's context, and the shortest that drafts.
 DEFAULT_MAX_MATCH, DEFAULT_MIN_NGRAM = 32, 1
@@ -183,6 +195,7 @@ class Lookup:
     spec_factor: float = DEFAULT_SPEC_FACTOR
     spec_offset: float = DEFAULT_SPEC_OFFSET
     prior: float = DEFAULT_PRIOR
+    chains: bool | None = None  # one path a step (module docstring, "chains"); None: as the engine finds cheaper
     name = "lookup"
     feature_layers = None  # reads no features
 
@@ -196,9 +209,15 @@ class Lookup:
         self.history = History(self.history_tokens) if self.history_tokens else None  # checks it
         self._plain = build_buffers([])
         self.accuracy: list[list[float]] = []  # no per-depth table: the policy starts from DEFAULT_TAUS
+        self.drafts_chains = bool(self.chains)
+
+    def use_chains(self, cheaper: bool) -> None:
+        """The engine's word: its target verifies chains for less than trees (``cheaper``). Drafts chains then, unless
+        :attr:`chains` fixes the shape."""
+        self.drafts_chains = cheaper if self.chains is None else bool(self.chains)
 
     def taus(self) -> dict[int, float]:
-        table = sorted(DEFAULT_TAUS.items())
+        table = sorted((DEFAULT_CHAIN_TAUS if self.drafts_chains else DEFAULT_TAUS).items())
         def tau(n: int) -> float:  # the largest measured budget <= n
             return max((v for k, v in table if k <= n), default=1.0)
         return {n: tau(n) for n in candidate_sizes(self.max_nodes) if n}
@@ -223,7 +242,7 @@ class Lookup:
         """Each row's tree from its sources (point masses whatever ``sampling`` says)."""
         n = min(nodes, self.max_nodes)
         trees = [self.draft(ctx, n) for ctx in state.rows] if n >= 1 else [[] for _ in state.rows]
-        return host_proposal(root, trees, self._plain_on(root.device))
+        return host_proposal(root, trees, self._plain_on(root.device), chain=self.drafts_chains)
 
     def commit(self, state: LookupState, proposal: Proposal, features: torch.Tensor, acc: Acceptance, ends: list[int],
                lengths: list[int]) -> None:
@@ -234,15 +253,17 @@ class Lookup:
 
     def draft(self, ctx: _Context, nodes: int) -> list[tuple[int, int]]:
         """A row's tree of at most ``nodes`` nodes: (parent position, token) per node, parents first."""
-        return merge(self.drafts(ctx, nodes), nodes)
+        return merge(self.drafts(ctx, nodes), nodes, chain=self.drafts_chains)
 
     def drafts(self, ctx: _Context, nodes: int) -> list[Draft]:
         """Each source's best draft for a row: its context, the datastore and (greedy rows) the history."""
         rule = (nodes, self.min_prob, self.spec_factor, self.spec_offset, self.prior)
-        out = [best_draft(ctx.levels(self.depth, self.occurrences, self.min_ngram), *rule, nested=True)]
+        chain = self.drafts_chains
+        out = [best_draft(ctx.levels(self.depth, self.occurrences, self.min_ngram), *rule, nested=True, chain=chain)]
         for source in (self.datastore, self.history if ctx.greedy else None):
             if source is not None:
-                out.append(best_draft(source.levels(ctx.tokens, self.depth, self.store_occurrences, self.min_ngram), *rule))
+                levels = source.levels(ctx.tokens, self.depth, self.store_occurrences, self.min_ngram)
+                out.append(best_draft(levels, *rule, chain=chain))
         return out
 
     def _plain_on(self, device: torch.device):
@@ -251,5 +272,5 @@ class Lookup:
         return self._plain
 
 
-__all__ = ["DEFAULT_HISTORY_TOKENS", "DEFAULT_MAX_NGRAM", "DEFAULT_MIN_NGRAM", "DEFAULT_TAUS", "LOOKUP", "Lookup",
+__all__ = ["DEFAULT_CHAIN_TAUS", "DEFAULT_HISTORY_TOKENS", "DEFAULT_MAX_NGRAM", "DEFAULT_MIN_NGRAM", "DEFAULT_TAUS", "LOOKUP", "Lookup",
            "LookupState"]

@@ -32,6 +32,12 @@ score
     best-first walk of its trie, ties to the shallower node, then to the more recent
     occurrence); its score is the sum of their probabilities. The level with the highest score
     drafts, ties to the longer match.
+chain
+    the draft as one path instead of a tree (``chain=True``): from the root, each node's most
+    probable child (ties to the more recent occurrence) while the floor and the length rule
+    allow; scored and chosen among levels alike. SuffixDecoding's draft on a GPU is such a path;
+    the engine asks for chains where its target verifies chains for less than trees of as many
+    nodes (:attr:`distill.engine.proposers.lookup.Lookup.chains`).
 
 The work per step is a trie of at most ``occurrences x depth`` tokens per level and a walk of
 its best nodes, in plain Python: sources hand over short lists, and a level whose length rule
@@ -99,11 +105,29 @@ def _walk(root: dict, cap: int, scale: float, min_prob: float) -> tuple[float, l
     return score, out
 
 
+def _chain(root: dict, cap: int, scale: float, min_prob: float) -> tuple[float, list[tuple[tuple[int, ...], float]]]:
+    """The trie's path of most probable children (ties to the more recent occurrence), at most ``cap`` nodes of
+    probability >= ``min_prob``."""
+    least = min_prob / scale if scale > 0 else float("inf")
+    out, score, path, node = [], 0.0, (), root
+    while node and len(out) < cap:
+        tok, (count, children, _) = min(node.items(), key=lambda kv: (-kv[1][0], kv[1][2]))
+        if count < least:
+            break
+        path += (tok,)
+        out.append((path, count * scale))
+        score += count * scale
+        node = children
+    return score, out
+
+
 def best_draft(levels: Sequence[Level], budget: int, min_prob: float, factor: float, offset: float,
-               prior: float = 1.0, nested: bool = False) -> Draft:
+               prior: float = 1.0, nested: bool = False, chain: bool = False) -> Draft:
     """The highest-scoring level's tree (see the module docstring), at most ``budget`` nodes; ``levels`` in ascending
     match length. ``nested``: each level's continuations start with the longer level's (the same occurrences, newest
-    first within each match length), so one trie grows level by level instead of one trie per level."""
+    first within each match length), so one trie grows level by level instead of one trie per level. ``chain``: its
+    one most probable path (module docstring, "chain")."""
+    walk = _chain if chain else _walk
     best = Draft([])
     trie: dict = {}
     added = 0
@@ -120,16 +144,17 @@ def best_draft(levels: Sequence[Level], budget: int, min_prob: float, factor: fl
         else:
             root = _trie(conts, cap)
         scale = level.total / (len(conts) * (level.total + prior))
-        score, paths = _walk(root, cap, scale, min_prob)
+        score, paths = walk(root, cap, scale, min_prob)
         if paths and score > best.score:
             best = Draft(paths, score, level.n)
     return best
 
 
-def merge(drafts: Sequence[Draft], budget: int) -> list[tuple[int, int]]:
+def merge(drafts: Sequence[Draft], budget: int, chain: bool = False) -> list[tuple[int, int]]:
     """One tree from several sources' drafts: each path at its highest probability, the ``budget`` most probable
     (ties to the shallower, then to the source listed first); (parent position, token) per node, parents first,
-    position 0 the root."""
+    position 0 the root. ``chain``: one path instead, from the root each node's most probable child among the
+    sources' paths (ties as above), at most ``budget`` nodes."""
     best: dict[tuple[int, ...], tuple[float, int]] = {}
     rank = 0
     for draft in drafts:
@@ -137,6 +162,16 @@ def merge(drafts: Sequence[Draft], budget: int) -> list[tuple[int, int]]:
             if path not in best or p > best[path][0]:
                 best[path] = (p, best[path][1] if path in best else rank)
             rank += 1
+    if chain:
+        out: list[tuple[int, int]] = []
+        path: tuple[int, ...] = ()
+        while len(out) < budget:
+            children = [q for q in best if len(q) == len(path) + 1 and q[:-1] == path]
+            if not children:
+                break
+            path = min(children, key=lambda q: (-best[q][0], best[q][1]))
+            out.append((len(out), path[-1]))
+        return out
     chosen = sorted(best, key=lambda q: (-best[q][0], len(q), best[q][1]))[:budget]
     chosen.sort(key=lambda q: (len(q), best[q][1]))
     where = {(): 0}
