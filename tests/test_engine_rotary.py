@@ -20,10 +20,11 @@ ORIGINAL = modeling_llama.apply_rotary_pos_emb
 
 @pytest.fixture
 def counted(monkeypatch):
-    """Calls of the kernel path (rotary._rotate)."""
+    """Calls of the kernel (rotary.rotate_rows, which the modules' and the direct steps' rotations call): the query
+    rows' shapes."""
     calls = []
-    rotate = rotary._rotate
-    monkeypatch.setattr(rotary, "_rotate", lambda *a: calls.append(a[0].shape) or rotate(*a))
+    rotate = rotary.rotate_rows
+    monkeypatch.setattr(rotary, "rotate_rows", lambda *a: calls.append(a[1].shape) or rotate(*a))
     return calls
 
 
@@ -49,7 +50,7 @@ def test_a_llamas_attention_rotates_on_the_kernel_with_the_same_logits(counted):
     counted.clear()
     with torch.inference_mode():
         after = model(ids, position_ids=positions).logits
-    assert counted == [torch.Size([2, 4, 7, 4])] * 2  # one kernel call per layer
+    assert counted == [torch.Size([2 * 7, 4 * 4])] * 2  # one kernel call per layer: (rows x tokens, heads x head size)
     assert torch.allclose(after, before, rtol=1e-5, atol=1e-5)
     counted.clear()
     model(ids, position_ids=positions)  # autograd on (training): the original module, which does not write into its inputs

@@ -4,8 +4,9 @@ Where the attention runs on vLLM's kernel (:mod:`.paged`), a step through the mo
 milliseconds in Python around the same kernels: module calls, the model's output records, the
 attention interface, the fused linears' bookkeeping. :class:`DirectDecoder` runs the same operations
 in the same order (so the same numbers: its logits and features equal the modules' bit for bit),
-calling each prepared module's ``forward`` itself. Measured: BENCHMARKS.md, "Against vLLM as its server
-runs it".
+calling the norms' and embeddings' ``forward`` and the kernels of the attention and the linears itself
+(each product by the kernel its module picks for so many rows), over the tokens' rows flat.
+Measured: BENCHMARKS.md, "Against vLLM as its server runs it".
 
 It applies to a Llama-style decoder that :func:`distill.engine.cpu.prepare` prepared whole
 (:meth:`DirectDecoder.of` says why not): embedding, rotary embedding, decoder layers of an attention
@@ -25,10 +26,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+import torch.nn.functional as F
+
 from distill.engine.cpu import rotary
-from distill.engine.cpu.linears import DualLinear, _hooked
+from distill.engine.cpu.linears import PAD_ROWS, PADDED, WEIGHT, DualLinear, _hooked
 from distill.engine.cpu.norms import KernelRMSNorm
-from distill.engine.cpu.paged import PagedPlan, paged_attention
+from distill.engine.cpu.paged import PagedPlan, attend_packed
 from distill.engine.cpu.rotary import KernelAttention
 
 LAYER_CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
@@ -139,40 +142,57 @@ class DirectDecoder:
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache, plan: PagedPlan,
                 feature_layers: tuple[int, ...] | None) -> tuple[torch.Tensor, torch.Tensor]:
         """ids/positions (B, T), written at the slots ``cache`` was prepared with, attending on ``plan`` -> (logits
-        (B, T, V), features (B, T, F)): the hidden state, or the hidden states entering ``feature_layers``."""
+        (B, T, V), features (B, T, F)): the hidden state, or the hidden states entering ``feature_layers``.
+
+        The tokens' rows go through the layers flat, (B·T, width): the modules' products, norms and kernels see the
+        same rows in the same order (their (B, T, ...) views are of the same memory), without the views between."""
+        B, T = ids.shape
+        n = B * T
         h = self.embed.forward(ids)
         cos, sin = self.rotary.forward(h, positions)
-        B, T = ids.shape
+        h = h.view(n, -1)
+        where, table = rotary._table({}, cos, sin, B)  # the (cos | sin) rows the attention modules' kernel reads
         entering = {}
         for layer in self.layers:
             if feature_layers is not None and layer.index in feature_layers:
-                entering[layer.index] = h
-            h = h + self._attention(layer, layer.norm_in.forward(h), cos, sin, cache, plan, B, T)
-            h = h + self._mlp(layer, layer.norm_post.forward(h))
+                entering[layer.index] = h.view(B, T, -1)
+            h = h + self._attention(layer, layer.norm_in.forward(h), where, table, cache, plan, B, T)
+            h = h + self._mlp(layer, layer.norm_post.forward(h), n)
         hidden = self.norm.forward(h)
-        logits = self.lm_head.forward(hidden)
+        head = self.lm_head
+        logits = _product(head, hidden, n) if isinstance(head, DualLinear) else head.forward(hidden)
+        hidden = hidden.view(B, T, -1)
         features = hidden if feature_layers is None else torch.cat([entering[i] for i in feature_layers], dim=-1)
-        return logits, features
+        return logits.view(B, T, -1), features
 
     @staticmethod
-    def _attention(layer: _Layer, x, cos, sin, cache, plan: PagedPlan, B: int, T: int) -> torch.Tensor:
+    def _attention(layer: _Layer, x, where, table, cache, plan: PagedPlan, B: int, T: int) -> torch.Tensor:
         attn = layer.attention
-        outs = layer.qkv.forward(x).split(layer.qkv_sizes, dim=-1)
-        shape = (B, T, -1, attn.head_dim)
-        q, k, v = (outs[i].view(shape).transpose(1, 2) for i in layer.qkv_order)
-        if rotary._kernel_applies(q, k, cos, sin, 1):  # as KernelAttention.forward rotates
-            q, k = rotary._rotate(q, k, cos, sin, attn.table)
-        else:
-            q, k = attn.rotate(q, k, cos, sin)
-        cache.update(k, v, attn.layer_idx)
-        out = paged_attention(plan, attn.layer_idx, q, attn.scaling)
-        return layer.o_proj.forward(out.reshape(B, T, -1).contiguous())
+        D = attn.head_dim
+        outs = _product(layer.qkv, x, B * T).split(layer.qkv_sizes, dim=-1)
+        q, k, v = (outs[i] for i in layer.qkv_order)  # (B·T, heads·D) views of one product
+        rotary.rotate_rows(where, q, k, D, table)  # as KernelAttention rotates them, in place
+        cache.update(*(t.view(B, T, -1, D).transpose(1, 2) for t in (k, v)), attn.layer_idx)
+        out = attend_packed(plan, attn.layer_idx, q.reshape(B * T, -1, D), attn.scaling)
+        return _product(layer.o_proj, out.view(B * T, -1), B * T)
 
     @staticmethod
-    def _mlp(layer: _Layer, x) -> torch.Tensor:
-        outs = layer.gate_up.forward(x).split(layer.gate_up_sizes, dim=-1)
+    def _mlp(layer: _Layer, x, n: int) -> torch.Tensor:
+        outs = _product(layer.gate_up, x, n).split(layer.gate_up_sizes, dim=-1)
         gate, up = (outs[i] for i in layer.gate_up_order)
-        return layer.down.forward(layer.act(gate) * up)
+        return _product(layer.down, layer.act(gate) * up, n)
+
+
+def _product(linear: DualLinear, x: torch.Tensor, n: int) -> torch.Tensor:
+    """``linear`` of ``n`` flat rows ``x``, by the kernel its forward picks for so many rows (DualLinear.forward, at
+    inference and outside a padded prefill)."""
+    if linear.vllm is None and linear.packed is None:
+        return F.linear(x, linear.weight, linear.bias)
+    if n == 1 and linear.single == WEIGHT:
+        return F.linear(x, linear.weight, linear.bias)
+    if n < PAD_ROWS and linear.single == PADDED:
+        return linear._padded_product(x, n)
+    return linear._packed_product(x)
 
 
 __all__ = ["DirectDecoder"]

@@ -96,6 +96,16 @@ def paged_attention(plan: PagedPlan, layer: int, query: torch.Tensor, scaling: f
     return full
 
 
+def attend_packed(plan: PagedPlan, layer: int, rows: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Packed queries ``rows`` (tokens, heads, d), row b's from ``plan.starts[b]`` on, of layer ``layer`` -> their
+    attention (tokens, heads, d): :func:`paged_attention` of a forward without padding, the queries already packed."""
+    packed = rows.contiguous()
+    out = torch.empty_like(packed)
+    torch.ops._C.cpu_attention_with_kv_cache(packed, plan.keys[layer], plan.values[layer], out, plan.starts, plan.seq_lens,
+                                             scaling, True, None, -1, plan.table, 0.0, plan.meta, None, None, 1.0, 1.0, "auto")
+    return out
+
+
 def paged_problem(kv_shape, heads: int) -> str:
     """Why the kernel cannot attend for a model of this cache shape and ``heads`` query heads, or "" (checked once per
     shape): vLLM's CPU library and its ops load, the dtype is float32 on a CPU, the kernel writes keys in the order
@@ -146,4 +156,4 @@ def _problem(kv_shape, heads: int) -> str:
     return ""
 
 
-__all__ = ["ISA", "PagedPlan", "paged_attention", "paged_problem", "plan"]
+__all__ = ["ISA", "PagedPlan", "attend_packed", "paged_attention", "paged_problem", "plan"]

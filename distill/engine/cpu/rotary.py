@@ -78,8 +78,15 @@ def _rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     positions, table = _table(state, cos, sin, B)
     rows_q = q.transpose(1, 2).reshape(B * T, H * D)  # a view of the projection's rows where they allow one
     rows_k = k.transpose(1, 2).reshape(B * T, k.shape[1] * D)
-    torch.ops._C.rotary_embedding(positions, rows_q, rows_k, D, table, True)
+    rotate_rows(positions, rows_q, rows_k, D, table)
     return rows_q.view(B, T, H, D).transpose(1, 2), rows_k.view(B, T, k.shape[1], D).transpose(1, 2)
+
+
+def rotate_rows(positions: torch.Tensor, rows_q: torch.Tensor, rows_k: torch.Tensor, head_size: int,
+                table: torch.Tensor) -> None:
+    """Rotate query and key rows (tokens, heads · head size) in place on the kernel, row i by ``table[positions[i]]``
+    (:func:`_table`)."""
+    torch.ops._C.rotary_embedding(positions, rows_q, rows_k, head_size, table, True)
 
 
 class KernelAttention(nn.Module):
