@@ -176,7 +176,9 @@ def test_kernel_attention_runs_prefills_plain_steps_and_chains_and_decodes_as_sd
     monkeypatch.setattr(paged, "plan", lambda *a, **k: plans.append(real(*a, **k)) or plans[-1])
     batched, stats = engine.generate(uneven, params)
     assert [r.token_ids for r in batched] == want
-    assert len(plans) == stats.steps + 1 and plans[0].pack is not None and all(p.pack is None for p in plans[1:])
+    assert len(plans) == stats.steps + 1 and all(p.pack is None for p in plans[1:])
+    # the prefill's queries: every prompt token, packed by the direct loop, else right-padded and packed for the kernel
+    assert int(plans[0].starts[-1]) == sum(map(len, uneven)) and (plans[0].pack is None) == (engine.target.direct is not None)
     for tree in ("chain", "sparse-8"):
         medusa = Engine(hf_model, tokenizer, make_heads(hf_model, random_w1=False), EngineConfig(max_batch=3, tree=tree, speculate_max_batch=3))
         plans.clear()  # from here: the generation's (the engine's start-up check plans its own steps)

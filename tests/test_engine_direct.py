@@ -65,6 +65,11 @@ def test_a_direct_forward_that_differs_from_the_modules_is_not_used(own_model, t
     assert engine.target.direct is None and engine.target.prep["direct_steps"] == 0
     assert engine.target.direct_problem == "its step differs from the modules' (logits, 2 token(s) a row)"
     assert engine.target.paged_problem == ""  # the kernel attention stays
+    monkeypatch.setattr(DirectDecoder, "forward", forward)
+    prefill = DirectDecoder.prefill
+    monkeypatch.setattr(DirectDecoder, "prefill", lambda self, *args: (lambda lf: (lf[0], lf[1] + 1e-6))(prefill(self, *args)))
+    engine = Engine(own_model, tokenizer, None, EngineConfig(max_batch=2))
+    assert engine.target.direct is None and engine.target.direct_problem == "its prefill differs from the modules'"
 
 
 @needs_vllm
@@ -78,25 +83,29 @@ def test_direct_steps_give_the_modules_tokens_logprobs_and_features_exactly(own_
         pair = [Engine(own_model, tokenizer, heads, EngineConfig(max_batch=3, **config)) for _ in range(2)]
         assert pair[0].target.direct is not None and pair[0].target.prep["direct_steps"] == 1
         pair[1].target.direct = None  # the same engine through the model's modules
-        calls = []
+        calls, prefills = [], []
         direct = pair[0].target.direct
-        forward = direct.forward
+        forward, prefill = direct.forward, direct.prefill
         direct.forward = lambda *args: calls.append(args[4]) or forward(*args)
-        return pair, calls
+        direct.prefill = lambda *args: prefills.append(args[4]) or prefill(*args)
+        return pair, calls, prefills
 
-    (direct, modules), calls = engines(None)
+    (direct, modules), calls, prefills = engines(None)
     params = SamplingParams(max_tokens=12, logprobs=3)
     got, stats = direct.generate(uneven, params)
     want, _ = modules.generate(uneven, params)
     assert len(calls) == stats.steps > 0 and all(layers is None for layers in calls)
+    (lengths,) = prefills  # one prefill, the prompts packed, longest first
+    assert len(lengths) == len(uneven) and lengths == sorted(lengths, reverse=True) and len(set(lengths)) > 1
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
     assert [r.logprobs for r in got] == [r.logprobs for r in want]
-    (direct, modules), calls = engines(bundled_drafter(own_model, "fresh"), draft_topk=1, draft_depth=3, draft_nodes=3,
-                                       speculate_max_batch=3)
+    (direct, modules), calls, prefills = engines(bundled_drafter(own_model, "fresh"), draft_topk=1, draft_depth=3,
+                                                 draft_nodes=3, speculate_max_batch=3)
     got, stats = direct.generate(uneven, SamplingParams(max_tokens=12))
     want, want_stats = modules.generate(uneven, SamplingParams(max_tokens=12))
     layers = direct.decoding.proposer.feature_layers
     assert stats.tree_nodes == 3 and len(layers) == 3 and calls and all(c == layers for c in calls)
+    assert len(prefills) == 1  # the drafter's features of the prompts come out of the packed prefill
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
     assert stats.accepted_per_step == want_stats.accepted_per_step
 

@@ -192,14 +192,11 @@ class Batch:
         positions = torch.arange(P, device=dev)[None].expand(len(prompts), P)  # (B, P)
         cache.prepare(positions, P, from_start=True)
         echo = [b for b, s in enumerate(seqs) if s.params.prompt_logprobs is not None]
-        # the positions whose logits are needed: each row's last, or all of them for prompt logprobs
-        last = list(range(P)) if echo else sorted(set(n - 1 for n in lengths))
-        keep = torch.tensor(last, dtype=torch.long, device=dev)
         bias = kv.attention_bias(kv.prefill_allowed(P, dev), target.dtype)  # (1, 1, P, P)
         layers = d.proposer.feature_layers if speculative else None
-        logits, features = target.prefill(ids, positions, bias, cache, keep, layers, lengths)  # (B, U, V), (B, P, F)
+        # logits of every position for prompt logprobs (B, P, V), else of each row's last (B, V); features (B, P, F)
+        logits, features = target.prefill(ids, positions, bias, cache, layers, lengths, every=bool(echo))
         rows = torch.arange(len(prompts), device=dev)
-        col = torch.tensor([last.index(n - 1) for n in lengths], device=dev)
         for b in echo:  # position t's distribution drew prompt token t + 1
             n, top = lengths[b], seqs[b].params.prompt_logprobs
             where = torch.arange(n - 1, device=dev)[None]
@@ -207,7 +204,7 @@ class Batch:
             seqs[b].prompt_logprobs = [None] + [TokenLogprob(t, c, tuple(zip(i, v)))
                                                 for t, c, i, v in zip(prompts[b][1:], chosen[0], tids[0], vals[0])]
         zeros = torch.zeros(len(seqs), 1, dtype=torch.long, device=dev)
-        first_logits = logits[rows, col][:, None]  # (B, 1, V)
+        first_logits = (logits[rows, torch.tensor(lengths, device=dev) - 1] if echo else logits)[:, None]  # (B, 1, V)
         first = d.accept(zeros, first_logits, d.plain, seqs)
         lps = d.logprobs(first_logits, zeros, first, seqs)
         root = first.next_token  # (B,)

@@ -295,6 +295,15 @@ class SlotCache(Cache):
             values.scatter_(2, self._index_v, value_states)
         return keys[:, :, : self.window], values[:, :, : self.window]
 
+    def write_rows(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, lengths: list[int]) -> None:
+        """Write packed keys/values (tokens, heads, d) of layer ``layer_idx``: row b's ``lengths[b]`` tokens, one row's
+        after another, at its slots ``0 .. lengths[b] - 1`` (a packed prefill)."""
+        start = 0
+        for b, n in enumerate(lengths):
+            self.keys[layer_idx, b, :, :n].copy_(keys[start : start + n].transpose(0, 1))
+            self.values[layer_idx, b, :, :n].copy_(values[start : start + n].transpose(0, 1))
+            start += n
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.window
 

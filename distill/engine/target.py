@@ -14,9 +14,10 @@ kernel attention
     kernel's order, and every forward it computes (a prefill, a plain step, a step whose rows all
     verify a chain) attends on it; a branching tree's step attends in ``distill_sdpa``.
 direct steps
-    where the attention runs on the kernel, the steps it computes run the model's prepared modules'
-    kernels layer by layer (:mod:`distill.engine.cpu.direct`), not through the modules' calls: the same
-    operations, checked once to give the modules' logits, features and cache writes exactly.
+    where the attention runs on the kernel, the steps it computes and the prefills run the model's
+    prepared modules' kernels layer by layer (:mod:`distill.engine.cpu.direct`), not through the modules'
+    calls, a prefill's prompts packed without padding: the same operations, checked once to give the
+    modules' logits, features and cache writes exactly.
 hidden state
     the backbone's last hidden state after the final norm (what the LM head reads): the decoder's
     (``model.get_decoder()``) ``last_hidden_state``. Medusa's feature.
@@ -100,7 +101,8 @@ class Target:
     def _direct(self):
         """The model's :class:`~distill.engine.cpu.direct.DirectDecoder` where it applies and reproduces the modules'
         step exactly (logits, features, the cache's writes) on two uneven rows, a chain of two tokens and a single
-        token with features of two layers -> (decoder or None, why not)."""
+        token with features of two layers, and their prefill of two prompts of uneven lengths -> (decoder or None, why
+        not)."""
         from distill.engine.cpu import paged
         from distill.engine.cpu.direct import DirectDecoder
 
@@ -132,6 +134,24 @@ class Target:
             if not all(same):
                 what = [name for name, ok in zip(("logits", "features", "keys", "values"), same) if not ok]
                 return None, f"its step differs from the modules' ({', '.join(what)}, {T} token(s) a row)"
+        lengths, P = [5, 3], 5
+        ids = torch.randint(0, self.vocab_size, (2, P), generator=g).to(self.device)
+        positions = torch.arange(P, device=self.device)[None].expand(2, P)
+        bias = kv.attention_bias(kv.prefill_allowed(P, self.device), self.dtype)
+        layers = (0, len(direct.layers) - 1)
+        got = []
+        for run in ("modules", "direct"):
+            cache = self.new_cache(2, slots)
+            cache.prepare(positions, P, from_start=True)
+            with torch.inference_mode():
+                if run == "modules":
+                    logits, features = self.prefill(ids, positions, bias, cache, layers, lengths)
+                else:
+                    logits, features = self._direct_prefill(direct, ids, positions, cache, layers, lengths)
+            written = [(store[:, b, :, :n].clone()) for store in (cache.keys, cache.values) for b, n in enumerate(lengths)]
+            got.append((logits, *(features[b, :n] for b, n in enumerate(lengths)), *written))
+        if not all(torch.equal(a, b) for a, b in zip(*got)):
+            return None, "its prefill differs from the modules'"
         return direct, ""
 
     def _example(self):
@@ -185,15 +205,52 @@ class Target:
         return self.model.get_output_embeddings().weight.shape[0]
 
     # -- forwards ------------------------------------------------------------------------------
-    def prefill(self, ids, positions, bias, cache: kv.SlotCache, keep: torch.Tensor, layers, lengths: list[int]):
-        """The prefill's forward over right-padded prompts of ``lengths`` tokens: products skip the padding."""
-        with valid_rows(lengths, ids.shape[1], self.device, self.rowwise):
-            if not self.paged_problem:
-                from distill.engine.cpu import paged
+    def prefill(self, ids, positions, bias, cache: kv.SlotCache, layers, lengths: list[int], every: bool = False):
+        """The prefill's forward over right-padded prompts ids (B, P) of ``lengths`` tokens -> (logits, features
+        (B, P, F)): the logits of each row's last token (B, V), or with ``every`` of every position (B, P, V).
 
-                return self.forward(ids, positions, bias, cache, keep, layers,
-                                    paged=paged.plan(cache, lengths, [0] * len(lengths), self.heads, padded=True))
-            return self.forward(ids, positions, bias, cache, keep, layers, chunks=plan_row_chunks(lengths, lengths))
+        With the direct steps (module docstring) the prompts' tokens go through the direct loop packed, one after
+        another without padding, and only the last tokens' logits are computed; else through the modules, whose
+        products skip the padding."""
+        dev = self.device
+        if not self.paged_problem:
+            from distill.engine.cpu import paged
+
+            if not every and self.direct is not None and self._direct_current():
+                return self._direct_prefill(self.direct, ids, positions, cache, layers, lengths)
+        keep = 0 if every else torch.tensor(sorted(set(n - 1 for n in lengths)), dtype=torch.long, device=dev)
+        with valid_rows(lengths, ids.shape[1], dev, self.rowwise):
+            if not self.paged_problem:
+                plan = paged.plan(cache, lengths, [0] * len(lengths), self.heads, padded=True)
+                logits, features = self.forward(ids, positions, bias, cache, keep, layers, paged=plan)
+            else:
+                logits, features = self.forward(ids, positions, bias, cache, keep, layers,
+                                                chunks=plan_row_chunks(lengths, lengths))
+        if every:
+            return logits, features
+        col = [keep.tolist().index(n - 1) for n in lengths]
+        return logits[torch.arange(len(lengths), device=dev), torch.tensor(col, device=dev)], features
+
+    def _direct_prefill(self, direct, ids, positions, cache: kv.SlotCache, layers, lengths: list[int]):
+        """:meth:`prefill` through ``direct``: the prompts packed, their features back in padded rows (zeros after each)."""
+        from distill.engine.cpu import paged
+
+        B, P = ids.shape
+        real = torch.arange(P, device=self.device)[None] < torch.tensor(lengths, device=self.device)[:, None]  # (B, P)
+        plan = paged.plan(cache, lengths, [0] * B, self.heads, padded=False)
+        logits, packed = direct.prefill(ids[real][None], positions[real][None], cache, plan, lengths, layers)
+        features = packed.new_zeros(B, P, packed.shape[-1])
+        features[real] = packed
+        return logits.float(), features
+
+    def _direct_current(self) -> bool:
+        """Whether the direct loop still applies (the model holds its modules, none hooked); else the modules compute
+        from now on."""
+        if self.direct.current():
+            return True
+        self.direct, self.direct_problem = None, "the model's modules changed, or gained hooks, after the engine was built"
+        self.prep["direct_steps"] = 0
+        return False
 
     def window(self, cache: kv.SlotCache, eager: int) -> int:
         """The slots a step attends to: ``eager`` (the longest row's end + tree size), or, graphed, every slot of the
@@ -233,12 +290,9 @@ class Target:
         row chunks (:func:`distill.engine.attention.plan_row_chunks`; a compiled forward attends over the whole window);
         ``paged``: its plan on vLLM's kernel instead (module docstring, "kernel attention").
         """
-        if step and paged is not None and self.direct is not None:
-            if self.direct.current():
-                logits, features = self.direct.forward(ids, positions, cache, paged, layers)
-                return logits.float(), features
-            self.direct, self.direct_problem = None, "the model's modules changed, or gained hooks, after the engine was built"
-            self.prep["direct_steps"] = 0
+        if step and paged is not None and self.direct is not None and self._direct_current():
+            logits, features = self.direct.forward(ids, positions, cache, paged, layers)
+            return logits.float(), features
         if self._compiled is not None and step and (self._compile_all or (layers is None and ids.numel() == 1)):
             for storage in (cache.keys, cache.values):  # the slots grow with the sequences: one graph for every capacity
                 torch._dynamo.maybe_mark_dynamic(storage, 3)

@@ -13,8 +13,10 @@ It applies to a Llama-style decoder that :func:`distill.engine.cpu.prepare` prep
 (:class:`.rotary.KernelAttention` over one fused q/k/v product), a gated SiLU MLP (one fused gate/up
 product) and two :class:`.norms.KernelRMSNorm`, a final kernel norm and an LM head; full attention in
 every layer, no hooks on any of these modules. :class:`distill.engine.target.Target` then checks once
-that it reproduces the modules' step exactly, and uses it for the steps whose attention runs on the
-kernel; prefills, and steps over branching trees, keep the modules. Before each forward it checks, in tens
+that it reproduces the modules' step and prefill exactly, and uses it for the steps whose attention runs
+on the kernel and for prefills, whose prompts it takes packed, one after another without padding (only the
+last tokens' logits computed); steps over branching trees, and prefills that want every position's logits
+(prompt logprobs), keep the modules. Before each forward it checks, in tens
 of microseconds, that the model still holds those modules and that none has gained a hook
 (:meth:`DirectDecoder.current`); where not, the modules compute.
 """
@@ -147,6 +149,38 @@ class DirectDecoder:
         The tokens' rows go through the layers flat, (B·T, width): the modules' products, norms and kernels see the
         same rows in the same order (their (B, T, ...) views are of the same memory), without the views between."""
         B, T = ids.shape
+
+        def write(k, v, attn):  # at the slots the cache was prepared with
+            D = attn.head_dim
+            cache.update(k.view(B, T, -1, D).transpose(1, 2), v.view(B, T, -1, D).transpose(1, 2), attn.layer_idx)
+
+        hidden, entering = self._layers(ids, positions, plan, feature_layers, write)
+        logits = self._head(hidden)
+        hidden = hidden.view(B, T, -1)
+        features = hidden if feature_layers is None else torch.cat([entering[i] for i in feature_layers], dim=-1)
+        return logits.view(B, T, -1), features.view(B, T, -1)
+
+    def prefill(self, ids: torch.Tensor, positions: torch.Tensor, cache, plan: PagedPlan, lengths: list[int],
+                feature_layers: tuple[int, ...] | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prompts of ``lengths`` tokens packed one after another, ids/positions (1, N), written at slots 0 .. of their
+        cache rows, each attending causally over its own (``plan``: queries of ``lengths``, ends 0) -> (logits of each
+        prompt's last token (B, V), features (N, F)). The same operations on the same rows as a padded prefill through
+        the modules, less the padding's."""
+
+        def write(k, v, attn):
+            D = attn.head_dim
+            cache.write_rows(attn.layer_idx, k.view(len(k), -1, D), v.view(len(v), -1, D), lengths)
+
+        hidden, entering = self._layers(ids, positions, plan, feature_layers, write)
+        last = torch.tensor(lengths, device=ids.device).cumsum(0) - 1
+        features = hidden if feature_layers is None else torch.cat([entering[i] for i in feature_layers], dim=-1)
+        return self._head(hidden[last]), features
+
+    def _layers(self, ids, positions, plan: PagedPlan, feature_layers, write) -> tuple[torch.Tensor, dict]:
+        """The decoder over ids/positions (B, T) -> (the hidden state after the final norm (B·T, width), the hidden
+        states entering ``feature_layers`` (B·T, width) each); ``write(k, v, attention)`` stores a layer's keys and
+        values (B·T, heads·D)."""
+        B, T = ids.shape
         n = B * T
         h = self.embed.forward(ids)
         cos, sin = self.rotary.forward(h, positions)
@@ -155,26 +189,25 @@ class DirectDecoder:
         entering = {}
         for layer in self.layers:
             if feature_layers is not None and layer.index in feature_layers:
-                entering[layer.index] = h.view(B, T, -1)
-            h = h + self._attention(layer, layer.norm_in.forward(h), where, table, cache, plan, B, T)
+                entering[layer.index] = h
+            h = h + self._attention(layer, layer.norm_in.forward(h), where, table, plan, write, n)
             h = h + self._mlp(layer, layer.norm_post.forward(h), n)
-        hidden = self.norm.forward(h)
+        return self.norm.forward(h), entering
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.lm_head
-        logits = _product(head, hidden, n) if isinstance(head, DualLinear) else head.forward(hidden)
-        hidden = hidden.view(B, T, -1)
-        features = hidden if feature_layers is None else torch.cat([entering[i] for i in feature_layers], dim=-1)
-        return logits.view(B, T, -1), features
+        return _product(head, hidden, len(hidden)) if isinstance(head, DualLinear) else head.forward(hidden)
 
     @staticmethod
-    def _attention(layer: _Layer, x, where, table, cache, plan: PagedPlan, B: int, T: int) -> torch.Tensor:
+    def _attention(layer: _Layer, x, where, table, plan: PagedPlan, write, n: int) -> torch.Tensor:
         attn = layer.attention
         D = attn.head_dim
-        outs = _product(layer.qkv, x, B * T).split(layer.qkv_sizes, dim=-1)
+        outs = _product(layer.qkv, x, n).split(layer.qkv_sizes, dim=-1)
         q, k, v = (outs[i] for i in layer.qkv_order)  # (B·T, heads·D) views of one product
         rotary.rotate_rows(where, q, k, D, table)  # as KernelAttention rotates them, in place
-        cache.update(*(t.view(B, T, -1, D).transpose(1, 2) for t in (k, v)), attn.layer_idx)
-        out = attend_packed(plan, attn.layer_idx, q.reshape(B * T, -1, D), attn.scaling)
-        return _product(layer.o_proj, out.view(B * T, -1), B * T)
+        write(k, v, attn)
+        out = attend_packed(plan, attn.layer_idx, q.reshape(n, -1, D), attn.scaling)
+        return _product(layer.o_proj, out.view(n, -1), n)
 
     @staticmethod
     def _mlp(layer: _Layer, x, n: int) -> torch.Tensor:
