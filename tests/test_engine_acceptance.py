@@ -208,7 +208,7 @@ def test_adaptive_policy_follows_measured_step_times_and_recovers():
     assert abs(policy.acceptance_ratio - 1.0) < 1e-9
     assert policy.cost(1, 4) == pytest.approx(0.300) and policy.best(1) == 0  # 2 tokens in 3x the time: plain wins
     for _ in range(30):
-        policy.observe(1, 4, 0.150, [1])  # the tree step gets cheaper (EMA)
+        policy.observe(1, 4, 0.150, [1])  # the tree step gets cheaper (the median of the recent steps)
     assert policy.best(1) == 4  # 2 tokens in 1.5x the time
     for _ in range(60):
         policy.observe(1, 4, 0.150, [0])  # acceptance collapses: rho -> 0 (half-life 16)

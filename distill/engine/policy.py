@@ -30,6 +30,8 @@ policy
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from typing import Sequence
 
 #: Default step cost ratios r by device type, used where no curve is measured. CPU: the line fitted to the bundled
@@ -162,9 +164,11 @@ class AdaptivePolicy:
         half-life of ``halflife`` sequence-steps; the τ used is ``1 + ρ·(τ(n) − 1)``.
         Acceptance does not depend on the batch size, so one ρ serves all of them.
     measured step cost
-        per (batch size, tree size): the exponential moving average (weight ``alpha``) of
-        the step's wall seconds, the first step of each pair skipped (buffers are built
-        then). A pair not measured yet is predicted from a measured pair of the same batch
+        per (batch size, tree size): the median of its last ``window`` steps' wall seconds,
+        the first step of each pair skipped (buffers are built then). A median, as a busy
+        server's steps have outliers (a join's allocations, the HTTP thread's turns), and a
+        pair measured rarely (plain decoding at a batch size where a tree wins, measured on
+        its probes only) would keep one for hundreds of steps in an average. A pair not measured yet is predicted from a measured pair of the same batch
         size through the cost model's ratio; the cost model alone while none is.
     choice
         the size with the most tokens per second, ``τ(n) / cost(B, n)``, plain decoding included.
@@ -194,7 +198,7 @@ class AdaptivePolicy:
         *,
         prior: float = 8.0,
         halflife: float = 512.0,
-        alpha: float = 0.2,
+        window: int = 9,
         probe_every: int = 32,
         plain_probe_every: int = 128,
         min_gain: float = 0.03,
@@ -203,7 +207,7 @@ class AdaptivePolicy:
         self.cost_ratio = cost_ratio
         self.proposal_cost = dict(proposal_cost or {})
         self.sizes = sorted({0, *self.taus})
-        self.alpha = alpha
+        self.window = window
         self.probe_every = probe_every
         self.plain_probe_every = plain_probe_every
         self.min_gain = min_gain
@@ -211,7 +215,8 @@ class AdaptivePolicy:
         self._prior = prior
         self._accepted = prior  # Σ accepted candidates (decayed), pseudo-tokens included
         self._predicted = prior  # Σ (τ(n) − 1) of the same steps
-        self._cost: dict[tuple[int, int], float] = {}  # (batch, nodes) -> EMA step seconds
+        self._cost: dict[tuple[int, int], float] = {}  # (batch, nodes) -> median step seconds of the window
+        self._times: dict[tuple[int, int], deque] = {}  # (batch, nodes) -> its last `window` step seconds
         self._seen: dict[tuple[int, int], int] = {}  # steps observed per pair (the first is skipped)
         self._steps: dict[int, int] = {}  # steps decided per batch size (probe clock)
 
@@ -288,8 +293,9 @@ class AdaptivePolicy:
         seen = self._seen.get(key, 0)
         self._seen[key] = seen + 1
         if seen >= 1:
-            old = self._cost.get(key)
-            self._cost[key] = seconds if old is None else old + self.alpha * (seconds - old)
+            times = self._times.setdefault(key, deque(maxlen=self.window))
+            times.append(seconds)
+            self._cost[key] = statistics.median(times)
         if nodes > 0:
             predicted = self.taus[nodes] - 1.0
             for a in accepted:
