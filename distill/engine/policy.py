@@ -168,8 +168,9 @@ class AdaptivePolicy:
         the first step of each pair skipped (buffers are built then). A median, as a busy
         server's steps have outliers (a join's allocations, the HTTP thread's turns), and a
         pair measured rarely (plain decoding at a batch size where a tree wins, measured on
-        its probes only) would keep one for hundreds of steps in an average. A pair not measured yet is predicted from a measured pair of the same batch
-        size through the cost model's ratio; the cost model alone while none is.
+        its probes only) would keep one for hundreds of steps in an average. A pair not
+        measured yet is predicted from a measured pair of the same batch size through the
+        cost model's ratio; the cost model alone while none is.
     choice
         the size with the most tokens per second, ``τ(n) / cost(B, n)``, plain decoding included.
     margin

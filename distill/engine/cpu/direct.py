@@ -26,9 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
-
 import torch.nn.functional as F
+from torch import nn
 
 from distill.engine.cpu import rotary
 from distill.engine.cpu.linears import PAD_ROWS, PADDED, WEIGHT, DualLinear, _hooked

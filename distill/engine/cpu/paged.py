@@ -84,10 +84,7 @@ def paged_attention(plan: PagedPlan, layer: int, query: torch.Tensor, scaling: f
     B, H, T, d = query.shape
     rows = query.transpose(1, 2)  # (B, T, H, d)
     packed = rows[plan.pack] if plan.pack is not None else rows.reshape(B * T, H, d)
-    packed = packed.contiguous()
-    out = torch.empty_like(packed)
-    torch.ops._C.cpu_attention_with_kv_cache(packed, plan.keys[layer], plan.values[layer], out, plan.starts, plan.seq_lens,
-                                             scaling, True, None, -1, plan.table, 0.0, plan.meta, None, None, 1.0, 1.0, "auto")
+    out = attend_packed(plan, layer, packed, scaling)
     if plan.pack is None:
         return out.view(B, T, H, d)
     full = out.new_empty(B, T, H, d)

@@ -272,5 +272,5 @@ class Lookup:
         return self._plain
 
 
-__all__ = ["DEFAULT_CHAIN_TAUS", "DEFAULT_HISTORY_TOKENS", "DEFAULT_MAX_NGRAM", "DEFAULT_MIN_NGRAM", "DEFAULT_TAUS", "LOOKUP", "Lookup",
-           "LookupState"]
+__all__ = ["DEFAULT_CHAIN_TAUS", "DEFAULT_HISTORY_TOKENS", "DEFAULT_MAX_NGRAM", "DEFAULT_MIN_NGRAM", "DEFAULT_TAUS", "LOOKUP",
+           "Lookup", "LookupState"]
