@@ -26,11 +26,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from distill.engine.cpu import rotary
-from distill.engine.cpu.linears import PAD_ROWS, PADDED, WEIGHT, DualLinear, _hooked
+from distill.engine.cpu.linears import DualLinear, _hooked
 from distill.engine.cpu.norms import KernelRMSNorm
 from distill.engine.cpu.paged import PagedPlan, attend_packed
 from distill.engine.cpu.rotary import KernelAttention
@@ -184,7 +183,7 @@ class DirectDecoder:
         h = self.embed.forward(ids)
         cos, sin = self.rotary.forward(h, positions)
         h = h.view(n, -1)
-        where, table = rotary._table({}, cos, sin, B)  # the (cos | sin) rows the attention modules' kernel reads
+        where, table = rotary.kernel_table(cos, sin, B)  # the (cos | sin) rows the attention modules' kernel reads
         entering = {}
         for layer in self.layers:
             if feature_layers is not None and layer.index in feature_layers:
@@ -195,36 +194,24 @@ class DirectDecoder:
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.lm_head
-        return _product(head, hidden, len(hidden)) if isinstance(head, DualLinear) else head.forward(hidden)
+        return head.product(hidden, len(hidden)) if isinstance(head, DualLinear) else head.forward(hidden)
 
     @staticmethod
     def _attention(layer: _Layer, x, where, table, plan: PagedPlan, write, n: int) -> torch.Tensor:
         attn = layer.attention
         D = attn.head_dim
-        outs = _product(layer.qkv, x, n).split(layer.qkv_sizes, dim=-1)
+        outs = layer.qkv.product(x, n).split(layer.qkv_sizes, dim=-1)
         q, k, v = (outs[i] for i in layer.qkv_order)  # (B·T, heads·D) views of one product
         rotary.rotate_rows(where, q, k, D, table)  # as KernelAttention rotates them, in place
         write(k, v, attn)
         out = attend_packed(plan, attn.layer_idx, q.reshape(n, -1, D), attn.scaling)
-        return _product(layer.o_proj, out.view(n, -1), n)
+        return layer.o_proj.product(out.view(n, -1), n)
 
     @staticmethod
     def _mlp(layer: _Layer, x, n: int) -> torch.Tensor:
-        outs = _product(layer.gate_up, x, n).split(layer.gate_up_sizes, dim=-1)
+        outs = layer.gate_up.product(x, n).split(layer.gate_up_sizes, dim=-1)
         gate, up = (outs[i] for i in layer.gate_up_order)
-        return _product(layer.down, layer.act(gate) * up, n)
-
-
-def _product(linear: DualLinear, x: torch.Tensor, n: int) -> torch.Tensor:
-    """``linear`` of ``n`` flat rows ``x``, by the kernel its forward picks for so many rows (DualLinear.forward, at
-    inference and outside a padded prefill)."""
-    if linear.vllm is None and linear.packed is None:
-        return F.linear(x, linear.weight, linear.bias)
-    if n == 1 and linear.single == WEIGHT:
-        return F.linear(x, linear.weight, linear.bias)
-    if n < PAD_ROWS and linear.single == PADDED:
-        return linear._padded_product(x, n)
-    return linear._packed_product(x)
+        return layer.down.product(layer.act(gate) * up, n)
 
 
 __all__ = ["DirectDecoder"]

@@ -205,13 +205,26 @@ class DualLinear(nn.Linear):
         if torch.compiler.is_compiling():
             return self._traced_product(x)
         count = x.numel() // x.shape[-1] if x.shape[-1] else 0  # the product's rows
-        if count == 1 and self.single == WEIGHT:  # a single row where MKL on the weight is faster
+        if not self._single_rows(count):
+            rows = VALID_ROWS.get()
+            if rows is not None and rows.covers(x):  # a padded prefill: the prompts' rows only
+                return rows.scatter(self._packed_product(rows.select(x)), x.shape[:-1])
+        return self.product(x, count)
+
+    def _single_rows(self, count: int) -> bool:
+        """Whether ``count`` rows take the probe's single-row kernel: one row where MKL on the weight is faster, or a
+        few rows where a padded product is."""
+        return (count == 1 and self.single == WEIGHT) or (0 < count < PAD_ROWS and self.single == PADDED)
+
+    def product(self, x: torch.Tensor, count: int) -> torch.Tensor:
+        """The inference product of ``x``, ``count`` rows, by the kernel this linear picks for so many rows (the probe's
+        single-row choice, else the packed copy); no autograd, no fused group, no padded prefill's row selection."""
+        if self.vllm is None and self.packed is None:
             return F.linear(x, self.weight, self.bias)
-        if 0 < count < PAD_ROWS and self.single == PADDED:  # a few rows where a padded product is faster
+        if self._single_rows(count):
+            if self.single == WEIGHT:
+                return F.linear(x, self.weight, self.bias)
             return self._padded_product(x, count)
-        rows = VALID_ROWS.get()
-        if rows is not None and rows.covers(x):  # a padded prefill: the prompts' rows only
-            return rows.scatter(self._packed_product(rows.select(x)), x.shape[:-1])
         return self._packed_product(x)
 
     def _traced_product(self, x: torch.Tensor) -> torch.Tensor:

@@ -63,12 +63,17 @@ def _table(state: dict, cos: torch.Tensor, sin: torch.Tensor, B: int) -> tuple[t
     """(positions, cos_sin_cache) for the kernel: row b * T + t holds cos | sin of that token (first halves); ``cos``
     and ``sin`` (B or 1, T, head size)."""
     if state.get("cos") is not cos or state.get("sin") is not sin or state.get("rows") != B:
-        _, T, D = cos.shape
-        half = D // 2
-        state["table"] = torch.cat([cos[..., :half], sin[..., :half]], dim=-1).expand(B, T, D).reshape(B * T, D)
-        state["positions"] = torch.arange(B * T, device=cos.device)
+        state["positions"], state["table"] = kernel_table(cos, sin, B)
         state["cos"], state["sin"], state["rows"] = cos, sin, B  # held until the forward ends, so identity means the same tensors
     return state["positions"], state["table"]
+
+
+def kernel_table(cos: torch.Tensor, sin: torch.Tensor, B: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions, cos_sin_cache) for the kernel, built anew (:func:`_table` keeps it for a forward's layers)."""
+    _, T, D = cos.shape
+    half = D // 2
+    table = torch.cat([cos[..., :half], sin[..., :half]], dim=-1).expand(B, T, D).reshape(B * T, D)
+    return torch.arange(B * T, device=cos.device), table
 
 
 def _rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, state: dict):
