@@ -83,23 +83,33 @@ def tree_step_rounds(model, heads, trees: dict[int, list[tuple[int, ...]]], cont
                 past_key_values=cache, use_cache=True, output_hidden_states=True, logits_to_keep=1)
     hidden = out.hidden_states[-1][:, -1]  # (1, H)
     end = torch.tensor([context], device=device)  # (1,)
-    times: dict[int, list[float]] = {n: [] for n in trees}
+
+    def step(buf) -> None:
+        if buf.nodes and heads is not None:
+            tops = [heads.head_logits(hidden, k).topk(buf.max_rank, dim=-1).indices for k in range(buf.num_heads_used)]
+            tokens = torch.cat(tops, dim=-1)[:, buf.cand_index]  # (1, T)
+        else:
+            tokens = ctx[:, -buf.size:]  # (1, T)
+        positions = context + buf.depth[None]  # (1, T)
+        cache.prepare(context + torch.arange(buf.size, device=device)[None], context + buf.size)  # the tree after the context
+        mask = attention_bias(step_allowed(end, buf.mask, context + buf.size), dtype)  # (1, 1, T, C + T)
+        model(input_ids=tokens, position_ids=positions, attention_mask=mask, past_key_values=cache, use_cache=True)
+
+    return _rounds(buffers, step, repeats, sync)
+
+
+def _rounds(buffers: dict, step: Callable, repeats: int, sync: Callable[[], None]) -> dict[int, list[float]]:
+    """Seconds of ``step(buffer)`` per tree, ``repeats`` timed rounds over all of them in turn after one untimed round
+    (it warms up kernels and allocators), so that machine noise spreads over every size."""
+    times: dict[int, list[float]] = {n: [] for n in buffers}
     for rnd in range(repeats + 1):
         for n, buf in buffers.items():
             sync()
             t0 = time.perf_counter()
-            if buf.nodes and heads is not None:
-                tops = [heads.head_logits(hidden, k).topk(buf.max_rank, dim=-1).indices for k in range(buf.num_heads_used)]
-                tokens = torch.cat(tops, dim=-1)[:, buf.cand_index]  # (1, T)
-            else:
-                tokens = ctx[:, -buf.size:]  # (1, T)
-            positions = context + buf.depth[None]  # (1, T)
-            cache.prepare(context + torch.arange(buf.size, device=device)[None], context + buf.size)  # the tree after the context
-            mask = attention_bias(step_allowed(end, buf.mask, context + buf.size), dtype)  # (1, 1, T, C + T)
-            model(input_ids=tokens, position_ids=positions, attention_mask=mask, past_key_values=cache, use_cache=True)
+            step(buf)
             sync()
             elapsed = time.perf_counter() - t0
-            if rnd:  # round 0 warms up kernels and allocators
+            if rnd:
                 times[n].append(elapsed)
     return times
 
@@ -125,20 +135,14 @@ def target_step_rounds(target, trees: dict[int, list[tuple[int, ...]]], chains: 
     tokens = torch.randint(0, target.vocab_size, (1, top), generator=gen).to(device)
     ends = [context]
     end = torch.tensor(ends, device=device)  # (1,)
-    times: dict[int, list[float]] = {n: [] for n in trees}
-    for rnd in range(repeats + 1):
-        for n, buf in buffers.items():
-            sync()
-            t0 = time.perf_counter()
-            T = buf.size
-            write = end[:, None] + torch.arange(T, device=device)[None]  # (1, T)
-            bias = kv.attention_bias(kv.step_allowed(end, buf.mask, target.window(cache, context + T)), target.dtype)
-            target.step(tokens[:, :T], end[:, None] + buf.depth, write, bias, cache, None, ends, chains and T > 1)
-            sync()
-            elapsed = time.perf_counter() - t0
-            if rnd:  # round 0 warms up kernels and allocators
-                times[n].append(elapsed)
-    return times
+
+    def step(buf) -> None:
+        T = buf.size
+        write = end[:, None] + torch.arange(T, device=device)[None]  # (1, T)
+        bias = kv.attention_bias(kv.step_allowed(end, buf.mask, target.window(cache, context + T)), target.dtype)
+        target.step(tokens[:, :T], end[:, None] + buf.depth, write, bias, cache, None, ends, chains and T > 1)
+
+    return _rounds(buffers, step, repeats, sync)
 
 
 def measure_step_costs(target, max_nodes: int, max_batch: int = 1, chains: bool = False, context: int = COST_CONTEXT,
