@@ -86,8 +86,8 @@ def test_direct_steps_give_the_modules_tokens_logprobs_and_features_exactly(own_
         calls, prefills = [], []
         direct = pair[0].target.direct
         forward, prefill = direct.forward, direct.prefill
-        direct.forward = lambda *args: calls.append(args[4]) or forward(*args)
-        direct.prefill = lambda *args: prefills.append(args[4]) or prefill(*args)
+        direct.forward = lambda *args: calls.append(args[3]) or forward(*args)
+        direct.prefill = lambda *args: prefills.append(args[3]) or prefill(*args)
         return pair, calls, prefills
 
     (direct, modules), calls, prefills = engines(None)

@@ -32,8 +32,9 @@ key order
     reads fastest), or ``"dims"``, (key_dim, slots): the order vLLM's CPU attention kernel reads
     (:mod:`distill.engine.cpu.paged`). ``keys`` is always a (layers, R, heads, S, key_dim) view, so
     moves and copies are the same code for both; :attr:`SlotCache.kernel_keys` is the storage as
-    the kernel takes it. Writes are the scatter into that view (vLLM's own cache writer is no faster:
-    BENCHMARKS.md, "The engine's step on a CPU").
+    the kernel takes it. Writes through the model's modules are the scatter into that view; the direct loop's
+    (:mod:`distill.engine.cpu.direct`) are vLLM's cache writer on the kernel's view, which takes the packed rows
+    as the products leave them.
 
 pooled storage
     with CUDA graphs (:mod:`distill.engine.graphs`) a graph is tied to the addresses of the
@@ -294,15 +295,6 @@ class SlotCache(Cache):
             keys.scatter_(2, self._index_k, key_states)
             values.scatter_(2, self._index_v, value_states)
         return keys[:, :, : self.window], values[:, :, : self.window]
-
-    def write_rows(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, lengths: list[int]) -> None:
-        """Write packed keys/values (tokens, heads, d) of layer ``layer_idx``: row b's ``lengths[b]`` tokens, one row's
-        after another, at its slots ``0 .. lengths[b] - 1`` (a packed prefill)."""
-        start = 0
-        for b, n in enumerate(lengths):
-            self.keys[layer_idx, b, :, :n].copy_(keys[start : start + n].transpose(0, 1))
-            self.values[layer_idx, b, :, :n].copy_(values[start : start + n].transpose(0, 1))
-            start += n
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.window

@@ -127,7 +127,7 @@ class Target:
                     if run == "modules":
                         out = self.forward(ids, positions, bias, cache, layers=layers, step=True, paged=plan)
                     else:
-                        logits, features = direct.forward(ids, positions, cache, plan, layers)
+                        logits, features = direct.forward(ids, positions, plan, layers)
                         out = logits.float(), features
                 got.append((*out, cache.keys.clone(), cache.values.clone()))
             same = [torch.equal(a, b) for a, b in zip(*got)]
@@ -238,7 +238,7 @@ class Target:
         B, P = ids.shape
         real = torch.arange(P, device=self.device)[None] < torch.tensor(lengths, device=self.device)[:, None]  # (B, P)
         plan = paged.plan(cache, lengths, [0] * B, self.heads, padded=False)
-        logits, packed = direct.prefill(ids[real][None], positions[real][None], cache, plan, lengths, layers)
+        logits, packed = direct.prefill(ids[real][None], positions[real][None], plan, lengths, layers)
         features = packed.new_zeros(B, P, packed.shape[-1])
         features[real] = packed
         return logits.float(), features
@@ -291,7 +291,7 @@ class Target:
         ``paged``: its plan on vLLM's kernel instead (module docstring, "kernel attention").
         """
         if step and paged is not None and self.direct is not None and self._direct_current():
-            logits, features = self.direct.forward(ids, positions, cache, paged, layers)
+            logits, features = self.direct.forward(ids, positions, paged, layers)
             return logits.float(), features
         if self._compiled is not None and step and (self._compile_all or (layers is None and ids.numel() == 1)):
             for storage in (cache.keys, cache.values):  # the slots grow with the sequences: one graph for every capacity

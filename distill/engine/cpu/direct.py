@@ -2,11 +2,12 @@
 
 Where the attention runs on vLLM's kernel (:mod:`.paged`), a step through the model's modules spends
 milliseconds in Python around the same kernels: module calls, the model's output records, the
-attention interface, the fused linears' bookkeeping. :class:`DirectDecoder` runs the same operations
-in the same order (so the same numbers: its logits and features equal the modules' bit for bit),
-calling the norms' and embeddings' ``forward`` and the kernels of the attention and the linears itself
-(each product by the kernel its module picks for so many rows), over the tokens' rows flat.
-Measured: BENCHMARKS.md, "Against vLLM as its server runs it".
+attention interface, the fused linears' bookkeeping. :class:`DirectDecoder` computes the same numbers
+(its logits, features and cache writes equal the modules' bit for bit) over the tokens' rows flat, calling
+the kernels itself: each product by the kernel its module picks for so many rows, the attention, and
+two vLLM kernels that do in one call what the modules do in several with the same results: each residual
+sum with the norm after it (``_C::fused_add_rms_norm``), and the cache writes (vLLM's writer, which takes the
+keys and values as the q/k/v product leaves them). Measured: BENCHMARKS.md, "Against vLLM as its server runs it".
 
 It applies to a Llama-style decoder that :func:`distill.engine.cpu.prepare` prepared whole
 (:meth:`DirectDecoder.of` says why not): embedding, rotary embedding, decoder layers of an attention
@@ -27,11 +28,12 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from distill.engine.cpu import rotary
 from distill.engine.cpu.linears import DualLinear, _hooked
 from distill.engine.cpu.norms import KernelRMSNorm
-from distill.engine.cpu.paged import PagedPlan, attend_packed
+from distill.engine.cpu.paged import PagedPlan, attend_packed, write_packed
 from distill.engine.cpu.rotary import KernelAttention
 
 LAYER_CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
@@ -51,7 +53,6 @@ class _Layer:
     gate_up: DualLinear  # the fused gate/up product
     gate_up_sizes: list[int]
     gate_up_order: tuple[int, int]
-    act: nn.Module
     down: DualLinear
 
 
@@ -87,7 +88,14 @@ def _layer(index: int, layer: nn.Module) -> _Layer | str:
     if any(_hooked(m) for m in [layer, attn, mlp, *norms, *linears, mlp.act_fn]):
         return f"layer {index} has hooks"
     return _Layer(index, norms[0], attn, qkv.module, qkv.sizes, qkv_order, attn.o_proj, norms[1], gate_up.module,
-                  gate_up.sizes, gate_up_order, mlp.act_fn, mlp.down_proj)
+                  gate_up.sizes, gate_up_order, mlp.down_proj)
+
+
+def _add_norm(x: torch.Tensor, residual: torch.Tensor, norm: KernelRMSNorm) -> torch.Tensor:
+    """``residual += x``, then ``norm(residual)`` into x's memory -> x: ``_C::fused_add_rms_norm``, the same numbers as
+    the modules' sum and :class:`KernelRMSNorm` in one call (the start-up check compares them bit for bit)."""
+    torch.ops._C.fused_add_rms_norm(x, residual, norm.weight, norm.eps)
+    return x
 
 
 def _held(parent: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
@@ -124,6 +132,8 @@ class DirectDecoder:
             return "not a decoder with embed_tokens, rotary_emb, norm and layers"
         if not isinstance(parts["norm"], KernelRMSNorm):
             return "the final norm is not on the kernels"
+        if not hasattr(torch.ops._C, "fused_add_rms_norm") or not hasattr(torch.ops._C, "cpu_attn_reshape_and_cache"):
+            return "vLLM's library has no fused add-and-norm or cache writer"
         if getattr(config, "sliding_window", None) or any(t != "full_attention" for t in getattr(config, "layer_types", None) or ()):
             return "a model with sliding-window layers"
         if len(parts["layers"]) != config.num_hidden_layers:
@@ -139,45 +149,34 @@ class DirectDecoder:
             layers.append(got)
         return cls(model, layers)
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache, plan: PagedPlan,
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, plan: PagedPlan,
                 feature_layers: tuple[int, ...] | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """ids/positions (B, T), written at the slots ``cache`` was prepared with, attending on ``plan`` -> (logits
-        (B, T, V), features (B, T, F)): the hidden state, or the hidden states entering ``feature_layers``.
+        """ids/positions (B, T), written at ``plan``'s slots and attending on it -> (logits (B, T, V), features
+        (B, T, F)): the hidden state, or the hidden states entering ``feature_layers``.
 
         The tokens' rows go through the layers flat, (B·T, width): the modules' products, norms and kernels see the
         same rows in the same order (their (B, T, ...) views are of the same memory), without the views between."""
         B, T = ids.shape
-
-        def write(k, v, attn):  # at the slots the cache was prepared with
-            D = attn.head_dim
-            cache.update(k.view(B, T, -1, D).transpose(1, 2), v.view(B, T, -1, D).transpose(1, 2), attn.layer_idx)
-
-        hidden, entering = self._layers(ids, positions, plan, feature_layers, write)
+        hidden, entering = self._layers(ids, positions, plan, feature_layers)
         logits = self._head(hidden)
         hidden = hidden.view(B, T, -1)
         features = hidden if feature_layers is None else torch.cat([entering[i] for i in feature_layers], dim=-1)
         return logits.view(B, T, -1), features.view(B, T, -1)
 
-    def prefill(self, ids: torch.Tensor, positions: torch.Tensor, cache, plan: PagedPlan, lengths: list[int],
+    def prefill(self, ids: torch.Tensor, positions: torch.Tensor, plan: PagedPlan, lengths: list[int],
                 feature_layers: tuple[int, ...] | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Prompts of ``lengths`` tokens packed one after another, ids/positions (1, N), written at slots 0 .. of their
         cache rows, each attending causally over its own (``plan``: queries of ``lengths``, ends 0) -> (logits of each
         prompt's last token (B, V), features (N, F)). The same operations on the same rows as a padded prefill through
         the modules, less the padding's."""
-
-        def write(k, v, attn):
-            D = attn.head_dim
-            cache.write_rows(attn.layer_idx, k.view(len(k), -1, D), v.view(len(v), -1, D), lengths)
-
-        hidden, entering = self._layers(ids, positions, plan, feature_layers, write)
+        hidden, entering = self._layers(ids, positions, plan, feature_layers)
         last = torch.tensor(lengths, device=ids.device).cumsum(0) - 1
         features = hidden if feature_layers is None else torch.cat([entering[i] for i in feature_layers], dim=-1)
         return self._head(hidden[last]), features
 
-    def _layers(self, ids, positions, plan: PagedPlan, feature_layers, write) -> tuple[torch.Tensor, dict]:
+    def _layers(self, ids, positions, plan: PagedPlan, feature_layers) -> tuple[torch.Tensor, dict]:
         """The decoder over ids/positions (B, T) -> (the hidden state after the final norm (B·T, width), the hidden
-        states entering ``feature_layers`` (B·T, width) each); ``write(k, v, attention)`` stores a layer's keys and
-        values (B·T, heads·D)."""
+        states entering ``feature_layers`` (B·T, width) each); each layer's keys and values go to ``plan``'s slots."""
         B, T = ids.shape
         n = B * T
         h = self.embed.forward(ids)
@@ -185,25 +184,26 @@ class DirectDecoder:
         h = h.view(n, -1)
         where, table = rotary.kernel_table(cos, sin, B)  # the (cos | sin) rows the attention modules' kernel reads
         entering = {}
-        for layer in self.layers:
+        x = self.layers[0].norm_in.forward(h)
+        for layer, after in zip(self.layers, [*(layer.norm_in for layer in self.layers[1:]), self.norm]):
             if feature_layers is not None and layer.index in feature_layers:
-                entering[layer.index] = h
-            h = h + self._attention(layer, layer.norm_in.forward(h), where, table, plan, write, n)
-            h = h + self._mlp(layer, layer.norm_post.forward(h), n)
-        return self.norm.forward(h), entering
+                entering[layer.index] = h.clone()  # h is added to in place below
+            x = _add_norm(self._attention(layer, x, where, table, plan, n), h, layer.norm_post)
+            x = _add_norm(self._mlp(layer, x, n), h, after)
+        return x, entering
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.lm_head
         return head.product(hidden, len(hidden)) if isinstance(head, DualLinear) else head.forward(hidden)
 
     @staticmethod
-    def _attention(layer: _Layer, x, where, table, plan: PagedPlan, write, n: int) -> torch.Tensor:
+    def _attention(layer: _Layer, x, where, table, plan: PagedPlan, n: int) -> torch.Tensor:
         attn = layer.attention
         D = attn.head_dim
         outs = layer.qkv.product(x, n).split(layer.qkv_sizes, dim=-1)
         q, k, v = (outs[i] for i in layer.qkv_order)  # (B·T, heads·D) views of one product
         rotary.rotate_rows(where, q, k, D, table)  # as KernelAttention rotates them, in place
-        write(k, v, attn)
+        write_packed(plan, attn.layer_idx, k.view(n, -1, D), v.view(n, -1, D))
         out = attend_packed(plan, attn.layer_idx, q.reshape(n, -1, D), attn.scaling)
         return layer.o_proj.product(out.view(n, -1), n)
 
@@ -211,7 +211,7 @@ class DirectDecoder:
     def _mlp(layer: _Layer, x, n: int) -> torch.Tensor:
         outs = layer.gate_up.product(x, n).split(layer.gate_up_sizes, dim=-1)
         gate, up = (outs[i] for i in layer.gate_up_order)
-        return layer.down.product(layer.act(gate) * up, n)
+        return layer.down.product(torch.mul(F.silu(gate, inplace=True), up), n)  # gate: a view of this product's own output
 
 
 __all__ = ["DirectDecoder"]

@@ -45,7 +45,8 @@ class PagedPlan:
     the packed queries; ``seq_lens`` (B,) int32: each row's keys, its queries' last slot + 1; ``table``
     (B, 1) int32: row b is block b; ``meta``: the kernel's work split for these lengths; ``pack``: the
     (rows, positions) of the real queries of a right-padded forward, None when every row's T queries are real;
-    ``padding``: those of its padding queries.
+    ``padding``: those of its padding queries; ``slots`` (tokens,) int64: where each real query's key and value go in the
+    paged view (row b is block b: b · the cache's slots + the slot), packed as the queries are.
     """
 
     keys: torch.Tensor
@@ -56,6 +57,7 @@ class PagedPlan:
     meta: torch.Tensor
     pack: tuple[torch.Tensor, torch.Tensor] | None
     padding: tuple[torch.Tensor, torch.Tensor] | None = None
+    slots: torch.Tensor | None = None
 
 
 def plan(cache, queries: list[int], ends: list[int], heads: int, padded: bool) -> PagedPlan:
@@ -74,8 +76,10 @@ def plan(cache, queries: list[int], ends: list[int], heads: int, padded: bool) -
     if padded and len(set(queries)) > 1:
         real = torch.arange(max(queries))[None] < torch.tensor(queries)[:, None]  # (B, T)
         pack, padding = real.nonzero(as_tuple=True), (~real).nonzero(as_tuple=True)
+    S = cache.slots
+    slots = torch.tensor([b * S + e + t for b, (e, q) in enumerate(zip(ends, queries)) for t in range(q)], dtype=torch.int64)
     return PagedPlan(cache.kernel_keys, cache.values, starts, seq_lens, torch.arange(B, dtype=torch.int32)[:, None], meta,
-                     pack, padding)
+                     pack, padding, slots)
 
 
 def paged_attention(plan: PagedPlan, layer: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -101,6 +105,14 @@ def attend_packed(plan: PagedPlan, layer: int, rows: torch.Tensor, scaling: floa
     torch.ops._C.cpu_attention_with_kv_cache(packed, plan.keys[layer], plan.values[layer], out, plan.starts, plan.seq_lens,
                                              scaling, True, None, -1, plan.table, 0.0, plan.meta, None, None, 1.0, 1.0, "auto")
     return out
+
+
+def write_packed(plan: PagedPlan, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Write the packed keys and values (tokens, kv_heads, d) of layer ``layer`` at ``plan.slots`` with vLLM's cache writer,
+    which takes them strided (columns of a wider product) and writes the keys in the kernel's order; a scatter into the
+    cache's view does the same at several times the cost from a few rows on. Measured: BENCHMARKS.md, "Against vLLM as
+    its server runs it"."""
+    torch.ops._C.cpu_attn_reshape_and_cache(keys, values, plan.keys[layer], plan.values[layer], plan.slots, ISA, 1.0, 1.0, "auto")
 
 
 def paged_problem(kv_shape, heads: int) -> str:
@@ -153,4 +165,4 @@ def _problem(kv_shape, heads: int) -> str:
     return ""
 
 
-__all__ = ["ISA", "PagedPlan", "attend_packed", "paged_attention", "paged_problem", "plan"]
+__all__ = ["ISA", "PagedPlan", "attend_packed", "paged_attention", "paged_problem", "plan", "write_packed"]
