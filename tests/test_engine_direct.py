@@ -39,6 +39,19 @@ def prepared_tiny(**config):
 
 
 @needs_vllm
+def test_the_kernel_argmax_gives_torchs_indices_with_ties_to_the_first():
+    from distill.engine.cpu.argmax import _kernel_agrees, argmax
+
+    assert _kernel_agrees()  # the kernel is what runs here, not torch's fallback
+    x = torch.randn(16, 3, 1000, generator=torch.Generator().manual_seed(1))
+    x[:, :, 5] = x.max(-1).values  # every row ties: the first maximum wins
+    x[3, 1] = 0.0
+    assert torch.equal(argmax(x), x.argmax(-1)) and argmax(x).shape == (16, 3)
+    assert torch.equal(argmax(x[:, 1]), x[:, 1].argmax(-1))  # a strided view: torch's path
+    assert torch.equal(argmax(x.double()), x.argmax(-1))
+
+
+@needs_vllm
 def test_a_prepared_llama_runs_direct_and_other_models_say_why_not():
     model = prepared_tiny(layers=3)
     direct = DirectDecoder.of(model)

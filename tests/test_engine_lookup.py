@@ -15,6 +15,7 @@ import torch
 
 from conftest import MT_QUESTIONS, MT_TOKENS, run_distill
 from distill.engine import Engine, EngineConfig, SamplingParams
+from distill.engine.acceptance import greedy_accept, rejection_accept
 from distill.engine.proposers.lookup import Lookup, LookupState, _Context
 from distill.engine.proposers.suffix import Draft, best_draft, merge
 from distill.errors import ConfigError
@@ -102,12 +103,24 @@ def test_a_chain_follows_the_most_probable_child_and_merges_sources_by_probabili
     assert merge([a, b], 8) == [(0, 5), (0, 7), (1, 6), (2, 8), (4, 9)]  # the tree keeps both
 
 
-def test_chains_are_padded_by_continuing_them_so_that_the_batch_verifies_chains():
+def test_uneven_chains_end_in_filler_that_acceptance_never_reaches():
     lk = Lookup(max_nodes=4, depth=2, history_tokens=0, chains=True)
     state = LookupState([_Context([1, 2, 3, 1, 2]), _Context([5, 6, 7])])
     prop = lk.propose(state, torch.tensor([2, 7]), torch.tensor([4, 2]), 4, 4)
-    assert prop.tokens.tolist() == [[2, 3, 1], [7, 0, 0]]
-    assert prop.buffers.parent.tolist() == [[-1, 0, 1], [-1, 0, 1]] and prop.buffers.is_chain
+    assert prop.tokens.tolist() == [[2, 3, 1], [7, 0, 0]] and prop.chain_nodes == [2, 0]
+    buf = prop.buffers
+    assert buf.parent.tolist() == [[-1, 0, 1], [-1, 0, 1]] and buf.is_chain
+    assert buf.retrieve.tolist() == [[[0, 1, 2]], [[0, -1, -1]]] and buf.children[1].tolist() == [[-1], [-1], [-1]]
+    # logits that agree with every position of both rows, filler included: row 1 still accepts nothing
+    logits = torch.full((2, 3, 10), -1.0)
+    for b, row in enumerate([[3, 1, 4], [0, 0, 5]]):
+        for t, tok in enumerate(row):
+            logits[b, t, tok] = 1.0
+    acc = greedy_accept(prop.tokens, logits, buf)
+    assert acc.length.tolist() == [2, 0] and acc.next_token.tolist() == [4, 0]
+    gens = [torch.Generator().manual_seed(0) for _ in range(2)]
+    sure = rejection_accept(prop.tokens, torch.softmax(logits * 50, -1), buf, gens)
+    assert sure.length.tolist() == [2, 0]
     assert lk.taus()[4] < Lookup(chains=False).taus()[4]  # one path accepts less than a tree of as many nodes
     lk.use_chains(False)  # the engine's word does not override a fixed shape
     assert lk.drafts_chains
@@ -144,13 +157,17 @@ def test_greedy_lookup_equals_plain_greedy_on_mt_bench(hf_model, tokenizer, mt_p
     engine = Engine(hf_model, tokenizer, Lookup(max_nodes=8, chains=chains), EngineConfig(speculate_max_batch=8))
     lookup = engine.decoding.proposer
     assert lookup.drafts_chains == (chains is None and not engine.target.paged_problem)
-    seen = []
-    step = engine.target.step
-    engine.target.step = lambda *a: seen.append((a[0].shape[1], a[-1])) or step(*a)
+    seen, uneven = [], []
+    step, direct_uneven = engine.target.step, engine.target._direct_uneven
+    engine.target.step = lambda *a: seen.append((a[0].shape[1], a[7])) or step(*a)
+    engine.target._direct_uneven = lambda *a: uneven.append((a[0].shape[1], a[-1])) or direct_uneven(*a)
     results, stats = engine.generate(mt_prompts, SamplingParams(max_tokens=MT_TOKENS))  # batch 3
     assert [r.token_ids for r in results] == mt_plain
     assert stats.batch_size == MT_QUESTIONS and stats.tree_nodes > 0  # drafts were verified
     assert {chain for T, chain in seen if T > 1} == {lookup.drafts_chains}  # chains on the kernel's path, trees not
+    # uneven chains verified without their filler where the direct loop runs
+    assert bool(uneven) == (lookup.drafts_chains and engine.target.direct is not None)
+    assert all(len(used) == MT_QUESTIONS and min(used) < T for T, used in uneven)
     one, _ = engine.generate([mt_prompts[1]], SamplingParams(max_tokens=MT_TOKENS))
     assert one[0].token_ids == mt_plain[1]
 

@@ -54,7 +54,7 @@ rejection with draft distributions (multi-round speculative sampling, SpecInfer;
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -124,9 +124,11 @@ def longest_path(node_ok: torch.Tensor, buffers: TreeBuffers) -> tuple[torch.Ten
     return length, path, last
 
 
-def greedy_accept(tokens: torch.Tensor, logits: torch.Tensor, buffers: TreeBuffers) -> Acceptance:
-    """Greedy verification: tokens (B, T), logits (B, T, V) -> Acceptance."""
-    target = logits.argmax(-1)  # (B, T)
+def greedy_accept(tokens: torch.Tensor, logits: torch.Tensor, buffers: TreeBuffers,
+                  argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Acceptance:
+    """Greedy verification: tokens (B, T), logits (B, T, V) -> Acceptance. ``argmax``: the first maximum over the
+    last axis (torch's when None; an engine passes its target's, which may run on a kernel)."""
+    target = argmax(logits) if argmax is not None else logits.argmax(-1)  # (B, T)
     node_ok = tokens == target.gather(1, buffers.rows(tokens.shape[0]).parent.clamp(min=0))  # (B, T)
     node_ok[:, 0] = False
     length, path, last = longest_path(node_ok, buffers)

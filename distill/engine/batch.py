@@ -97,8 +97,9 @@ class Decoding:
         """
         logits = process(logits, tokens, buf, {b: s.context() for b, s in enumerate(seqs) if changes_logits(s.params)})
         greedy_rows = [i for i, s in enumerate(seqs) if s.generator is None]
+        argmax = self.target.argmax
         if len(greedy_rows) == len(seqs):
-            return greedy_accept(tokens, logits, buf)
+            return greedy_accept(tokens, logits, buf, argmax)
         sampled_rows = [i for i, s in enumerate(seqs) if s.generator is not None]
         idx = torch.tensor(sampled_rows, device=tokens.device)
         sp = [seqs[i].params for i in sampled_rows]
@@ -111,14 +112,14 @@ class Decoding:
         mode = self.config.acceptance
         part = buf.take(idx)
         if mode == "greedy":
-            sub = greedy_accept(tokens[idx], logits[idx], part)
+            sub = greedy_accept(tokens[idx], logits[idx], part, argmax)
         elif mode == "typical":
             sub = typical_accept(tokens[idx], probs, part, gens, self.config.typical_epsilon, self.config.typical_delta)
         else:
             sub = rejection_accept(tokens[idx], probs, part, gens, draft[idx] if draft is not None else None)
         if not greedy_rows:
             return sub
-        full = greedy_accept(tokens, logits, buf)
+        full = greedy_accept(tokens, logits, buf, argmax)
         for name in ("length", "path", "next_token", "last"):
             getattr(full, name)[idx] = getattr(sub, name)
         return full
@@ -270,12 +271,15 @@ class Batch:
             bias = kv.attention_bias(kv.step_allowed(end, buf.mask, window), target.dtype)  # (B, 1, T, W)
         with record_function("distill.forward"):
             layers = d.proposer.feature_layers if speculative else None
-            chain = buf.nodes > 0 and not target.paged_problem and buf.is_chain  # the kernel computes chains, not trees
-            logits, features = target.step(tokens, end[:, None] + buf.depth, write, bias, self.cache, layers, self.ends, chain)
+            chain = buf.nodes > 0 and buf.is_chain
+            used = [1 + n for n in proposal.chain_nodes] if proposal.chain_nodes is not None else None
+            # the kernel computes chains, not trees
+            logits, features = target.step(tokens, end[:, None] + buf.depth, write, bias, self.cache, layers, self.ends,
+                                           chain and not target.paged_problem, used)
         with record_function("distill.accept"):  # 4. accept
             acc = d.accept(tokens, logits, buf, active, proposal.draft)
         with record_function("distill.compact"):  # 5. commit: accepted nodes follow the root, tree slot end + path_k -> end + k
-            if buf.nodes:
+            if buf.nodes and not chain:  # a chain's accepted nodes are already there
                 self.cache.move(end[:, None] + acc.path, end[:, None] + offsets[None, : acc.path.shape[1]])
             self.root = acc.next_token
         with record_function("distill.host"):  # the one transfer of the step: accepted candidates, next token, length

@@ -92,6 +92,13 @@ class Target:
 
             self.paged_problem = paged_problem(self.kv_shape, self.heads)
         self.prep["attention_vllm"] = int(not self.paged_problem)
+        #: greedy decoding's argmax over the logits' last axis: vLLM's kernel where the attention runs on its library
+        #: (None: torch's)
+        self.argmax = None
+        if not self.paged_problem:
+            from distill.engine.cpu.argmax import argmax
+
+            self.argmax = argmax
         #: the steps' direct forward (module docstring, "direct steps"), None where ``direct_problem`` says why not
         self.direct, self.direct_problem = None, "the attention is not on vLLM's kernel"  # None during _direct's check too
         if not self.paged_problem:
@@ -243,6 +250,21 @@ class Target:
         features[real] = packed
         return logits.float(), features
 
+    def _direct_uneven(self, tokens, positions, cache: kv.SlotCache, layers, ends: list[int], used: list[int]):
+        """:meth:`step` of chains of uneven lengths through the direct loop: each row's ``used`` tokens packed, the
+        filler after them never computed."""
+        from distill.engine.cpu import paged
+
+        B, T = tokens.shape
+        dev = tokens.device
+        n = torch.tensor(used, device=dev)[:, None]
+        t = torch.arange(T, device=dev)[None]
+        real = t < n  # (B, T)
+        index = (n.cumsum(0) - n) + torch.minimum(t, n - 1)  # (B, T): packed token of each position
+        plan = paged.plan(cache, used, ends, self.heads, padded=False)
+        logits, features = self.direct.forward(tokens[real][None], positions[real][None], plan, layers, index)
+        return logits.float(), features
+
     def _direct_current(self) -> bool:
         """Whether the direct loop still applies (the model holds its modules, none hooked); else the modules compute
         from now on."""
@@ -257,17 +279,22 @@ class Target:
         cache (a static shape: graphs.py, "static window")."""
         return cache.slots if self.graphs is not None else eager
 
-    def step(self, tokens, positions, write, bias, cache: kv.SlotCache, layers, ends: list[int], chain: bool = False):
+    def step(self, tokens, positions, write, bias, cache: kv.SlotCache, layers, ends: list[int], chain: bool = False,
+             used: list[int] | None = None):
         """A decoding step's forward: ``tokens`` written at slots ``write`` (B, T) -> (logits (B, T, V) float32,
         features); replayed from its graph bucket when graphs are on. ``ends``: the rows' committed lengths (host),
         so that an eager forward attends each run of rows over its own keys only. ``chain``: every row's tokens are a
-        chain (each the parent of the next), which the kernel attention computes (module docstring)."""
+        chain (each the parent of the next), which the kernel attention computes (module docstring); ``used``: of
+        each row's chain, the first ``used[b]`` tokens are wanted (the rest filler): the direct loop computes only
+        those, and the positions after them repeat the last one's logits and features."""
         if self.graphs is None:
             cache.prepare(write, bias.shape[-1])
             T = tokens.shape[1]
             if not self.paged_problem and (T == 1 or chain):
                 from distill.engine.cpu import paged
 
+                if used is not None and min(used) < T and self.direct is not None and self._direct_current():
+                    return self._direct_uneven(tokens, positions, cache, layers, ends, used)
                 plan = paged.plan(cache, [T] * len(ends), ends, self.heads, padded=False)
                 return self.forward(tokens, positions, bias, cache, layers=layers, step=True, paged=plan)
             chunks = plan_row_chunks([T] * len(ends), [e + T for e in ends])

@@ -27,6 +27,10 @@ per-row trees
     retrieve (B, P, D + 1), children (B, T, C), built by :func:`row_buffers` from each
     row's parent array. :meth:`TreeBuffers.rows` gives every tree that form (a view), so
     the verification code reads one layout.
+uneven chains
+    per-row chains of different lengths in one step of T positions (:func:`chain_buffers`):
+    row b's nodes 1..n_b are drafted, its positions after n_b are filler that no path and no
+    children list reaches, so acceptance never judges them; a forward may skip them.
 
 Named trees (``resolve_tree``)
 -----
@@ -198,6 +202,20 @@ def row_buffers(parent: torch.Tensor, depth: torch.Tensor, max_depth: int, max_c
     retrieve.scatter_(2, column, pos.expand(B, T, T).contiguous())
     return TreeBuffers(paths=(), depth=depth, parent=parent, mask=mask, cand_index=torch.zeros(T, dtype=torch.long, device=dev),
                        retrieve=retrieve[:, :, : D + 1], children=children, num_heads_used=D, max_rank=C)
+
+
+def chain_buffers(nodes: Sequence[int], size: int, device: str | torch.device = "cpu") -> TreeBuffers:
+    """Per-row chains of ``size`` positions of which row b drafts its first ``nodes[b]`` (module docstring, "uneven
+    chains"): depth = position, each node the child of the one before, built without :func:`row_buffers`' passes."""
+    B, T = len(nodes), size
+    pos = torch.arange(T, device=device)
+    n = torch.tensor(list(nodes), dtype=torch.long, device=device)[:, None]  # (B, 1)
+    retrieve = torch.where(pos[None] <= n, pos[None], -1)[:, None, :]  # (B, 1, T): the one path, root .. node n_b
+    children = torch.where(pos[None] < n, pos[None] + 1, -1)[:, :, None]  # (B, T, 1)
+    mask = torch.ones(T, T, dtype=torch.bool, device=device).tril().expand(B, T, T).clone()
+    return TreeBuffers(paths=(), depth=pos.expand(B, T).clone(), parent=(pos - 1).expand(B, T).clone(), mask=mask,
+                       cand_index=torch.zeros(T, dtype=torch.long, device=device), retrieve=retrieve, children=children,
+                       num_heads_used=T - 1, max_rank=1)
 
 
 _CHAIN = re.compile(r"^chain(?:-(\d+))?$")

@@ -150,17 +150,20 @@ class DirectDecoder:
         return cls(model, layers)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, plan: PagedPlan,
-                feature_layers: tuple[int, ...] | None) -> tuple[torch.Tensor, torch.Tensor]:
+                feature_layers: tuple[int, ...] | None, index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """ids/positions (B, T), written at ``plan``'s slots and attending on it -> (logits (B, T, V), features
         (B, T, F)): the hidden state, or the hidden states entering ``feature_layers``.
 
         The tokens' rows go through the layers flat, (B·T, width): the modules' products, norms and kernels see the
-        same rows in the same order (their (B, T, ...) views are of the same memory), without the views between."""
+        same rows in the same order (their (B, T, ...) views are of the same memory), without the views between.
+        ``index`` (B, T): ids/positions are (1, N), rows of uneven lengths packed one after another (``plan``'s
+        queries), and position t of row b is packed token ``index[b, t]``."""
         B, T = ids.shape
         hidden, entering = self._layers(ids, positions, plan, feature_layers)
         logits = self._head(hidden)
-        hidden = hidden.view(B, T, -1)
         features = hidden if feature_layers is None else torch.cat([entering[i] for i in feature_layers], dim=-1)
+        if index is not None:
+            return logits[index], features[index]
         return logits.view(B, T, -1), features.view(B, T, -1)
 
     def prefill(self, ids: torch.Tensor, positions: torch.Tensor, plan: PagedPlan, lengths: list[int],

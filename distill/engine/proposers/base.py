@@ -45,7 +45,7 @@ from typing import Protocol
 import torch
 
 from distill.engine.acceptance import Acceptance
-from distill.engine.tree import TreeBuffers, build_buffers, row_buffers
+from distill.engine.tree import TreeBuffers, build_buffers, chain_buffers, row_buffers
 
 
 @dataclass
@@ -64,6 +64,7 @@ class Proposal:
     buffers: TreeBuffers  # the tree: shared (T,) or per row (B, T)
     draft_prob: torch.Tensor | None = None  # (B, T) float: the drafter's probability of each node given its parent
     draft: torch.Tensor | None = None  # (B, T, V): node n's children were drawn i.i.d. from draft[:, n] (None: deterministic)
+    chain_nodes: list[int] | None = None  # uneven chains (tree.chain_buffers): each row's drafted nodes, host ints
 
 
 class DraftState(Protocol):
@@ -110,13 +111,21 @@ def host_proposal(root: torch.Tensor, trees: list[list[tuple[int, int]]], plain:
     first (position 0 is the root). Rows with fewer nodes than the largest tree are padded to its size with filler
     children of the root carrying tokens no sibling carries (lowest ids first): point-mass candidates like any other,
     so acceptance stays exact and the batch keeps one tree size. ``chain``: every tree is a chain (each node the child
-    of the one before), and a shorter one is continued by filler nodes instead, so that the batch's trees stay chains.
-    No row drafting anything: a plain step (``plain``: the empty tree's buffers on root's device, kept by the caller;
-    built when None)."""
+    of the one before); a shorter one is followed by filler that no path reaches (:func:`~distill.engine.tree.chain_buffers`),
+    which the kernel's forward skips. No row drafting anything: a plain step (``plain``: the empty tree's buffers on
+    root's device, kept by the caller; built when None)."""
     T = 1 + max(map(len, trees), default=0)
     dev = root.device
     if T == 1:
         return Proposal(root[:, None], plain if plain is not None else build_buffers([]).to(dev))
+    if chain:
+        if any(p != k for tree in trees for k, (p, _) in enumerate(tree)):
+            raise ValueError("a chain's node k must be the child of position k")
+        tokens = [[0] + [tok for _, tok in tree] + [0] * (T - 1 - len(tree)) for tree in trees]
+        tok = torch.tensor(tokens, dtype=torch.long, device=dev)
+        tok[:, 0] = root
+        nodes = [len(tree) for tree in trees]
+        return Proposal(tok, chain_buffers(nodes, T, dev), chain_nodes=nodes)
     parent, tokens, depth = [], [], []
     for tree in trees:
         par_b, tok_b, dep_b = [-1], [0], [0]
@@ -124,15 +133,10 @@ def host_proposal(root: torch.Tensor, trees: list[list[tuple[int, int]]], plain:
             par_b.append(p)
             tok_b.append(tok)
             dep_b.append(dep_b[p] + 1)
-        if chain:  # filler continues the chain: node k's child at k + 1
-            dep_b += list(range(len(dep_b), T))
-            par_b += list(range(len(par_b) - 1, T - 1))
-            tok_b += [0] * (T - len(tok_b))
-        else:
-            taken = {tok for p, tok in tree if p == 0}
-            tok_b += [x for x in range(T + len(taken)) if x not in taken][: T - len(par_b)]
-            par_b += [0] * (T - len(par_b))
-            dep_b += [1] * (T - len(dep_b))
+        taken = {tok for p, tok in tree if p == 0}
+        tok_b += [x for x in range(T + len(taken)) if x not in taken][: T - len(par_b)]
+        par_b += [0] * (T - len(par_b))
+        dep_b += [1] * (T - len(dep_b))
         parent.append(par_b)
         tokens.append(tok_b)
         depth.append(dep_b)

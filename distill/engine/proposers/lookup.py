@@ -50,9 +50,11 @@ chains
     False fixes it.
 filler
     rows drafting fewer nodes than the batch's largest tree are padded to its size with
-    children of the root whose tokens no sibling carries (lowest ids first), or, drafting
-    chains, with their chain continued by such tokens: ordinary point-mass candidates, so
-    acceptance stays exact and the batch keeps one tree size (and the chain shape).
+    children of the root whose tokens no sibling carries (lowest ids first): ordinary
+    point-mass candidates, so acceptance stays exact and the batch keeps one tree size.
+    Drafting chains, a row's chain ends where its draft does and the positions after it are
+    filler no path reaches (:func:`~distill.engine.tree.chain_buffers`): the kernel's forward
+    skips them and acceptance never judges them.
 expected tokens per step
     :data:`DEFAULT_TAUS` until measured: the policy's starting table, corrected from then on
     by the acceptance it observes (:class:`~distill.engine.policy.AdaptivePolicy`).
