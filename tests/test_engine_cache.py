@@ -171,3 +171,20 @@ def test_keys_in_dimension_order_hold_what_slot_order_holds_through_every_operat
     with pytest.raises(ValueError, match="key order"):
         kv.SlotCache(s, 1, 8, key_order="heads")
 
+
+
+def test_a_pool_of_kernel_ordered_storage_keeps_the_slots_asked_for_and_one_spare():
+    shape = kv.KVShape(2, 1, 4, 4, torch.float32, torch.device("cpu"))
+    pool = kv.SlotPool(shape, keep=1, key_order="dims", powers_of_two=False)
+    with pytest.raises(ValueError, match="its pool's"):
+        kv.SlotCache(shape, 1, 64, pool=pool)  # slot-ordered keys from a pool of dimension-ordered storage
+    a = kv.SlotCache(shape, 2, 100, pool=pool, key_order="dims")
+    assert (a.capacity_rows, a.slots) == (2, 128) and a.kernel_keys.is_contiguous()  # a multiple of 32, not a power of two
+    first = a.keys.data_ptr()
+    a.keys[:, :, :, :100] = 7.0
+    del a
+    b = kv.SlotCache(shape, 1, 90, pool=pool, key_order="dims")  # the spare: earlier values in slots not written yet
+    assert b.keys.data_ptr() == first and pool.reused == 1 and b.key_order == "dims"
+    c = kv.SlotCache(shape, 1, 64, pool=pool, key_order="dims")
+    del b, c
+    assert len(pool) == 1 and pool.allocated == 2  # keep=1: one spare only

@@ -268,7 +268,9 @@ class Batch:
             offsets = torch.arange(T, device=target.device)
             write = end[:, None] + offsets[None]  # (B, T): tree position t of row b goes to slot end_b + t
             window = target.window(self.cache, max(self.ends) + T)
-            bias = kv.attention_bias(kv.step_allowed(end, buf.mask, window), target.dtype)  # (B, 1, T, W)
+
+            def bias():  # (B, 1, T, W), for a forward that reads it
+                return kv.attention_bias(kv.step_allowed(end, buf.mask, window), target.dtype)
         with record_function("distill.forward"):
             layers = d.proposer.feature_layers if speculative else None
             chain = buf.nodes > 0 and buf.is_chain

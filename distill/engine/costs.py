@@ -139,7 +139,9 @@ def target_step_rounds(target, trees: dict[int, list[tuple[int, ...]]], chains: 
     def step(buf) -> None:
         T = buf.size
         write = end[:, None] + torch.arange(T, device=device)[None]  # (1, T)
-        bias = kv.attention_bias(kv.step_allowed(end, buf.mask, target.window(cache, context + T)), target.dtype)
+        def bias():
+            return kv.attention_bias(kv.step_allowed(end, buf.mask, target.window(cache, context + T)), target.dtype)
+
         target.step(tokens[:, :T], end[:, None] + buf.depth, write, bias, cache, None, ends, chains and T > 1)
 
     return _rounds(buffers, step, repeats, sync)

@@ -92,6 +92,8 @@ class Target:
 
             self.paged_problem = paged_problem(self.kv_shape, self.heads)
         self.prep["attention_vllm"] = int(not self.paged_problem)
+        if not self.paged_problem:  # one spare storage (cache.py, "pooled storage")
+            self.kv_pool = kv.SlotPool(self.kv_shape, keep=1, key_order="dims", powers_of_two=False)
         #: greedy decoding's argmax over the logits' last axis: vLLM's kernel where the attention runs on its library
         #: (None: torch's)
         self.argmax = None
@@ -195,7 +197,7 @@ class Target:
 
     def new_cache(self, rows: int, slots: int) -> kv.SlotCache:
         if not self.paged_problem:
-            return kv.SlotCache(self.kv_shape, rows, slots, key_order="dims")
+            return kv.SlotCache(self.kv_shape, rows, slots, pool=self.kv_pool, key_order="dims")
         return kv.SlotCache(self.kv_shape, rows, slots, pool=self.kv_pool)
 
     def forward_weights(self) -> int:
@@ -282,29 +284,33 @@ class Target:
     def step(self, tokens, positions, write, bias, cache: kv.SlotCache, layers, ends: list[int], chain: bool = False,
              used: list[int] | None = None):
         """A decoding step's forward: ``tokens`` written at slots ``write`` (B, T) -> (logits (B, T, V) float32,
-        features); replayed from its graph bucket when graphs are on. ``ends``: the rows' committed lengths (host),
+        features); replayed from its graph bucket when graphs are on. ``bias``: a function that builds the attention
+        bias (B or 1, 1, T, window), called only for a forward that reads it (the direct loop does not; an eager
+        window is the longest row's end + T). ``ends``: the rows' committed lengths (host),
         so that an eager forward attends each run of rows over its own keys only. ``chain``: every row's tokens are a
         chain (each the parent of the next), which the kernel attention computes (module docstring); ``used``: of
         each row's chain, the first ``used[b]`` tokens are wanted (the rest filler): the direct loop computes only
         those, and the positions after them repeat the last one's logits and features."""
         if self.graphs is None:
-            cache.prepare(write, bias.shape[-1])
             T = tokens.shape[1]
+            cache.prepare(write, max(ends) + T)
             if not self.paged_problem and (T == 1 or chain):
                 from distill.engine.cpu import paged
 
-                if used is not None and min(used) < T and self.direct is not None and self._direct_current():
+                direct = self.direct is not None and self._direct_current()
+                if used is not None and min(used) < T and direct:
                     return self._direct_uneven(tokens, positions, cache, layers, ends, used)
                 plan = paged.plan(cache, [T] * len(ends), ends, self.heads, padded=False)
-                return self.forward(tokens, positions, bias, cache, layers=layers, step=True, paged=plan)
+                return self.forward(tokens, positions, None if direct else bias(), cache, layers=layers, step=True,
+                                    paged=plan)
             chunks = plan_row_chunks([T] * len(ends), [e + T for e in ends])
-            return self.forward(tokens, positions, bias, cache, layers=layers, step=True, chunks=chunks)
+            return self.forward(tokens, positions, bias(), cache, layers=layers, step=True, chunks=chunks)
 
         def forward(ids, positions, write, bias):
             cache.prepare(write, cache.slots)
             return self.forward(ids, positions, bias, cache, layers=layers, step=True)
 
-        return self.graphs(("step", cache_key(cache), tokens.shape[1], layers), forward, tokens, positions, write, bias)
+        return self.graphs(("step", cache_key(cache), tokens.shape[1], layers), forward, tokens, positions, write, bias())
 
     def forward(self, ids, positions, bias, cache: kv.SlotCache, keep: int | torch.Tensor = 0,
                 layers: tuple[int, ...] | None = None, step: bool = False, chunks=None, paged=None):
