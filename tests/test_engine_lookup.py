@@ -158,9 +158,15 @@ def test_greedy_lookup_equals_plain_greedy_on_mt_bench(hf_model, tokenizer, mt_p
     lookup = engine.decoding.proposer
     assert lookup.drafts_chains == (chains is None and not engine.target.paged_problem)
     seen, uneven = [], []
-    step, direct_uneven = engine.target.step, engine.target._direct_uneven
+    step, direct_step = engine.target.step, engine.target._direct_step
+
+    def direct(tokens, *a):  # the chains that went packed, each row's own length
+        if a[-1] is not None and min(a[-1]) < tokens.shape[1]:
+            uneven.append((tokens.shape[1], a[-1]))
+        return direct_step(tokens, *a)
+
     engine.target.step = lambda *a: seen.append((a[0].shape[1], a[7])) or step(*a)
-    engine.target._direct_uneven = lambda *a: uneven.append((a[0].shape[1], a[-1])) or direct_uneven(*a)
+    engine.target._direct_step = direct
     results, stats = engine.generate(mt_prompts, SamplingParams(max_tokens=MT_TOKENS))  # batch 3
     assert [r.token_ids for r in results] == mt_plain
     assert stats.batch_size == MT_QUESTIONS and stats.tree_nodes > 0  # drafts were verified

@@ -139,6 +139,7 @@ def target_step_rounds(target, trees: dict[int, list[tuple[int, ...]]], chains: 
     def step(buf) -> None:
         T = buf.size
         write = end[:, None] + torch.arange(T, device=device)[None]  # (1, T)
+
         def bias():
             return kv.attention_bias(kv.step_allowed(end, buf.mask, target.window(cache, context + T)), target.dtype)
 

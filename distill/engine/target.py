@@ -92,8 +92,6 @@ class Target:
 
             self.paged_problem = paged_problem(self.kv_shape, self.heads)
         self.prep["attention_vllm"] = int(not self.paged_problem)
-        if not self.paged_problem:  # one spare storage (cache.py, "pooled storage")
-            self.kv_pool = kv.SlotPool(self.kv_shape, keep=1, key_order="dims", powers_of_two=False)
         #: greedy decoding's argmax over the logits' last axis: vLLM's kernel where the attention runs on its library
         #: (None: torch's)
         self.argmax = None
@@ -101,6 +99,7 @@ class Target:
             from distill.engine.cpu.argmax import argmax
 
             self.argmax = argmax
+            self.kv_pool = kv.SlotPool(self.kv_shape, keep=1, key_order="dims", powers_of_two=False)  # cache.py, "pooled storage"
         #: the steps' direct forward (module docstring, "direct steps"), None where ``direct_problem`` says why not
         self.direct, self.direct_problem = None, "the attention is not on vLLM's kernel"  # None during _direct's check too
         if not self.paged_problem:
@@ -252,12 +251,16 @@ class Target:
         features[real] = packed
         return logits.float(), features
 
-    def _direct_uneven(self, tokens, positions, cache: kv.SlotCache, layers, ends: list[int], used: list[int]):
-        """:meth:`step` of chains of uneven lengths through the direct loop: each row's ``used`` tokens packed, the
-        filler after them never computed."""
+    def _direct_step(self, tokens, positions, cache: kv.SlotCache, layers, ends: list[int], used: list[int] | None):
+        """:meth:`step` through the direct loop; chains of uneven lengths (``used`` below T) go packed, each row's
+        ``used`` tokens only, the filler after them never computed."""
         from distill.engine.cpu import paged
 
         B, T = tokens.shape
+        if used is None or min(used) == T:
+            plan = paged.plan(cache, [T] * B, ends, self.heads, padded=False)
+            logits, features = self.direct.forward(tokens, positions, plan, layers)
+            return logits.float(), features
         dev = tokens.device
         n = torch.tensor(used, device=dev)[:, None]
         t = torch.arange(T, device=dev)[None]
@@ -297,12 +300,10 @@ class Target:
             if not self.paged_problem and (T == 1 or chain):
                 from distill.engine.cpu import paged
 
-                direct = self.direct is not None and self._direct_current()
-                if used is not None and min(used) < T and direct:
-                    return self._direct_uneven(tokens, positions, cache, layers, ends, used)
+                if self.direct is not None and self._direct_current():
+                    return self._direct_step(tokens, positions, cache, layers, ends, used)
                 plan = paged.plan(cache, [T] * len(ends), ends, self.heads, padded=False)
-                return self.forward(tokens, positions, None if direct else bias(), cache, layers=layers, step=True,
-                                    paged=plan)
+                return self.forward(tokens, positions, bias(), cache, layers=layers, step=True, paged=plan)
             chunks = plan_row_chunks([T] * len(ends), [e + T for e in ends])
             return self.forward(tokens, positions, bias(), cache, layers=layers, step=True, chunks=chunks)
 
@@ -323,9 +324,6 @@ class Target:
         row chunks (:func:`distill.engine.attention.plan_row_chunks`; a compiled forward attends over the whole window);
         ``paged``: its plan on vLLM's kernel instead (module docstring, "kernel attention").
         """
-        if step and paged is not None and self.direct is not None and self._direct_current():
-            logits, features = self.direct.forward(ids, positions, paged, layers)
-            return logits.float(), features
         if self._compiled is not None and step and (self._compile_all or (layers is None and ids.numel() == 1)):
             for storage in (cache.keys, cache.values):  # the slots grow with the sequences: one graph for every capacity
                 torch._dynamo.maybe_mark_dynamic(storage, 3)
