@@ -44,9 +44,10 @@ pooled storage
     two, so requests of similar lengths share one. On a CPU whose attention runs on vLLM's kernel
     the caches take their storage from a pool of one spare (slots as asked): a server's prefill
     cache, gone once its rows join the running batch, and a running cache that grew, leave their
-    storage to the next prefill, which otherwise pays for fresh zeroed pages (about 90 ms for
-    425 MB). A reused storage holds earlier keys and values (finite numbers) in slots no row has
-    written: the kernel never reads them, and the modules' attention masks them to a zero weight.
+    storage to the next prefill, which otherwise pays for fresh zeroed pages (measured:
+    BENCHMARKS.md, "`distill serve` against vLLM's best configuration"). A reused storage holds
+    earlier keys and values (finite numbers) in slots no row has written: the kernel never reads
+    them, and the modules' attention masks them to a zero weight.
 
 :class:`SlotCache` is a transformers :class:`~transformers.Cache` built on the public
 cache-layer API: the model's attention calls ``update(keys, values, layer)``, which writes
