@@ -92,8 +92,9 @@ def test_batched_decoding_equals_batch_one(hf_model, tokenizer, prompts, plain_r
 
 @pytest.mark.parametrize("speculative", [True, False], ids=["medusa", "plain"])
 def test_sequences_joining_a_running_batch_decode_as_in_batch_one(hf_model, tokenizer, prompts, plain_reference, speculative):
-    """Continuous batching: prompts join between steps (a longer prompt into a shorter cache and the
-    reverse), rows leave as they finish, and every greedy sequence still equals its batch-1 decoding."""
+    """Continuous batching: prompts join a running batch in a step (a longer prompt into a shorter cache and the
+    reverse), rows leave as they finish, and every greedy sequence still equals its batch-1 decoding. Plain steps on the
+    direct loop prefill the joiners in their own forward; Medusa's branching trees prefill them apart first."""
     heads = make_heads(hf_model, random_w1=True, seed=2)
     engine = Engine(hf_model, tokenizer, heads, EngineConfig(tree="3,2,1", max_batch=QUESTIONS, speculate_max_batch=QUESTIONS))
     budgets = {"a": 20, "b": 6, "c": 16, "d": 12}
@@ -113,17 +114,23 @@ def test_sequences_joining_a_running_batch_decode_as_in_batch_one(hf_model, toke
         if step in (2, 5) and len(joined_at) < 3:  # one joins alone, then two together (with different lengths)
             group = keys[1:2] if step == 2 else keys[2:4]
             idx = [order[keys.index(k)] for k in group]
-            results.update(batch.add([prompts[i] for i in idx], [SamplingParams(max_tokens=budgets[k]) for k in group], group))
             joined_at.update({k: step for k in group})
-        results.update(batch.step())
+            results.update(batch.step([prompts[i] for i in idx], [SamplingParams(max_tokens=budgets[k]) for k in group],
+                                      group))
+        else:
+            results.update(batch.step())
         used, allocated = batch.kv_slots  # a running row holds its prompt and its tokens but the newest (the next step's root)
         assert used == sum(len(prompts[order[keys.index(k)]]) + len(seen[k]) - 1 for k in joined_at.keys() | {"a"} if k not in results)
         assert used <= allocated
         if not len(batch) and len(joined_at) == 3:
             break
     assert set(results) == set(keys) and len(batch) == 0 and batch.kv_slots == (0, 0)
-    pool = engine.target.kv_pool  # on vLLM's kernel: the joiners' prefill caches and outgrown storage come back
-    assert engine.target.paged_problem or (pool.key_order == "dims" and pool.reused >= 1)
+    mixed = not speculative and engine.target.direct is not None
+    stats = batch.stats
+    assert sum(1 for n in stats.joined_per_step if n) == (2 if mixed else 0)  # the joining steps prefilled them
+    assert len(stats.prefill_tokens) == (1 if mixed else 3)  # else forwards of their own
+    pool = engine.target.kv_pool  # on vLLM's kernel: prefill caches apart and outgrown storage come back
+    assert engine.target.paged_problem or mixed or (pool.key_order == "dims" and pool.reused >= 1)
     for k in keys:
         ref = plain_reference[order[keys.index(k)]]
         assert results[k].token_ids == ref.token_ids[: budgets[k]] == seen[k], k

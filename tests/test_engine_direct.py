@@ -79,8 +79,8 @@ def test_a_direct_forward_that_differs_from_the_modules_is_not_used(own_model, t
     assert engine.target.direct_problem == "its step differs from the modules' (logits, 2 token(s) a row)"
     assert engine.target.paged_problem == ""  # the kernel attention stays
     monkeypatch.setattr(DirectDecoder, "forward", forward)
-    prefill = DirectDecoder.prefill
-    monkeypatch.setattr(DirectDecoder, "prefill", lambda self, *args: (lambda lf: (lf[0], lf[1] + 1e-6))(prefill(self, *args)))
+    packed = DirectDecoder.packed
+    monkeypatch.setattr(DirectDecoder, "packed", lambda self, *args: (lambda lf: (lf[0], lf[1] + 1e-6))(packed(self, *args)))
     engine = Engine(own_model, tokenizer, None, EngineConfig(max_batch=2))
     assert engine.target.direct is None and engine.target.direct_problem == "its prefill differs from the modules'"
 
@@ -98,9 +98,10 @@ def test_direct_steps_give_the_modules_tokens_logprobs_and_features_exactly(own_
         pair[1].target.direct = None  # the same engine through the model's modules
         calls, prefills = [], []
         direct = pair[0].target.direct
-        forward, prefill = direct.forward, direct.prefill
+        forward, packed = direct.forward, direct.packed
         direct.forward = lambda *args: calls.append(args[3]) or forward(*args)
-        direct.prefill = lambda *args: prefills.append(args[3]) or prefill(*args)
+        # the packed forwards' rows (prefills: the prompts' lengths)
+        direct.packed = lambda *args: prefills.append(args[2].starts.diff().tolist()) or packed(*args)
         return pair, calls, prefills
 
     (direct, modules), calls, prefills = engines(None)
@@ -112,6 +113,24 @@ def test_direct_steps_give_the_modules_tokens_logprobs_and_features_exactly(own_
     assert len(lengths) == len(uneven) and lengths == sorted(lengths, reverse=True) and len(set(lengths)) > 1
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
     assert [r.logprobs for r in got] == [r.logprobs for r in want]
+
+    def joined(engine):  # two prompts join a running row in a step: on the direct loop, prefilled in its forward
+        run = engine.running_batch()
+        done = dict(run.add(uneven[:1], [params], [0]))
+        done.update(run.step())
+        done.update(run.step(uneven[1:], [params] * (len(uneven) - 1), list(range(1, len(uneven)))))
+        while len(run):
+            done.update(run.step())
+        return [done[k] for k in range(len(uneven))], run.stats
+
+    prefills.clear()
+    (got, stats), (want, want_stats) = joined(direct), joined(modules)
+    assert prefills[1] == [1] + [len(p) for p in uneven[1:]]  # the running row's token, then the prompts'
+    assert sum(map(bool, stats.joined_per_step)) == 1 and not any(want_stats.joined_per_step)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    # the running row's products ran over more rows in the joining step: rounded as another batch's are (not bit for bit)
+    pairs = [(a, b) for r, s in zip(got, want) for a, b in zip(r.logprobs, s.logprobs)]
+    assert len(pairs) == sum(len(r.token_ids) for r in got) and all(abs(a.logprob - b.logprob) < 1e-4 for a, b in pairs)
     (direct, modules), calls, prefills = engines(bundled_drafter(own_model, "fresh"), draft_topk=1, draft_depth=3,
                                                  draft_nodes=3, speculate_max_batch=3)
     got, stats = direct.generate(uneven, SamplingParams(max_tokens=12))

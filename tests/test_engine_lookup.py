@@ -178,6 +178,35 @@ def test_greedy_lookup_equals_plain_greedy_on_mt_bench(hf_model, tokenizer, mt_p
     assert one[0].token_ids == mt_plain[1]
 
 
+def test_rows_joining_a_running_lookup_batch_in_its_chain_steps_decode_as_plain(hf_model, tokenizer, mt_prompts, mt_plain):
+    """Continuous batching with the lookup: newcomers are prefilled inside the running rows' chain steps (their prompts
+    packed after the chains, where the direct loop runs), and every greedy answer equals plain decoding."""
+    engine = Engine(hf_model, tokenizer, Lookup(max_nodes=8), EngineConfig(speculate_max_batch=8, max_batch=MT_QUESTIONS))
+    mixed, real = [], engine.target.mixed_step
+
+    def spy(tokens, *a):  # each joining step's tokens per running row
+        mixed.append(tokens.shape[1])
+        return real(tokens, *a)
+
+    engine.target.mixed_step = spy
+    params = SamplingParams(max_tokens=MT_TOKENS)
+    run = engine.running_batch()
+    done = dict(run.add([mt_prompts[0]], [params], [0]))
+    waiting = list(range(1, MT_QUESTIONS))
+    for _ in range(10 * MT_TOKENS):
+        if waiting and (run.stats.tree_nodes_per_step[-1:] > [0] or not len(run)):  # one joins while the rows draft
+            k = waiting.pop(0)
+            done.update(run.step([mt_prompts[k]], [params], [k]))
+        else:
+            done.update(run.step())
+        if not len(run) and not waiting:
+            break
+    assert [done[k].token_ids for k in range(MT_QUESTIONS)] == mt_plain
+    # joined while the running rows verified chains, where the direct loop runs
+    assert max(mixed, default=0) > 1 if engine.target.direct is not None else not mixed
+    assert run.stats.tree_nodes > 0
+
+
 def test_bench_cli_runs_plain_vs_lookup_with_the_bundled_model(tmp_path, cli_env):
     r = run_distill(["bench", "--heads", "lookup", "--limit", "1", "--max-tokens", "12", "--modes", "greedy", "--out",
                      str(tmp_path / "b")], env=cli_env)

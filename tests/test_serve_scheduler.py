@@ -49,11 +49,11 @@ def test_a_failed_step_fails_its_rows_and_the_worker_serves_the_next_request(eng
             batch = real(*a, **kw)
             step, calls = batch.step, []
 
-            def flaky():
+            def flaky(*joining):
                 calls.append(1)
                 if len(calls) == 3:
                     raise RuntimeError("injected step failure")
-                return step()
+                return step(*joining)
 
             batch.step = flaky
             batch_step = calls
@@ -177,6 +177,51 @@ def test_a_sequence_whose_step_raises_fails_alone_and_the_others_resume_unchange
         assert (text_of(events), events[-1].completion_tokens) == greedy_answer(engine, q, 16)
 
 
+def test_a_step_that_raises_while_a_request_joins_it_retries_both_and_only_the_running_one_is_preempted(engine):
+    """A newcomer joins the running batch inside a decoding step (prefilled in its forward); that step raises once: the
+    running request and the newcomer are each stepped alone and put back, and both end with exactly their greedy
+    answers; only the running one counts as preempted."""
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        sched = Scheduler(engine, queue_size=4, max_batch=2, speculative=False)
+        joins = []  # the sequences that joined each step that took newcomers
+        real = engine.running_batch
+
+        def running_batch(*a, **kw):
+            batch = real(*a, **kw)
+            step = batch.step
+
+            def flaky(prompts=(), params=(), keys=()):
+                if prompts:
+                    joins.append(list(keys))
+                    if len(joins) == 1:
+                        raise RuntimeError("injected failure of a joining step")
+                return step(prompts, params, keys)
+
+            batch.step = flaky
+            return batch
+
+        engine.running_batch = running_batch
+        running, joining = job_of(engine, loop, GOOD[2], 24), job_of(engine, loop, GOOD[0], 12)
+        try:
+            sched.start()
+            sched.submit(running)
+            events = [await asyncio.wait_for(running.events.get(), 300)]  # it streams: it runs
+            sched.submit(joining)
+            events += await events_until_end(running)
+            return events, await events_until_end(joining), joins, running.sequences[0], joining.sequences[0]
+        finally:
+            del engine.running_batch
+            sched.stop()
+
+    first, second, joins, s1, s2 = asyncio.run(scenario())
+    assert joins and joins[0] == [s2]  # the newcomer joined a step, which raised
+    assert (text_of(first), first[-1].completion_tokens) == greedy_answer(engine, GOOD[2], 24)
+    assert (text_of(second), second[-1].completion_tokens) == greedy_answer(engine, GOOD[0], 12)
+    assert (s1.preemptions, s2.preemptions) == (1, 0)
+
+
 def test_drain_refuses_new_jobs_and_fails_what_outlives_the_grace_period(engine):
     """drain(0): the request already admitted ends with a 503 "shutting down" event, a new one is refused,
     and the worker returns by itself."""
@@ -221,7 +266,7 @@ def test_serve_exits_1_with_the_error_logged_when_its_engine_worker_dies(engine,
     def running_batch(*a, **kw):
         batch = real(*a, **kw)
 
-        def dying_step():
+        def dying_step(*joining):
             raise EngineDied("injected engine death")
 
         batch.step = dying_step

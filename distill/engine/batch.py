@@ -29,6 +29,14 @@ B rows; row b has committed ``end_b`` tokens (slots ``0 .. end_b - 1`` of its ca
 Plain decoding is the same step with N = 0: the same bias, cache and acceptance code, nothing to
 compact. One host transfer per step brings the emitted tokens and lengths back; ``end`` lives on
 the host and goes back with the next step's inputs.
+
+Joining rows (continuous batching). Sequences that join a running batch are prefilled inside its
+next step's forward where that step runs on the direct loop (a plain step or chains:
+:meth:`~distill.engine.target.Target.mixed_step`): their prompts' tokens packed after the running
+rows', in new cache rows, so the running rows do not wait for a prefill forward of their own and
+the weights are read once for both (what vLLM's chunked prefill does). They emit their first
+token in that step and decode from the next. Elsewhere (a branching tree's step, prompt logprobs)
+they are prefilled in a forward of their own first and join after the step.
 """
 
 from __future__ import annotations
@@ -54,6 +62,30 @@ from distill.sampling import warp
 
 #: Slot capacities are rounded up to a multiple of this (fewer distinct shapes, some room for joins).
 SLOT_ROUND = 64
+
+
+@dataclass
+class Joining:
+    """Sequences that join a running batch in its next step (module docstring, "joining rows"): their prompts and
+    sequences."""
+
+    prompts: list[list[int]]
+    seqs: list[Sequence]
+
+
+def _slots(d: "Decoding", lengths: list[int], seqs: list[Sequence]) -> int:
+    """Cache slots for rows of these prompt lengths and sequences: their longest prompt and answer and a full tree."""
+    return -(-(max(n + s.params.max_tokens for n, s in zip(lengths, seqs)) + d.max_tree_size) // SLOT_ROUND) * SLOT_ROUND
+
+
+def _first_tokens(d: "Decoding", seqs: list[Sequence], logits: torch.Tensor, on_tokens) -> torch.Tensor:
+    """The prompts' last tokens' logits (B, 1, V) -> each sequence's first token (B,), emitted."""
+    zeros = torch.zeros(len(seqs), 1, dtype=torch.long, device=logits.device)
+    first = d.accept(zeros, logits, d.plain, seqs)
+    lps = d.logprobs(logits, zeros, first, seqs)
+    for b, (s, tok) in enumerate(zip(seqs, first.next_token.tolist())):
+        s.emit([tok], on_tokens, lps.get(b))
+    return first.next_token
 
 
 @dataclass
@@ -187,7 +219,7 @@ class Batch:
         prompts, seqs = [prompts[i] for i in order], [seqs[i] for i in order]
         lengths = [len(p) for p in prompts]
         P = max(lengths)
-        slots = -(-(max(n + s.params.max_tokens for n, s in zip(lengths, seqs)) + d.max_tree_size) // SLOT_ROUND) * SLOT_ROUND
+        slots = _slots(d, lengths, seqs)
         cache = target.new_cache(len(prompts), slots)
         ids = torch.tensor([list(p) + [0] * (P - len(p)) for p in prompts], dtype=torch.long, device=dev)  # (B, P)
         positions = torch.arange(P, device=dev)[None].expand(len(prompts), P)  # (B, P)
@@ -204,16 +236,12 @@ class Batch:
             chosen, tids, vals = token_logprobs(logits, rows[b : b + 1], where, ids[b : b + 1, 1:n], top)
             seqs[b].prompt_logprobs = [None] + [TokenLogprob(t, c, tuple(zip(i, v)))
                                                 for t, c, i, v in zip(prompts[b][1:], chosen[0], tids[0], vals[0])]
-        zeros = torch.zeros(len(seqs), 1, dtype=torch.long, device=dev)
         first_logits = (logits[rows, torch.tensor(lengths, device=dev) - 1] if echo else logits)[:, None]  # (B, 1, V)
-        first = d.accept(zeros, first_logits, d.plain, seqs)
-        lps = d.logprobs(first_logits, zeros, first, seqs)
-        root = first.next_token  # (B,)
-        for b, (s, tok) in enumerate(zip(seqs, root.tolist())):
-            s.emit([tok], on_tokens, lps.get(b))
+        root = _first_tokens(d, seqs, first_logits, on_tokens)  # (B,)
         draft = (d.proposer.start(features, ids, lengths, root, slots, greedy=[s.generator is None for s in seqs])
                  if speculative else None)
         stats.prefill_seconds += time.perf_counter() - t0
+        stats.prefill_tokens.append(sum(lengths) + len(lengths))
         stats.kv_bytes = max(stats.kv_bytes, cache.nbytes)
         return cls(d, list(seqs), cache, lengths, root, draft)
 
@@ -248,8 +276,9 @@ class Batch:
         temps = [s.params.temperature if s.generator is not None else 0.0 for s in self.seqs]
         return DraftSampling(torch.tensor(temps, device=self.root.device), [s.generator for s in self.seqs])
 
-    def step(self, on_tokens, stats: StepStats) -> None:
-        """One decoding step of every row (all unfinished): size, propose, verify, accept, commit (module docstring)."""
+    def step(self, on_tokens, stats: StepStats, joining: Joining | None = None) -> None:
+        """One decoding step of every row (all unfinished): size, propose, verify, accept, commit (module docstring);
+        ``joining``: sequences that join in it (module docstring, "joining rows")."""
         d = self.decoding
         target, active, B = d.target, self.seqs, len(self.seqs)
         speculative = self.draft is not None
@@ -264,6 +293,15 @@ class Batch:
                 proposal = Proposal(self.root[:, None], d.plain)  # (B, 1)
         tokens, buf = proposal.tokens, proposal.buffers
         T = buf.size
+        chain = buf.nodes > 0 and buf.is_chain
+        used = [1 + n for n in proposal.chain_nodes] if proposal.chain_nodes is not None else None
+        mixed = (joining is not None and target.mixes(T, chain)
+                 and all(s.params.prompt_logprobs is None for s in joining.seqs))
+        newcomers = None
+        if joining is not None and not mixed:  # a prefill forward of their own; they join after the step
+            before = time.perf_counter()
+            newcomers = Batch.prefill(d, joining.prompts, joining.seqs, on_tokens, stats, speculative)
+            t0 += time.perf_counter() - before  # the step's time without it
         with record_function("distill.mask"):  # 3. verify: slots, positions, the tree bias
             offsets = torch.arange(T, device=target.device)
             write = end[:, None] + offsets[None]  # (B, T): tree position t of row b goes to slot end_b + t
@@ -273,11 +311,14 @@ class Batch:
                 return kv.attention_bias(kv.step_allowed(end, buf.mask, window), target.dtype)
         with record_function("distill.forward"):
             layers = d.proposer.feature_layers if speculative else None
-            chain = buf.nodes > 0 and buf.is_chain
-            used = [1 + n for n in proposal.chain_nodes] if proposal.chain_nodes is not None else None
-            # the kernel computes chains, not trees
-            logits, features = target.step(tokens, end[:, None] + buf.depth, write, bias, self.cache, layers, self.ends,
-                                           chain and not target.paged_problem, used)
+            if mixed:
+                lengths = [len(p) for p in joining.prompts]
+                self.cache.add_rows(len(lengths), _slots(d, lengths, joining.seqs))
+                logits, features, first_logits, prompt_features = target.mixed_step(
+                    tokens, end[:, None] + buf.depth, self.cache, layers, self.ends, used, joining.prompts)
+            else:  # the kernel computes chains, not trees
+                logits, features = target.step(tokens, end[:, None] + buf.depth, write, bias, self.cache, layers,
+                                               self.ends, chain and not target.paged_problem, used)
         with record_function("distill.accept"):  # 4. accept
             acc = d.accept(tokens, logits, buf, active, proposal.draft)
         with record_function("distill.compact"):  # 5. commit: accepted nodes follow the root, tree slot end + path_k -> end + k
@@ -302,18 +343,44 @@ class Batch:
             s.steps += 1
             s.accepted.append(len(new))
             s.emit(new, on_tokens, lps.get(b))
+        joined = 0
+        if mixed:
+            with record_function("distill.join"):
+                self._join_prefilled(joining, first_logits, prompt_features, on_tokens)
+            joined = sum(lengths) + len(lengths)
         seconds = time.perf_counter() - t0
         stats.step_seconds.append(seconds)
-        if speculative:
+        stats.joined_per_step.append(joined)
+        stats.kv_bytes = max(stats.kv_bytes, self.cache.nbytes)
+        if speculative and not mixed:  # the policy prices steps, not prefills
             d.pricing.observe(B, nodes, seconds, lengths_acc)
+        if newcomers is not None:
+            self.join(newcomers)
+
+    def _join_prefilled(self, joining: Joining, logits: torch.Tensor, features: torch.Tensor, on_tokens) -> None:
+        """The joining sequences, prefilled in this step's forward into the cache rows after the running ones: their
+        last tokens' logits (J, V) and features (J, P, F) -> their first tokens, emitted; their rows join the batch."""
+        d, seqs, prompts = self.decoding, joining.seqs, joining.prompts
+        lengths = [len(p) for p in prompts]
+        root = _first_tokens(d, seqs, logits[:, None], on_tokens)
+        if self.draft is not None:
+            P = max(lengths)
+            ids = torch.tensor([list(p) + [0] * (P - len(p)) for p in prompts], dtype=torch.long, device=root.device)
+            self.draft.join(d.proposer.start(features, ids, lengths, root, self.cache.slots,
+                                             greedy=[s.generator is None for s in seqs]), P)
+        self.ends = self.ends + lengths
+        self.root = torch.cat([self.root, root])
+        self.seqs = self.seqs + seqs
 
 
 class RunningBatch:
     """Continuous batching: sequences join a running batch between steps and leave as they finish.
 
     ``add`` prefills the newcomers in one forward of their own and appends their rows
-    (cache included) to the running batch; ``step`` runs one decoding step of every row.
-    Both return the sequences that finished, as ``(key, GenerationResult)``. ``on_tokens``
+    (cache included) to the running batch; ``step`` runs one decoding step of every row, and
+    prefills the sequences it is given inside that step's forward where it can (:class:`Batch`,
+    "joining rows"; else in one of their own), which then join. Both return the sequences that
+    finished, as ``(key, GenerationResult)``. ``on_tokens``
     is called with a sequence's key. Greedy rows decode exactly as in batch-1 decoding
     whichever rows they share the batch with; sampled rows draw from their own seeded
     generators. ``stats`` collects the step figures until the caller swaps it out.
@@ -338,12 +405,8 @@ class RunningBatch:
     @torch.inference_mode()
     def add(self, prompts: list[list[int]], params: list[SamplingParams], keys: list) -> list[tuple[object, GenerationResult]]:
         """Prefill ``prompts`` and let them join; -> those already finished (first token a stop, max_tokens 1)."""
-        d = self.decoding
-        d.check(prompts, params)
-        if len(keys) != len(prompts):
-            raise ConfigError(f"{len(prompts)} prompts but {len(keys)} keys")
-        seqs = [Sequence(k, sp, d.stop_ids, d.target.device, p) for k, sp, p in zip(keys, params, prompts)]
-        new = Batch.prefill(d, prompts, seqs, self.on_tokens, self.stats, self.speculative)
+        seqs = self._sequences(prompts, params, keys)
+        new = Batch.prefill(self.decoding, prompts, seqs, self.on_tokens, self.stats, self.speculative)
         done = new.compact()
         if len(new):
             if self._batch is None:
@@ -353,12 +416,24 @@ class RunningBatch:
                 self.stats.kv_bytes = max(self.stats.kv_bytes, self._batch.cache.nbytes)
         return self._finished(done)
 
+    def _sequences(self, prompts: list[list[int]], params: list[SamplingParams], keys: list) -> list[Sequence]:
+        d = self.decoding
+        d.check(prompts, params)
+        if len(keys) != len(prompts):
+            raise ConfigError(f"{len(prompts)} prompts but {len(keys)} keys")
+        return [Sequence(k, sp, d.stop_ids, d.target.device, p) for k, sp, p in zip(keys, params, prompts)]
+
     @torch.inference_mode()
-    def step(self) -> list[tuple[object, GenerationResult]]:
-        """One decoding step of every row; -> the sequences that finished in it."""
+    def step(self, prompts: list[list[int]] = (), params: list[SamplingParams] = (), keys: list = ()
+             ) -> list[tuple[object, GenerationResult]]:
+        """One decoding step of every row, which ``prompts`` join (class docstring; with no rows running, their
+        prefill alone); -> the sequences that finished in it."""
+        if prompts and self._batch is None:
+            return self.add(prompts, params, keys)
         if self._batch is None:
             return []
-        self._batch.step(self.on_tokens, self.stats)
+        joining = Joining(list(prompts), self._sequences(prompts, params, keys)) if prompts else None
+        self._batch.step(self.on_tokens, self.stats, joining)
         return self._finished(self._batch.compact())
 
     @property

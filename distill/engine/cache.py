@@ -341,6 +341,12 @@ class SlotCache(Cache):
         self.values[:, B : B + B2, :, :used] = other.values[:, :B2, :, :used]
         self.rows = B + B2
 
+    def add_rows(self, rows: int, slots: int) -> None:
+        """Add ``rows`` rows after this cache's, with room for ``slots`` slots (grows the storage if needed); their
+        slots hold whatever the storage held until written (a prefill writes them from slot 0)."""
+        self.reserve(self.rows + rows, slots)
+        self.rows += rows
+
     def reserve(self, rows: int, slots: int) -> None:
         """Make room for ``rows`` rows of ``slots`` slots; growing copies the rows in use (at least doubling what grows)."""
         R, S = self.capacity_rows, self.slots

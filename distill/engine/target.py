@@ -17,7 +17,8 @@ direct steps
     where the attention runs on the kernel, the steps it computes and the prefills run the model's
     prepared modules' kernels layer by layer (:mod:`distill.engine.cpu.direct`), not through the modules'
     calls, a prefill's prompts packed without padding: the same operations, checked once to give the
-    modules' logits, features and cache writes exactly.
+    modules' logits, features and cache writes exactly. A step may prefill prompts in its own forward,
+    packed after its rows (:meth:`Target.mixed_step`).
 hidden state
     the backbone's last hidden state after the final norm (what the LM head reads): the decoder's
     (``model.get_decoder()``) ``last_hidden_state``. Medusa's feature.
@@ -246,7 +247,8 @@ class Target:
         B, P = ids.shape
         real = torch.arange(P, device=self.device)[None] < torch.tensor(lengths, device=self.device)[:, None]  # (B, P)
         plan = paged.plan(cache, lengths, [0] * B, self.heads, padded=False)
-        logits, packed = direct.prefill(ids[real][None], positions[real][None], plan, lengths, layers)
+        last = torch.tensor(lengths, device=self.device).cumsum(0) - 1
+        logits, packed = direct.packed(ids[real][None], positions[real][None], plan, layers, last)
         features = packed.new_zeros(B, P, packed.shape[-1])
         features[real] = packed
         return logits.float(), features
@@ -269,6 +271,46 @@ class Target:
         plan = paged.plan(cache, used, ends, self.heads, padded=False)
         logits, features = self.direct.forward(tokens[real][None], positions[real][None], plan, layers, index)
         return logits.float(), features
+
+    def mixes(self, T: int, chain: bool) -> bool:
+        """Whether a step of T tokens a row (``chain``: chains) can prefill prompts in its own forward
+        (:meth:`mixed_step`): it runs on the direct loop."""
+        return (self.graphs is None and not self.paged_problem and (T == 1 or chain) and self.direct is not None
+                and self._direct_current())
+
+    def mixed_step(self, tokens, positions, cache: kv.SlotCache, layers, ends: list[int], used: list[int] | None,
+                   prompts: list[list[int]]):
+        """A direct step of the B running rows (:meth:`step` where :meth:`mixes`) that prefills ``prompts`` in the same
+        forward: cache rows B .. B + J - 1 are theirs (slots from 0), their tokens packed after the running rows', each
+        attending causally over its own. -> (the step's logits (B, T, V) float32 and features (B, T, F), the prompts'
+        last tokens' logits (J, V) float32, their features (J, P, F) right-padded with zeros). The running rows read
+        the weights once for both; only the prompts' last tokens reach the LM head."""
+        from distill.engine.cpu import paged
+
+        B, T = tokens.shape
+        dev = tokens.device
+        used = used if used is not None else [T] * B
+        n = torch.tensor(used, device=dev)[:, None]
+        t = torch.arange(T, device=dev)[None]
+        real = t < n  # (B, T)
+        index = (n.cumsum(0) - n) + torch.minimum(t, n - 1)  # (B, T): packed token of each position
+        lengths = [len(p) for p in prompts]
+        run = sum(used)
+        flat = torch.tensor([x for p in prompts for x in p], dtype=tokens.dtype, device=dev)
+        starts = torch.tensor([0] + lengths[:-1], device=dev).cumsum(0)
+        at = torch.arange(len(flat), device=dev) - starts.repeat_interleave(torch.tensor(lengths, device=dev))  # prompt positions
+        ids = torch.cat([tokens[real], flat])[None]
+        pos = torch.cat([positions[real], at])[None]
+        last = run + torch.tensor(lengths, device=dev).cumsum(0) - 1
+        heads = torch.cat([torch.arange(run, device=dev), last])
+        plan = paged.plan(cache, used + lengths, ends + [0] * len(prompts), self.heads, padded=False)
+        logits, features = self.direct.packed(ids, pos, plan, layers, heads)
+        logits = logits.float()
+        P = max(lengths)
+        mask = torch.arange(P, device=dev)[None] < torch.tensor(lengths, device=dev)[:, None]  # (J, P)
+        prompt_features = features.new_zeros(len(prompts), P, features.shape[-1])
+        prompt_features[mask] = features[run:]
+        return logits[:run][index], features[index], logits[run:], prompt_features
 
     def _direct_current(self) -> bool:
         """Whether the direct loop still applies (the model holds its modules, none hooked); else the modules compute

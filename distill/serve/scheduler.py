@@ -289,10 +289,10 @@ class Scheduler:
         batch = self.engine.running_batch(self.speculative, self._on_tokens)
         try:
             while (new := self._admit(len(batch))) is not None:
-                if new:
+                if new and not len(batch):
                     self._join(batch, new)
-                if len(batch):
-                    self._step(batch)
+                elif len(batch):
+                    self._step(batch, new)  # the newcomers are prefilled in the step and join it
             with self._cond:  # stopped or drained: what is left ends here
                 waiting, self._waiting = list(self._waiting), deque()
                 self._stopping = True
@@ -358,13 +358,13 @@ class Scheduler:
                 m.vllm.parent_finished(s.n, max(len(t.decoder.ids) for t in siblings))
         s.finish(reason)
 
-    def _add(self, batch, seqs: list[Sequence]) -> list:
+    def _add(self, batch, seqs: list[Sequence], step: bool = False) -> list:
+        """Prefill ``seqs`` into ``batch``; ``step``: inside a decoding step of its running rows (which they join)."""
         inputs = [s.engine_input() for s in seqs]
-        done = batch.add([ids for ids, _ in inputs], [params for _, params in inputs], seqs)
+        prompts, params = [ids for ids, _ in inputs], [p for _, p in inputs]
+        done = batch.step(prompts, params, seqs) if step else batch.add(prompts, params, seqs)
         for s, (ids, _) in zip(seqs, inputs):
             s.prefill_tokens += len(ids)
-        if self.metrics is not None:  # one engine step: the prompts' tokens and a first token each
-            self.metrics.vllm.iteration_tokens.observe(sum(len(ids) + 1 for ids, _ in inputs))
         return done
 
     def _join(self, batch, new: list[Sequence]) -> None:
@@ -391,29 +391,32 @@ class Scheduler:
                     self._fail([s], *_failure(one))
         self._report(batch, done)
 
-    def _step(self, batch) -> None:
+    def _step(self, batch, new: list[Sequence] = ()) -> None:
+        """One decoding step of the running rows, which ``new`` join (prefilled in it)."""
         if self.metrics is not None:
             self.metrics.batch_size.observe(len(batch))
         try:
-            done = batch.step()
+            done = self._add(batch, list(new), step=True)
         except Exception as exc:  # noqa: BLE001 - one failed step must not kill the server, nor fail every row
             rows = batch.clear()
-            if len(rows) == 1:
+            new = [s for s in new if s not in rows]  # those that had not joined yet
+            if len(rows) + len(new) == 1:
                 log.exception("decoding step failed")
-                self._fail(rows, *_failure(exc))
+                self._fail(rows + new, *_failure(exc))
             else:
-                log.warning("a decoding step of %d sequences failed (%s: %s): stepping each alone",
-                            len(rows), type(exc).__name__, exc)
-                self._isolate(batch, rows)
+                log.warning("a decoding step of %d sequences (%d joining) failed (%s: %s): stepping each alone",
+                            len(rows) + len(new), len(new), type(exc).__name__, exc)
+                self._isolate(batch, rows, new)
             self._report(batch, [])
             return
         self._report(batch, done)
 
-    def _isolate(self, batch, rows: list[Sequence]) -> None:
-        """After a failed step (``batch`` now empty): prefill and step each row alone; fail those that raise,
-        put the others back at the front of the waiting queue (their order kept)."""
+    def _isolate(self, batch, rows: list[Sequence], fresh: list[Sequence] = ()) -> None:
+        """After a failed step (``batch`` now empty): prefill and step each row alone (``rows``, then the ``fresh`` ones
+        that were joining it); fail those that raise, put the others back at the front of the waiting queue (their order
+        kept; only ``rows`` count as preempted)."""
         survivors: list[Sequence] = []
-        for s in rows:
+        for s in [*rows, *fresh]:
             if s.finished:
                 continue
             try:
@@ -427,10 +430,11 @@ class Scheduler:
                 continue
             self._report(batch, done)
             survivors += batch.clear()
-        for s in survivors:
+        preempted = [s for s in survivors if s not in fresh]
+        for s in preempted:
             s.preemptions += 1
         if self.metrics is not None:
-            self.metrics.vllm.preemptions.inc(len(survivors))
+            self.metrics.vllm.preemptions.inc(len(preempted))
         with self._cond:
             self._waiting.extendleft(reversed(survivors))
             self._gauge()
@@ -454,9 +458,11 @@ class Scheduler:
                 m.step_latency.observe(sec)
             for n in stats.tree_nodes_per_step:
                 m.tree_nodes.observe(n)
-            for n, accepted in zip(stats.tree_nodes_per_step, stats.accepted_per_step):
+            for n in stats.prefill_tokens:  # a prefill forward: the prompts' tokens and a first token each
+                m.vllm.iteration_tokens.observe(n)
+            for n, accepted, joined in zip(stats.tree_nodes_per_step, stats.accepted_per_step, stats.joined_per_step):
                 m.vllm.step(n, accepted)
-                m.vllm.iteration_tokens.observe(sum(a + 1 for a in accepted))
+                m.vllm.iteration_tokens.observe(sum(a + 1 for a in accepted) + joined)
             if stats.prefill_seconds:
                 m.prefill_latency.observe(stats.prefill_seconds)
             if getattr(self.engine, "policy", None) is not None:

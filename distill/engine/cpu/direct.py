@@ -16,8 +16,8 @@ product) and two :class:`.norms.KernelRMSNorm`, a final kernel norm and an LM he
 every layer, no hooks on any of these modules. :class:`distill.engine.target.Target` then checks once
 that it reproduces the modules' step and prefill exactly, and uses it for the steps whose attention runs
 on the kernel and for prefills, whose prompts it takes packed, one after another without padding (only the
-last tokens' logits computed); steps over branching trees, and prefills that want every position's logits
-(prompt logprobs), keep the modules. Before each forward it checks, in tens
+last tokens' logits computed), also after a step's rows in that step's forward (:meth:`DirectDecoder.packed`);
+steps over branching trees, and prefills that want every position's logits (prompt logprobs), keep the modules. Before each forward it checks, in tens
 of microseconds, that the model still holds those modules and that none has gained a hook
 (:meth:`DirectDecoder.current`); where not, the modules compute.
 """
@@ -166,16 +166,16 @@ class DirectDecoder:
             return logits[index], features[index]
         return logits.view(B, T, -1), features.view(B, T, -1)
 
-    def prefill(self, ids: torch.Tensor, positions: torch.Tensor, plan: PagedPlan, lengths: list[int],
-                feature_layers: tuple[int, ...] | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Prompts of ``lengths`` tokens packed one after another, ids/positions (1, N), written at slots 0 .. of their
-        cache rows, each attending causally over its own (``plan``: queries of ``lengths``, ends 0) -> (logits of each
-        prompt's last token (B, V), features (N, F)). The same operations on the same rows as a padded prefill through
-        the modules, less the padding's."""
+    def packed(self, ids: torch.Tensor, positions: torch.Tensor, plan: PagedPlan, feature_layers: tuple[int, ...] | None,
+               heads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows' tokens of uneven counts packed one after another, ids/positions (1, N), each row's written at ``plan``'s
+        slots and attending causally over its own keys -> (logits of the packed tokens ``heads`` (R, V) only, features
+        (N, F)). A prefill's prompts (queries of their lengths, ends 0; ``heads`` their last tokens) take the same
+        operations on the same rows as a padded prefill through the modules, less the padding's; a step's rows and
+        prompts may share one forward (:meth:`distill.engine.target.Target.mixed_step`)."""
         hidden, entering = self._layers(ids, positions, plan, feature_layers)
-        last = torch.tensor(lengths, device=ids.device).cumsum(0) - 1
         features = hidden if feature_layers is None else torch.cat([entering[i] for i in feature_layers], dim=-1)
-        return self._head(hidden[last]), features
+        return self._head(hidden[heads]), features
 
     def _layers(self, ids, positions, plan: PagedPlan, feature_layers) -> tuple[torch.Tensor, dict]:
         """The decoder over ids/positions (B, T) -> (the hidden state after the final norm (B·T, width), the hidden
