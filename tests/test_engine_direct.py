@@ -140,6 +140,16 @@ def test_direct_steps_give_the_modules_tokens_logprobs_and_features_exactly(own_
     assert len(prefills) == 1  # the drafter's features of the prompts come out of the packed prefill
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
     assert stats.accepted_per_step == want_stats.accepted_per_step
+    # branching trees (two children a node): the direct loop too, its queries attending under the tree's mask
+    (direct, modules), calls, prefills = engines(bundled_drafter(own_model, "fresh"), draft_topk=2, draft_depth=3,
+                                                 draft_nodes=4, speculate_max_batch=3)
+    params = SamplingParams(max_tokens=12, logprobs=2)
+    got, stats = direct.generate(uneven, params)
+    want, want_stats = modules.generate(uneven, params)
+    assert stats.tree_nodes == 4 and len(calls) == stats.steps  # every step, the trees' included
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert [r.logprobs for r in got] == [r.logprobs for r in want]
+    assert stats.accepted_per_step == want_stats.accepted_per_step
 
 
 @needs_vllm

@@ -9,7 +9,7 @@ kept. ``distill bench --sweep-tree`` times Medusa's trees with it, heads include
 
 :func:`measure_step_costs` times the engine's own steps (:meth:`~distill.engine.target.Target.step`,
 the path a step of that shape takes: on a CPU, a plain step or a chain on vLLM's attention kernel
-and the direct loop, a branching tree through the modules) of 1, 2, 3, 5, 9, ... new tokens, as
+and the direct loop, a branching tree on the direct loop under its mask) of 1, 2, 3, 5, 9, ... new tokens, as
 the proposer drafts them (one chain, or a root and its children), and returns the
 :class:`~distill.engine.policy.StepCosts` curve the policy prices trees with. The engine measures
 it when it starts on a CPU with a proposer, since a CPU's curve is far from the line
@@ -174,7 +174,7 @@ def cost_trees(max_nodes: int, max_batch: int, chains: bool = False) -> dict[int
 
 
 #: Bumped when what :func:`measure_step_costs` times changes: every kept curve is then timed again.
-COST_CACHE_VERSION = 2
+COST_CACHE_VERSION = 3
 
 
 def cost_key(model, max_nodes: int, max_batch: int, setup: dict | None = None, context: int = COST_CONTEXT,

@@ -12,7 +12,7 @@ kernel attention
     on a CPU with ``weight_layout="auto"`` and eager steps, where vLLM's attention kernel passes its
     check (:func:`distill.engine.cpu.paged.paged_problem`): the caches keep their keys in the
     kernel's order, and every forward it computes (a prefill, a plain step, a step whose rows all
-    verify a chain) attends on it; a branching tree's step attends in ``distill_sdpa``.
+    verify a chain) attends on it; a branching tree's step attends in ``distill_sdpa`` under its mask.
 direct steps
     where the attention runs on the kernel, the steps it computes and the prefills run the model's
     prepared modules' kernels layer by layer (:mod:`distill.engine.cpu.direct`), not through the modules'
@@ -109,9 +109,9 @@ class Target:
 
     def _direct(self):
         """The model's :class:`~distill.engine.cpu.direct.DirectDecoder` where it applies and reproduces the modules'
-        step exactly (logits, features, the cache's writes) on two uneven rows, a chain of two tokens and a single
-        token with features of two layers, and their prefill of two prompts of uneven lengths -> (decoder or None, why
-        not)."""
+        step exactly (logits, features, the cache's writes) on two uneven rows, a chain of two tokens, a single token
+        with features of two layers and a tree of a root and two siblings, and their prefill of two prompts of uneven
+        lengths -> (decoder or None, why not)."""
         from distill.engine.cpu import paged
         from distill.engine.cpu.direct import DirectDecoder
 
@@ -121,19 +121,29 @@ class Target:
         g = torch.Generator().manual_seed(0)
         ends, slots = [3, 6], 16
         filled = [torch.randn(self.new_cache(2, slots).keys.shape, generator=g) for _ in range(2)]
-        for T, layers in ((2, None), (1, (0, len(direct.layers) - 1))):
+        end = torch.tensor(ends, device=self.device)
+        siblings = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool, device=self.device)  # root, 2 children
+        for T, layers, tree in ((2, None, None), (1, (0, len(direct.layers) - 1), None), (3, None, siblings)):
             ids = torch.randint(0, self.vocab_size, (2, T), generator=g, device=self.device)
-            positions = torch.tensor(ends, device=self.device)[:, None] + torch.arange(T, device=self.device)
+            depth = torch.arange(T, device=self.device) if tree is None else tree.sum(1) - 1
+            positions = end[:, None] + depth
             bias = torch.zeros(2, 1, T, max(ends) + T, dtype=self.dtype, device=self.device)
+            chunks = None
+            if tree is not None:
+                bias = kv.attention_bias(kv.step_allowed(end, tree, max(ends) + T), self.dtype)
+                chunks = plan_row_chunks([T] * 2, [e + T for e in ends])
             got = []
             for run in ("modules", "direct"):
                 cache = self.new_cache(2, slots)
                 cache.keys.copy_(filled[0])
                 cache.values.copy_(filled[1])
-                cache.prepare(positions, bias.shape[-1])
-                plan = paged.plan(cache, [T] * 2, ends, self.heads, padded=False)
+                cache.prepare(end[:, None] + torch.arange(T, device=self.device), bias.shape[-1])  # slot end + t
+                masked = paged.Masked(cache.keys, cache.values, bias, chunks) if tree is not None else None
+                plan = paged.plan(cache, [T] * 2, ends, self.heads, padded=False, masked=masked)
                 with torch.inference_mode():
-                    if run == "modules":
+                    if run == "modules" and tree is not None:
+                        out = self.forward(ids, positions, bias, cache, layers=layers, step=True, chunks=chunks)
+                    elif run == "modules":
                         out = self.forward(ids, positions, bias, cache, layers=layers, step=True, paged=plan)
                     else:
                         logits, features = direct.forward(ids, positions, plan, layers)
@@ -142,7 +152,8 @@ class Target:
             same = [torch.equal(a, b) for a, b in zip(*got)]
             if not all(same):
                 what = [name for name, ok in zip(("logits", "features", "keys", "values"), same) if not ok]
-                return None, f"its step differs from the modules' ({', '.join(what)}, {T} token(s) a row)"
+                shape = "a tree of 3" if tree is not None else f"{T} token(s) a row"
+                return None, f"its step differs from the modules' ({', '.join(what)}, {shape})"
         lengths, P = [5, 3], 5
         ids = torch.randint(0, self.vocab_size, (2, P), generator=g).to(self.device)
         positions = torch.arange(P, device=self.device)[None].expand(2, P)
@@ -272,6 +283,18 @@ class Target:
         logits, features = self.direct.forward(tokens[real][None], positions[real][None], plan, layers, index)
         return logits.float(), features
 
+    def _direct_tree(self, tokens, positions, cache: kv.SlotCache, layers, ends: list[int], bias, chunks):
+        """:meth:`step` of a branching tree through the direct loop: the keys and values written as in any direct step,
+        the queries attending under the tree's ``bias`` with ``chunks`` as through the modules
+        (:class:`~distill.engine.cpu.paged.Masked`)."""
+        from distill.engine.cpu import paged
+
+        B, T = tokens.shape
+        plan = paged.plan(cache, [T] * B, ends, self.heads, padded=False,
+                          masked=paged.Masked(cache.keys, cache.values, bias, chunks))
+        logits, features = self.direct.forward(tokens, positions, plan, layers)
+        return logits.float(), features
+
     def mixes(self, T: int, chain: bool) -> bool:
         """Whether a step of T tokens a row (``chain``: chains) can prefill prompts in its own forward
         (:meth:`mixed_step`): it runs on the direct loop."""
@@ -347,6 +370,8 @@ class Target:
                 plan = paged.plan(cache, [T] * len(ends), ends, self.heads, padded=False)
                 return self.forward(tokens, positions, bias(), cache, layers=layers, step=True, paged=plan)
             chunks = plan_row_chunks([T] * len(ends), [e + T for e in ends])
+            if not self.paged_problem and self.direct is not None and self._direct_current():
+                return self._direct_tree(tokens, positions, cache, layers, ends, bias(), chunks)
             return self.forward(tokens, positions, bias(), cache, layers=layers, step=True, chunks=chunks)
 
         def forward(ids, positions, write, bias):

@@ -17,7 +17,8 @@ every layer, no hooks on any of these modules. :class:`distill.engine.target.Tar
 that it reproduces the modules' step and prefill exactly, and uses it for the steps whose attention runs
 on the kernel and for prefills, whose prompts it takes packed, one after another without padding (only the
 last tokens' logits computed), also after a step's rows in that step's forward (:meth:`DirectDecoder.packed`);
-steps over branching trees, and prefills that want every position's logits (prompt logprobs), keep the modules. Before each forward it checks, in tens
+steps over branching trees attend under the tree's mask instead of on the kernel; prefills that want every
+position's logits (prompt logprobs) keep the modules. Before each forward it checks, in tens
 of microseconds, that the model still holds those modules and that none has gained a hook
 (:meth:`DirectDecoder.current`); where not, the modules compute.
 """
@@ -207,7 +208,11 @@ class DirectDecoder:
         q, k, v = (outs[i] for i in layer.qkv_order)  # (B·T, heads·D) views of one product
         rotary.rotate_rows(where, q, k, D, table)  # as KernelAttention rotates them, in place
         write_packed(plan, attn.layer_idx, k.view(n, -1, D), v.view(n, -1, D))
-        out = attend_packed(plan, attn.layer_idx, q.reshape(n, -1, D), attn.scaling)
+        if plan.masked is not None:  # a branching tree: its queries attend under its mask (B = rows of the plan)
+            B = len(plan.seq_lens)
+            out = plan.masked.attend(attn.layer_idx, q.reshape(n, -1, D), B, n // B, attn.scaling)
+        else:
+            out = attend_packed(plan, attn.layer_idx, q.reshape(n, -1, D), attn.scaling)
         return layer.o_proj.product(out.view(n, -1), n)
 
     @staticmethod

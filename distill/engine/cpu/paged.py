@@ -17,8 +17,8 @@ writer against ours) and that its outputs are SDPA's, before any cache is made t
 
 What the kernel computes is causal attention per row: a prefill (queries = the prompt), a plain
 step (one query after the row's keys) and a chain of drafted tokens (query t sees the keys up to
-its own slot). A branching tree's queries must not see their siblings, so tree steps stay on
-:func:`distill.engine.attention.sdpa_gqa`.
+its own slot). A branching tree's queries must not see their siblings, so tree steps attend in
+:func:`distill.engine.attention.sdpa_gqa` under the tree's mask (:class:`Masked` in the direct loop).
 """
 
 from __future__ import annotations
@@ -37,6 +37,29 @@ _checked: dict[tuple, str] = {}
 
 
 @dataclass(frozen=True)
+class Masked:
+    """A forward whose queries attend under a mask instead of causally (a branching tree's step), read from the cache's
+    keys and values as :func:`distill.engine.attention.sdpa_gqa` reads them through the model's modules: ``keys`` /
+    ``values`` the cache's (layers, rows, kv_heads, slots, d) views, ``bias`` (B or 1, 1, T, window) the additive mask,
+    ``chunks`` the row chunks (:func:`distill.engine.attention.plan_row_chunks`)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    bias: torch.Tensor
+    chunks: list | None
+
+    def attend(self, layer: int, query: torch.Tensor, B: int, T: int, scaling: float) -> torch.Tensor:
+        """Packed queries (B·T, heads, d) of layer ``layer`` -> their attention (B·T, heads, d)."""
+        from distill.engine.attention import sdpa_gqa
+
+        W = self.bias.shape[-1]
+        q = query.view(B, T, *query.shape[1:]).transpose(1, 2)  # (B, heads, T, d), as the modules hand it over
+        out, _ = sdpa_gqa(None, q, self.keys[layer, :B, :, :W], self.values[layer, :B, :, :W], self.bias, scaling=scaling,
+                          row_chunks=self.chunks)
+        return out.view(B * T, *query.shape[1:])
+
+
+@dataclass(frozen=True)
 class PagedPlan:
     """One forward's attention on the kernel, shared by every layer.
 
@@ -46,7 +69,8 @@ class PagedPlan:
     (B, 1) int32: row b is block b; ``meta``: the kernel's work split for these lengths; ``pack``: the
     (rows, positions) of the real queries of a right-padded forward, None when every row's T queries are real;
     ``padding``: those of its padding queries; ``slots`` (tokens,) int64: where each real query's key and value go in the
-    paged view (row b is block b: b · the cache's slots + the slot), packed as the queries are.
+    paged view (row b is block b: b · the cache's slots + the slot), packed as the queries are; ``masked``: the queries
+    attend under this mask, not on the kernel (the direct loop's branching trees; the keys and values are written the same).
     """
 
     keys: torch.Tensor
@@ -58,12 +82,14 @@ class PagedPlan:
     pack: tuple[torch.Tensor, torch.Tensor] | None
     padding: tuple[torch.Tensor, torch.Tensor] | None = None
     slots: torch.Tensor | None = None
+    masked: Masked | None = None
 
 
-def plan(cache, queries: list[int], ends: list[int], heads: int, padded: bool) -> PagedPlan:
+def plan(cache, queries: list[int], ends: list[int], heads: int, padded: bool, masked: Masked | None = None) -> PagedPlan:
     """The plan of a forward whose row b has ``queries[b]`` queries written at slots ``ends[b] ..`` of ``cache``
     (a slot cache with keys in the kernel's order) -> :class:`PagedPlan`. ``padded``: the forward's queries are
-    right-padded to the longest row's (a prefill), else every row has ``queries[b]`` = T."""
+    right-padded to the longest row's (a prefill), else every row has ``queries[b]`` = T; ``masked``: they attend under
+    that mask instead (:attr:`PagedPlan.masked`)."""
     B = len(queries)
     lens = [e + q for e, q in zip(ends, queries)]
     starts = torch.zeros(B + 1, dtype=torch.int32)
@@ -79,7 +105,7 @@ def plan(cache, queries: list[int], ends: list[int], heads: int, padded: bool) -
     S = cache.slots
     slots = torch.tensor([b * S + e + t for b, (e, q) in enumerate(zip(ends, queries)) for t in range(q)], dtype=torch.int64)
     return PagedPlan(cache.kernel_keys, cache.values, starts, seq_lens, torch.arange(B, dtype=torch.int32)[:, None], meta,
-                     pack, padding, slots)
+                     pack, padding, slots, masked)
 
 
 def paged_attention(plan: PagedPlan, layer: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -165,4 +191,4 @@ def _problem(kv_shape, heads: int) -> str:
     return ""
 
 
-__all__ = ["ISA", "PagedPlan", "attend_packed", "paged_attention", "paged_problem", "plan", "write_packed"]
+__all__ = ["ISA", "Masked", "PagedPlan", "attend_packed", "paged_attention", "paged_problem", "plan", "write_packed"]

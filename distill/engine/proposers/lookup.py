@@ -43,7 +43,7 @@ greedy rows only for the history
     (:meth:`Lookup.forget`).
 chains
     where the target verifies a chain for less than a branching tree of as many nodes (on a
-    CPU, chains run on vLLM's attention kernel and the direct loop, trees through the modules),
+    CPU, chains attend on vLLM's kernel, trees under their mask over the cache read in place),
     each row drafts one path (:func:`~distill.engine.proposers.suffix.merge` with ``chain``):
     from the root, the most probable continuation of the sources' drafts. ``Lookup.chains``
     decides it: None (default) lets the engine choose (:meth:`Lookup.use_chains`), True or
