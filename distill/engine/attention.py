@@ -34,6 +34,8 @@ keys in dimension order
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -129,6 +131,27 @@ def sdpa_gqa(module, query, key, value, attention_mask, dropout: float = 0.0, sc
     return out, None
 
 
+@dataclass(frozen=True)
+class Masked:
+    """A forward whose queries attend under a mask instead of causally (a branching tree's step), read from the cache's
+    keys and values as :func:`sdpa_gqa` reads them through the model's modules (the direct loop's branching trees,
+    :attr:`distill.engine.cpu.paged.PagedPlan.masked`): ``keys`` / ``values`` the cache's (layers, rows, kv_heads, slots,
+    d) views, ``bias`` (B or 1, 1, T, window) the additive mask, ``chunks`` the row chunks (:func:`plan_row_chunks`)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    bias: torch.Tensor
+    chunks: list | None
+
+    def attend(self, layer: int, query: torch.Tensor, B: int, T: int, scaling: float) -> torch.Tensor:
+        """Packed queries (B·T, heads, d) of layer ``layer`` -> their attention (B·T, heads, d)."""
+        W = self.bias.shape[-1]
+        q = query.view(B, T, *query.shape[1:]).transpose(1, 2)  # (B, heads, T, d), as the modules hand it over
+        out, _ = sdpa_gqa(None, q, self.keys[layer, :B, :, :W], self.values[layer, :B, :, :W], self.bias, scaling=scaling,
+                          row_chunks=self.chunks)
+        return out.view(B * T, *query.shape[1:])
+
+
 AttentionInterface.register(NAME, sdpa_gqa)
 AttentionMaskInterface.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
 
@@ -141,4 +164,4 @@ def use_gqa_sdpa(model) -> bool:
     return model.config._attn_implementation == NAME
 
 
-__all__ = ["CHUNK_OVERHEAD", "NAME", "RowChunk", "attend_dims", "plan_row_chunks", "sdpa_gqa", "use_gqa_sdpa"]
+__all__ = ["CHUNK_OVERHEAD", "NAME", "Masked", "RowChunk", "attend_dims", "plan_row_chunks", "sdpa_gqa", "use_gqa_sdpa"]

@@ -46,7 +46,7 @@ import torch
 
 from distill.engine import cache as kv
 from distill.engine.attention import NAME as ATTENTION_NAME
-from distill.engine.attention import plan_row_chunks, use_gqa_sdpa
+from distill.engine.attention import Masked, plan_row_chunks, use_gqa_sdpa
 from distill.engine.config import EngineConfig
 from distill.engine.graphs import Graphs, cache_key
 from distill.engine.rows import rowwise_modules, valid_rows
@@ -138,7 +138,7 @@ class Target:
                 cache.keys.copy_(filled[0])
                 cache.values.copy_(filled[1])
                 cache.prepare(end[:, None] + torch.arange(T, device=self.device), bias.shape[-1])  # slot end + t
-                masked = paged.Masked(cache.keys, cache.values, bias, chunks) if tree is not None else None
+                masked = Masked(cache.keys, cache.values, bias, chunks) if tree is not None else None
                 plan = paged.plan(cache, [T] * 2, ends, self.heads, padded=False, masked=masked)
                 with torch.inference_mode():
                     if run == "modules" and tree is not None:
@@ -286,12 +286,12 @@ class Target:
     def _direct_tree(self, tokens, positions, cache: kv.SlotCache, layers, ends: list[int], bias, chunks):
         """:meth:`step` of a branching tree through the direct loop: the keys and values written as in any direct step,
         the queries attending under the tree's ``bias`` with ``chunks`` as through the modules
-        (:class:`~distill.engine.cpu.paged.Masked`)."""
+        (:class:`~distill.engine.attention.Masked`)."""
         from distill.engine.cpu import paged
 
         B, T = tokens.shape
         plan = paged.plan(cache, [T] * B, ends, self.heads, padded=False,
-                          masked=paged.Masked(cache.keys, cache.values, bias, chunks))
+                          masked=Masked(cache.keys, cache.values, bias, chunks))
         logits, features = self.direct.forward(tokens, positions, plan, layers)
         return logits.float(), features
 

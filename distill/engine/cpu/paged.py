@@ -18,7 +18,7 @@ writer against ours) and that its outputs are SDPA's, before any cache is made t
 What the kernel computes is causal attention per row: a prefill (queries = the prompt), a plain
 step (one query after the row's keys) and a chain of drafted tokens (query t sees the keys up to
 its own slot). A branching tree's queries must not see their siblings, so tree steps attend in
-:func:`distill.engine.attention.sdpa_gqa` under the tree's mask (:class:`Masked` in the direct loop).
+:func:`distill.engine.attention.sdpa_gqa` under the tree's mask (:class:`distill.engine.attention.Masked` in the direct loop).
 """
 
 from __future__ import annotations
@@ -34,29 +34,6 @@ ISA = "vec"
 OPS = ("cpu_attention_with_kv_cache", "get_scheduler_metadata", "cpu_attn_reshape_and_cache")
 
 _checked: dict[tuple, str] = {}
-
-
-@dataclass(frozen=True)
-class Masked:
-    """A forward whose queries attend under a mask instead of causally (a branching tree's step), read from the cache's
-    keys and values as :func:`distill.engine.attention.sdpa_gqa` reads them through the model's modules: ``keys`` /
-    ``values`` the cache's (layers, rows, kv_heads, slots, d) views, ``bias`` (B or 1, 1, T, window) the additive mask,
-    ``chunks`` the row chunks (:func:`distill.engine.attention.plan_row_chunks`)."""
-
-    keys: torch.Tensor
-    values: torch.Tensor
-    bias: torch.Tensor
-    chunks: list | None
-
-    def attend(self, layer: int, query: torch.Tensor, B: int, T: int, scaling: float) -> torch.Tensor:
-        """Packed queries (B·T, heads, d) of layer ``layer`` -> their attention (B·T, heads, d)."""
-        from distill.engine.attention import sdpa_gqa
-
-        W = self.bias.shape[-1]
-        q = query.view(B, T, *query.shape[1:]).transpose(1, 2)  # (B, heads, T, d), as the modules hand it over
-        out, _ = sdpa_gqa(None, q, self.keys[layer, :B, :, :W], self.values[layer, :B, :, :W], self.bias, scaling=scaling,
-                          row_chunks=self.chunks)
-        return out.view(B * T, *query.shape[1:])
 
 
 @dataclass(frozen=True)
@@ -82,14 +59,14 @@ class PagedPlan:
     pack: tuple[torch.Tensor, torch.Tensor] | None
     padding: tuple[torch.Tensor, torch.Tensor] | None = None
     slots: torch.Tensor | None = None
-    masked: Masked | None = None
+    masked: object | None = None  # a distill.engine.attention.Masked
 
 
-def plan(cache, queries: list[int], ends: list[int], heads: int, padded: bool, masked: Masked | None = None) -> PagedPlan:
+def plan(cache, queries: list[int], ends: list[int], heads: int, padded: bool, masked=None) -> PagedPlan:
     """The plan of a forward whose row b has ``queries[b]`` queries written at slots ``ends[b] ..`` of ``cache``
     (a slot cache with keys in the kernel's order) -> :class:`PagedPlan`. ``padded``: the forward's queries are
     right-padded to the longest row's (a prefill), else every row has ``queries[b]`` = T; ``masked``: they attend under
-    that mask instead (:attr:`PagedPlan.masked`)."""
+    that mask instead (:attr:`PagedPlan.masked`, a :class:`distill.engine.attention.Masked`)."""
     B = len(queries)
     lens = [e + q for e, q in zip(ends, queries)]
     starts = torch.zeros(B + 1, dtype=torch.int32)
@@ -191,4 +168,4 @@ def _problem(kv_shape, heads: int) -> str:
     return ""
 
 
-__all__ = ["ISA", "Masked", "PagedPlan", "attend_packed", "paged_attention", "paged_problem", "plan", "write_packed"]
+__all__ = ["ISA", "PagedPlan", "attend_packed", "paged_attention", "paged_problem", "plan", "write_packed"]
