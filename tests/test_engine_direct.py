@@ -140,6 +140,11 @@ def test_direct_steps_give_the_modules_tokens_logprobs_and_features_exactly(own_
     assert len(prefills) == 1  # the drafter's features of the prompts come out of the packed prefill
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
     assert stats.accepted_per_step == want_stats.accepted_per_step
+    # rows joining the drafter's chain steps: its state starts from the prompts' features of that step's forward
+    (got, stats), (want, want_stats) = joined(direct), joined(modules)
+    assert sum(map(bool, stats.joined_per_step)) == 1 and not any(want_stats.joined_per_step)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert stats.accepted_per_step == want_stats.accepted_per_step and stats.tree_nodes == 3
     # branching trees (two children a node): the direct loop too, its queries attending under the tree's mask
     (direct, modules), calls, prefills = engines(bundled_drafter(own_model, "fresh"), draft_topk=2, draft_depth=3,
                                                  draft_nodes=4, speculate_max_batch=3)
