@@ -53,6 +53,21 @@ from distill.engine.rows import rowwise_modules, valid_rows
 from distill.errors import ConfigError
 
 
+def _packing(used: list[int], T: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows whose first ``used[b]`` of T positions are real, packed one after another -> (real (B, T): those positions,
+    index (B, T): the packed token each position reads; the positions after a row's real ones read its last)."""
+    n = torch.tensor(used, device=device)[:, None]
+    t = torch.arange(T, device=device)[None]
+    return t < n, (n.cumsum(0) - n) + torch.minimum(t, n - 1)
+
+
+def _unpacked(packed: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """Packed rows (N, F) -> (B, T, F) at the ``real`` (B, T) positions, zeros elsewhere."""
+    out = packed.new_zeros(*real.shape, packed.shape[-1])
+    out[real] = packed
+    return out
+
+
 class Target:
     """The target model as the engine runs it (module docstring). ``kept``: where the CPU kernels' start-up probe
     keeps its times (None: timed at every start)."""
@@ -256,13 +271,11 @@ class Target:
         from distill.engine.cpu import paged
 
         B, P = ids.shape
-        real = torch.arange(P, device=self.device)[None] < torch.tensor(lengths, device=self.device)[:, None]  # (B, P)
+        real, _ = _packing(lengths, P, self.device)  # (B, P)
         plan = paged.plan(cache, lengths, [0] * B, self.heads, padded=False)
         last = torch.tensor(lengths, device=self.device).cumsum(0) - 1
         logits, packed = direct.packed(ids[real][None], positions[real][None], plan, layers, last)
-        features = packed.new_zeros(B, P, packed.shape[-1])
-        features[real] = packed
-        return logits.float(), features
+        return logits.float(), _unpacked(packed, real)
 
     def _direct_step(self, tokens, positions, cache: kv.SlotCache, layers, ends: list[int], used: list[int] | None):
         """:meth:`step` through the direct loop; chains of uneven lengths (``used`` below T) go packed, each row's
@@ -274,11 +287,7 @@ class Target:
             plan = paged.plan(cache, [T] * B, ends, self.heads, padded=False)
             logits, features = self.direct.forward(tokens, positions, plan, layers)
             return logits.float(), features
-        dev = tokens.device
-        n = torch.tensor(used, device=dev)[:, None]
-        t = torch.arange(T, device=dev)[None]
-        real = t < n  # (B, T)
-        index = (n.cumsum(0) - n) + torch.minimum(t, n - 1)  # (B, T): packed token of each position
+        real, index = _packing(used, T, tokens.device)
         plan = paged.plan(cache, used, ends, self.heads, padded=False)
         logits, features = self.direct.forward(tokens[real][None], positions[real][None], plan, layers, index)
         return logits.float(), features
@@ -313,15 +322,13 @@ class Target:
         B, T = tokens.shape
         dev = tokens.device
         used = used if used is not None else [T] * B
-        n = torch.tensor(used, device=dev)[:, None]
-        t = torch.arange(T, device=dev)[None]
-        real = t < n  # (B, T)
-        index = (n.cumsum(0) - n) + torch.minimum(t, n - 1)  # (B, T): packed token of each position
+        real, index = _packing(used, T, dev)  # the running rows' tokens
         lengths = [len(p) for p in prompts]
         run = sum(used)
         flat = torch.tensor([x for p in prompts for x in p], dtype=tokens.dtype, device=dev)
-        starts = torch.tensor([0] + lengths[:-1], device=dev).cumsum(0)
-        at = torch.arange(len(flat), device=dev) - starts.repeat_interleave(torch.tensor(lengths, device=dev))  # prompt positions
+        P = max(lengths)
+        in_prompt, _ = _packing(lengths, P, dev)  # (J, P)
+        at = torch.arange(P, device=dev).expand(len(prompts), P)[in_prompt]  # each prompt token's position
         ids = torch.cat([tokens[real], flat])[None]
         pos = torch.cat([positions[real], at])[None]
         last = run + torch.tensor(lengths, device=dev).cumsum(0) - 1
@@ -329,11 +336,7 @@ class Target:
         plan = paged.plan(cache, used + lengths, ends + [0] * len(prompts), self.heads, padded=False)
         logits, features = self.direct.packed(ids, pos, plan, layers, heads)
         logits = logits.float()
-        P = max(lengths)
-        mask = torch.arange(P, device=dev)[None] < torch.tensor(lengths, device=dev)[:, None]  # (J, P)
-        prompt_features = features.new_zeros(len(prompts), P, features.shape[-1])
-        prompt_features[mask] = features[run:]
-        return logits[:run][index], features[index], logits[run:], prompt_features
+        return logits[:run][index], features[index], logits[run:], _unpacked(features[run:], in_prompt)
 
     def _direct_current(self) -> bool:
         """Whether the direct loop still applies (the model holds its modules, none hooked); else the modules compute
