@@ -27,6 +27,11 @@ calls it, with its defaults) replayed on the same replies. ``--vllm ngram,suffix
 same prompts, batch 1, greedy, its tokens per step from its spec-decode counters. Both need the ``arctic-inference``
 package importable for ``suffix`` (it is not a dependency of distill).
 
+``--odds``: the chains' odds (:class:`distill.engine.proposers.lookup.ChainOdds`) measured on the replies: chains of
+16 nodes from the context and the history, replayed over the first of ``--lengths`` tokens, and for every drafted node
+whose parent was accepted, whether it was, by the chain's match bucket and the node's depth (the source of
+``DEFAULT_CHAIN_ODDS``).
+
 ``memory``: bytes a million stored tokens take in a store's index (built from the replies), and in a row's context.
 """
 
@@ -44,7 +49,8 @@ from pathlib import Path
 import numpy as np
 
 from distill.engine.proposers.datastore import Datastore
-from distill.engine.proposers.lookup import DEFAULT_HISTORY_TOKENS, DEFAULT_NODES, Lookup, LookupState, _Context
+from distill.engine.proposers.lookup import (DEFAULT_HISTORY_TOKENS, DEFAULT_NODES, MATCH_BUCKETS, ODDS_DEPTHS, ChainOdds,
+                                             Lookup, LookupState, _Context)
 from distill.store.atomic import atomic_write_bytes
 
 HELDOUT = Path(__file__).with_name("heldout-chat-prompts.json")
@@ -118,6 +124,34 @@ def replay(lookup: Lookup, prompts: list[list[int]], replies: list[list[int]], o
             tokens += len(new)
         LookupState([ctx], lookup.history).keep([], 0)  # the row leaves: its reply joins the history (if any)
     return tokens / steps
+
+
+def replay_odds(prompts: list[list[int]], replies: list[list[int]], length: int, history: int,
+                nodes: int = 16) -> dict:
+    """P(node accepted | its parent accepted) per match bucket and depth, and how many nodes each figure rests on."""
+    lk = Lookup(max_nodes=nodes, history_tokens=history, chains=True)
+    seen = [[0] * ODDS_DEPTHS for _ in MATCH_BUCKETS]
+    hits = [[0] * ODDS_DEPTHS for _ in MATCH_BUCKETS]
+    for prompt, reply in zip(prompts, replies):
+        reply = reply[:length]
+        ctx = _Context(prompt + reply[:1], lk.max_match, first=len(prompt))
+        i = 1
+        while i < len(reply):
+            tree, match = lk.chain(ctx, nodes)
+            truth = reply[i : i + len(tree)]
+            a = 0
+            while a < len(truth) and truth[a] == tree[a][1]:
+                a += 1
+            b = ChainOdds.bucket(match)
+            for depth in range(min(a + 1, len(truth))):
+                seen[b][min(depth, ODDS_DEPTHS - 1)] += 1
+                hits[b][min(depth, ODDS_DEPTHS - 1)] += depth < a
+            new = reply[i : i + a + 1]
+            ctx.extend(new)
+            i += len(new)
+        LookupState([ctx], lk.history).keep([], 0)
+    return {f"match >= {m}": {"odds": [round(h / s, 2) if s else None for h, s in zip(hr, sr)], "nodes": sr}
+            for m, hr, sr in zip(MATCH_BUCKETS, hits, seen)}
 
 
 def replay_arctic(prompts: list[list[int]], replies: list[list[int]], length: int, depth: int = 24,
@@ -261,6 +295,7 @@ def main() -> None:
                     help="vLLM's num_speculative_tokens (0: suffix's default, its tree depth; --engine-nodes for others)")
     ap.add_argument("--shape", choices=("tree", "chain"), default="tree",
                     help="what the proposer drafts: trees, or one path a step (the engine's choice where chains are cheaper)")
+    ap.add_argument("--odds", action="store_true", help="also measure the chains' odds by match length and depth")
     ap.add_argument("--out", default="benchmarks/results/lookup-replay-heldout.json")
     args = ap.parse_args()
 
@@ -307,6 +342,10 @@ def main() -> None:
               "seconds": round(time.perf_counter() - t0, 1), "tokens_per_step": table,
               "lookup_us_per_step": round(1e6 * statistics.median(seconds), 1), "memory": memory(replies, prompts)}
     print("lookup µs per step (replay, median):", result["lookup_us_per_step"], "| memory:", result["memory"], flush=True)
+    if args.odds:
+        result["chain_odds"] = replay_odds(prompts, replies, lengths[0], args.history_tokens)
+        for name, row in result["chain_odds"].items():
+            print(f"chain odds, {name}: {row['odds']} (nodes {row['nodes']})", flush=True)
     if args.arctic:
         result["arctic_suffix_decoding"] = {f"{length} tokens": round(replay_arctic(prompts, replies, length), 4)
                                             for length in lengths}

@@ -104,13 +104,23 @@ def test_compaction_moves_accepted_tree_slots_behind_the_root():
     assert torch.equal(cache.values[:, :, :, :5], -(cache.keys[:, :, :, :5] - torch.arange(2).view(2, 1, 1, 1, 1)))  # values moved too
 
 
+def test_a_finished_row_s_place_goes_to_the_last_running_row_and_the_rows_before_stay():
+    cache = kv.SlotCache(shape(), rows=4, slots=4)
+    write(cache, torch.tensor([[1, 2], [3, 4], [5, 6], [7, 8]]), torch.arange(2)[None].expand(4, 2), window=2)
+    cache.keep_rows([3, 1, 2], used=2)  # row 0 finished: the last row takes its place
+    assert cache.rows == 3 and [r[:2] for r in keys(cache)] == [[7, 8], [3, 4], [5, 6]]
+    assert [r[:2] for r in keys(cache, layer=1)] == [[8, 9], [4, 5], [6, 7]]
+
+
 def test_rows_leave_to_the_front_and_rows_join_with_growth():
     cache = kv.SlotCache(shape(), rows=3, slots=4)
     write(cache, torch.tensor([[1, 2], [3, 4], [5, 6]]), torch.arange(2)[None].expand(3, 2), window=2)
     cache.keep_rows([0, 2], used=2)
     assert cache.rows == 2 and keys(cache)[1][:2] == [5, 6] and keys(cache)[0][:2] == [1, 2]
-    with pytest.raises(ValueError, match="ascend"):
-        cache.keep_rows([1, 0], used=2)
+    with pytest.raises(ValueError, match="distinct"):
+        cache.keep_rows([1, 1], used=2)
+    with pytest.raises(ValueError, match="distinct"):
+        cache.keep_rows([0, 2], used=2)  # two rows now
 
     other = kv.SlotCache(shape(), rows=2, slots=6)
     write(other, torch.tensor([[7, 8, 9], [10, 11, 12]]), torch.arange(3)[None].expand(2, 3), window=3)

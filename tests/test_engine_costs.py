@@ -16,7 +16,7 @@ from distill.engine import Engine, EngineConfig
 import distill.engine.costs as costs_module
 from distill.engine.costs import cost_key, measure_step_costs, step_costs
 from distill.engine.proposers.lookup import DEFAULT_TAUS, Lookup
-from distill.engine.policy import AdaptivePolicy, StepCosts, choose_tree_size, step_cost
+from distill.engine.policy import AdaptivePolicy, StepCosts, TokenBudget, choose_tree_size, step_cost
 
 
 def test_the_curve_is_made_non_decreasing_and_is_linear_between_its_points_and_beyond_them():
@@ -46,16 +46,69 @@ def test_a_flat_curve_lets_the_policy_draft_the_tree_that_the_line_priced_out():
     assert policy.best(1) == 8 and policy.model_cost(1, 4) == pytest.approx(1.02)
 
 
+def test_the_node_budget_keeps_the_batch_s_most_valuable_nodes_while_they_pay_for_the_step():
+    # free up to 6 tokens, then each token costs a tenth of a one-token step
+    budget = TokenBudget(StepCosts({1: 1.0, 6: 1.0, 16: 2.0}), adaptive=False)
+    # two rows: the free tokens (4 nodes) take the four best nodes, whatever row they are in; beyond them a node must be
+    # worth a tenth of the step's expected tokens, which row 1's 0.2 is not, and row 0's 0.6 is
+    assert budget.lengths(2, [[0.9, 0.85, 0.8, 0.1], [0.3, 0.2]]) == [3, 1]
+    assert budget.lengths(2, [[0.9, 0.85, 0.8, 0.7, 0.6, 0.5], [0.3, 0.2]]) == [5, 0]
+    # a row's deeper node never goes without its parent, even where it is worth as much
+    assert budget.lengths(2, [[0.5, 0.5, 0.5], []]) == [3, 0]
+    # sixteen rows on the line 1 + 0.5 (m - 1): a node must beat half a row's token, and none here does: plain
+    line = TokenBudget(0.5, adaptive=False)
+    assert line.lengths(16, [[0.4, 0.3]] * 16) == [0] * 16
+    assert line.lengths(16, [[0.99, 0.98]] + [[0.1]] * 15)[0] == 2
+    assert line.lengths(3, []) == [] and line.speculates(3)
+    # sixteen rows kept nothing 8 steps in a row: only every 8th step drafts until one keeps a node again
+    for _ in range(8):
+        assert line.speculates(16) and line.lengths(16, [[0.4]] * 16) == [0] * 16
+    clock = []
+    for _ in range(16):
+        clock.append(line.speculates(16))
+        if clock[-1]:
+            assert line.lengths(16, [[0.4]] * 16) == [0] * 16
+    assert clock.count(True) == 2 and clock[7] and clock[15]
+    assert line.lengths(16, [[0.99, 0.98]] + [[0.1]] * 15)[0] == 2 and line.speculates(16) and line.speculates(16)
+
+
+def test_the_node_budget_prices_by_measured_steps_once_there_are_some_and_probes_plain_decoding():
+    budget = TokenBudget(StepCosts({1: 1.0, 6: 1.0, 16: 2.0}), adaptive=True, plain_probe_every=4)
+    assert not budget.speculates(2)  # plain decoding's cost at 2 rows first
+    budget.observe(2, 2, 0.010)
+    assert budget.cost(2, 2) == 0.010 and budget.cost(2, 4) == pytest.approx(0.010)  # scaled by the curve: flat
+    assert budget.cost(2, 11) == pytest.approx(0.015)  # c(11) / c(2) = 1.5
+    budget.observe(2, 4, 0.014)  # measured: each token past 2 costs a fifth of a plain step here
+    assert budget.cost(2, 4) == 0.014 and budget.cost(2, 3) == pytest.approx(0.012)  # the line between the two
+    assert budget.cost(2, 8) == pytest.approx(0.022)  # above them the measured slope goes on (the curve: flat)
+    assert budget.cost(2, 16) == pytest.approx(0.038) and budget.cost(2, 1) == 0.010
+    # 2.9 tokens for 1.2x and 3.75 for 1.4x beat plain decoding by more than 3%; 4.05 for 1.6x loses to 3.75 for 1.4x
+    assert budget.lengths(2, [[0.9, 0.85], [0.3]]) == [2, 0]
+    assert budget.lengths(2, [[0.99, 0.98, 0.97], [0.99, 0.98, 0.97]]) == [3, 3]  # nearly sure nodes still pay
+    clock = [budget.speculates(2) for _ in range(8)]
+    assert clock.count(False) == 2 and not clock[2] and not clock[6]  # every 4th step at 2 rows is plain
+    budget.observe(2, 4, 0.030)  # the median of the pair's last steps
+    budget.observe(2, 4, 0.020)
+    assert budget.cost(2, 4) == 0.020
+    assert budget.cost(3, 9) == pytest.approx(budget.model_cost(9))  # nothing measured at 3 rows: the curve
+
+
 def test_the_engine_measures_the_curve_on_a_cpu_unless_given_a_line(hf_model, tokenizer):
     target = Engine(hf_model, tokenizer, None, EngineConfig(max_batch=1, dtype="float32", device="cpu")).target
     costs = measure_step_costs(target, max_nodes=8, max_batch=4, repeats=1)
     # rows n + 1 for the candidate sizes 8 / 4 / 2 / 1, and 2^k + 1 up to a batch of 4 nine-row trees
     assert sorted(costs.points) == [1, 2, 3, 5, 9, 17, 33]
     assert costs(33) > 1.2  # 33 rows cost more than one on any CPU; a measurement that could not tell would fail here
-    engine = Engine(hf_model, tokenizer, Lookup(max_nodes=8), EngineConfig(max_batch=1, dtype="float32", device="cpu"))
+    # trees: the policy picks a size by the curve; chains: each step's nodes are priced by it, up to the budget
+    engine = Engine(hf_model, tokenizer, Lookup(max_nodes=8, chains=False),
+                    EngineConfig(max_batch=1, dtype="float32", device="cpu"))
     assert engine.step_costs is not None and sorted(engine.step_costs.points) == [1, 2, 3, 5, 9]
     assert engine.tree_size_for(1) == choose_tree_size(1, engine.pricing.taus, engine.step_costs)
-    line = Engine(hf_model, tokenizer, Lookup(max_nodes=8), EngineConfig(max_batch=1, device="cpu", step_cost_ratio=0.08))
+    chains = Engine(hf_model, tokenizer, Lookup(max_nodes=8, chains=True),
+                    EngineConfig(max_batch=1, dtype="float32", device="cpu"))
+    assert chains.pricing.budget.cost_ratio is chains.step_costs and chains.tree_size_for(1) == 8
+    line = Engine(hf_model, tokenizer, Lookup(max_nodes=8, chains=False),
+                  EngineConfig(max_batch=1, device="cpu", step_cost_ratio=0.08))
     assert line.step_costs is None and line.tree_size_for(1) == 2  # the given line, as before
     off = Engine(hf_model, tokenizer, Lookup(max_nodes=8), EngineConfig(max_batch=1, device="cpu", measured_costs=False))
     assert off.step_costs is None

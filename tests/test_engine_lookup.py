@@ -16,7 +16,7 @@ import torch
 from conftest import MT_QUESTIONS, MT_TOKENS, run_distill
 from distill.engine import Engine, EngineConfig, SamplingParams
 from distill.engine.acceptance import greedy_accept, rejection_accept
-from distill.engine.proposers.lookup import Lookup, LookupState, _Context
+from distill.engine.proposers.lookup import DEFAULT_CHAIN_ODDS, ChainOdds, Lookup, LookupState, _Context
 from distill.engine.proposers.suffix import Draft, best_draft, merge
 from distill.errors import ConfigError
 from helpers import ALPHA, CONT, SAMPLES, chi2_pvalue, exact_distribution, tiny_medusa
@@ -130,6 +130,30 @@ def test_uneven_chains_end_in_filler_that_acceptance_never_reaches():
     assert free.drafts_chains and free.taus()[4] == lk.taus()[4]
 
 
+def test_chain_odds_start_from_the_measured_table_and_follow_what_the_rows_accept():
+    assert [ChainOdds.bucket(m) for m in (0, 1, 2, 4, 5, 7, 8, 15, 16, 40)] == [0, 0, 1, 3, 4, 4, 5, 5, 6, 6]
+    odds = ChainOdds(weight=4.0)
+    assert odds.odds(1, 0) == pytest.approx(DEFAULT_CHAIN_ODDS[0][0])
+    assert odds.odds(40, 9) == pytest.approx(DEFAULT_CHAIN_ODDS[6][4])  # depth 4 stands for every deeper one
+    a, b, c = DEFAULT_CHAIN_ODDS[1][:3]
+    assert odds.values(2, 3) == pytest.approx([a, a * b, a * b * c])  # a node's ancestors must be accepted too
+    for _ in range(200):
+        odds.observe(1, 3, 3)  # one-token matches whose 3-node chains are accepted whole
+        odds.observe(2, 4, 0)  # two-token matches rejected at their first node: deeper nodes are never judged
+    assert min(odds.odds(1, d) for d in range(3)) > 0.95 and odds.odds(1, 3) == pytest.approx(DEFAULT_CHAIN_ODDS[0][3])
+    assert odds.odds(2, 0) < 0.05 and odds.odds(2, 1) == pytest.approx(DEFAULT_CHAIN_ODDS[1][1])
+    with pytest.raises(ValueError, match="chain odds need"):
+        ChainOdds(prior=((0.5,),))
+
+
+def test_a_chain_reports_the_match_length_of_the_source_its_first_node_came_from():
+    lk = Lookup(max_nodes=4, depth=3, history_tokens=0, chains=True)
+    ctx = _Context([1, 2, 3, 4, 9, 2, 3, 4, 1, 2, 3])  # "2 3" matched at 2 tokens (then 4), "1 2 3" at 3 (then 4 9)
+    tree, match = lk.chain(ctx, 4)
+    assert [tok for _, tok in tree][:2] == [4, 9] and match == 3
+    assert lk.chain(_Context([5, 6, 7]), 4) == ([], 0)
+
+
 # -- decoding ----------------------------------------------------------------------------------------
 @pytest.mark.usefixtures("one_torch_thread")
 @pytest.mark.parametrize("chains", [False, True])
@@ -178,6 +202,25 @@ def test_greedy_lookup_equals_plain_greedy_on_mt_bench(hf_model, tokenizer, mt_p
     assert one[0].token_ids == mt_plain[1]
 
 
+def test_greedy_lookup_under_the_node_budget_equals_plain_on_mt_bench(hf_model, tokenizer, mt_prompts, mt_plain):
+    """The default where chains are cheaper (as `distill serve` runs it, adaptive): each step prices every row's nodes
+    together, so rows draft chains of their own lengths, none where nothing pays, and the chains' odds learn."""
+    engine = Engine(hf_model, tokenizer, Lookup(max_nodes=8), EngineConfig(adaptive=True, max_batch=MT_QUESTIONS))
+    lookup, budget = engine.decoding.proposer, engine.pricing.budget
+    assert (budget is not None) == lookup.drafts_chains and (engine.policy is None) == lookup.drafts_chains
+    if budget is None:
+        pytest.skip("this target verifies trees: no node budget")
+    chosen, lengths = [], budget.lengths
+    engine.proposer.use_budget(lambda B, values: chosen.append((values, lengths(B, values))) or chosen[-1][1])
+    prior = [row[:] for row in lookup.odds.seen]
+    results, stats = engine.generate(mt_prompts, SamplingParams(max_tokens=MT_TOKENS))
+    assert [r.token_ids for r in results] == mt_plain
+    assert stats.tree_nodes > 0 and stats.steps < MT_TOKENS  # drafts were verified and accepted
+    assert any(len(set(out)) > 1 for _, out in chosen if len(out) > 1)  # rows of one step drafted unlike lengths
+    assert all(L <= len(v) for values, out in chosen for v, L in zip(values, out))
+    assert lookup.odds.seen != prior  # the rows' acceptance moved the odds
+
+
 def test_rows_joining_a_running_lookup_batch_in_its_chain_steps_decode_as_plain(hf_model, tokenizer, mt_prompts, mt_plain):
     """Continuous batching with the lookup: newcomers are prefilled inside the running rows' chain steps (their prompts
     packed after the chains, where the direct loop runs), and every greedy answer equals plain decoding."""
@@ -223,8 +266,9 @@ def test_the_adaptive_policy_observes_lookup_trees_smaller_than_the_size_it_chos
     from distill.engine.policy import candidate_sizes
 
     # the policy's choice pinned at the full 8 nodes (measured step times would pick by this machine's costs), which the
-    # context rarely fills exactly; its plain probe still runs
-    engine = Engine(hf_model, tokenizer, Lookup(max_nodes=8), EngineConfig(adaptive=True, max_batch=1))
+    # context rarely fills exactly; its plain probe still runs. Trees: chains are priced node by node instead
+    engine = Engine(hf_model, tokenizer, Lookup(max_nodes=8, chains=False), EngineConfig(adaptive=True, max_batch=1))
+    assert engine.pricing.budget is None
     monkeypatch.setattr(engine.policy, "best", lambda batch, measured=True: 8)
     sizes = set(candidate_sizes(8))
     odd = []

@@ -246,10 +246,16 @@ class Batch:
         return cls(d, list(seqs), cache, lengths, root, draft)
 
     def compact(self) -> list[Sequence]:
-        """Drop the finished rows (the cache keeps the others, moved to the front); -> the finished sequences."""
-        keep = [i for i, s in enumerate(self.seqs) if s.finish is None]
+        """Drop the finished rows: the last running rows take their places (the rows before them stay where they
+        are, so only as many rows' caches move as rows finished); -> the finished sequences."""
         done = [s for s in self.seqs if s.finish is not None]
         if done:
+            n = len(self.seqs) - len(done)
+            keep = list(range(n))
+            tail = (i for i in range(n, len(self.seqs)) if self.seqs[i].finish is None)
+            for j in range(n):
+                if self.seqs[j].finish is not None:
+                    keep[j] = next(tail)
             used = max((self.ends[i] for i in keep), default=0)
             self.cache.keep_rows(keep, used)
             if self.draft is not None:
@@ -353,7 +359,7 @@ class Batch:
         stats.joined_per_step.append(joined)
         stats.kv_bytes = max(stats.kv_bytes, self.cache.nbytes)
         if speculative and not mixed:  # the policy prices steps, not prefills
-            d.pricing.observe(B, nodes, seconds, lengths_acc)
+            d.pricing.observe(B, nodes, seconds, lengths_acc, sum(used) if used is not None else B * T)
         if newcomers is not None:
             self.join(newcomers)
 

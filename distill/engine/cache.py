@@ -321,14 +321,17 @@ class SlotCache(Cache):
             rows.scatter_(3, dst[None, :, None, :, None].expand(L, B, H, M, d), moved)
 
     def keep_rows(self, rows: list[int], used: int) -> None:
-        """Keep batch rows ``rows`` (ascending), moved to the front in order; only the first ``used`` slots are copied."""
-        if any(b <= a for a, b in zip(rows, rows[1:])) or (rows and not (0 <= rows[0] and rows[-1] < self.rows)):
-            raise ValueError(f"rows {rows} must ascend within 0..{self.rows - 1}")
-        first = next((i for i, r in enumerate(rows) if r != i), len(rows))  # rows before it stay where they are
-        if first < len(rows):
-            src = torch.tensor(rows[first:], device=self.keys.device)
+        """Keep batch rows ``rows`` (distinct), row ``rows[j]`` becoming row ``j``; only the rows that change place are
+        copied, their first ``used`` slots. (:meth:`Batch.compact` fills the places of finished rows with the last
+        rows, so one row leaving a batch copies one row's cache, not every row after it.)"""
+        if len(set(rows)) != len(rows) or any(not 0 <= r < self.rows for r in rows):
+            raise ValueError(f"rows {rows} must be distinct rows within 0..{self.rows - 1}")
+        moved = [j for j, r in enumerate(rows) if r != j]
+        if moved:
+            dst = torch.tensor(moved, device=self.keys.device)
+            src = torch.tensor([rows[j] for j in moved], device=self.keys.device)
             for store in (self.keys, self.values):
-                store[:, first : len(rows), :, :used] = store[:, src, :, :used]
+                store[:, dst, :, :used] = store[:, src, :, :used]
         self.rows = len(rows)
 
     def append(self, other: "SlotCache", used: int) -> None:

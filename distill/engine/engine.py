@@ -96,6 +96,8 @@ class Engine:
                 self.step_costs = step_costs(self.target, self.proposer.max_nodes, self.config.max_batch, setup,
                                              self._kept("step-costs"), getattr(self.proposer, "drafts_chains", False))
             self.pricing = Pricing(self.proposer, self.target.forward_weights(), self._cost_model(), self.config)
+            if self.pricing.budget is not None:  # a lookup's chains, priced node by node
+                self.proposer.use_budget(self.pricing.budget.lengths)
         max_len = context_limit(model.config, self.max_tree_size - 1)  # prompt + max_tokens, at most
         self.decoding = Decoding(self.target, self.proposer, self.pricing, self.config, self.stop_ids, max_len)
         self.target.compile_steps(getattr(self.proposer, "feature_layers", None))

@@ -26,10 +26,15 @@ policy
     speculation is off above ``speculate_max_batch`` (when set); otherwise the tree
     size with the highest throughput wins, among the full tree and its prefixes of
     half, a quarter, ... of the nodes; plain decoding when none beats it.
+node budget
+    a proposer whose nodes each carry their odds (the lookup's chains) is priced node by node
+    instead (:class:`TokenBudget`): the step keeps the batch's most likely nodes, as many as
+    raise the expected tokens per second of a step of ``B`` rows and ``B + k`` tokens.
 """
 
 from __future__ import annotations
 
+import bisect
 import statistics
 from collections import deque
 from typing import Sequence
@@ -304,6 +309,113 @@ class AdaptivePolicy:
                 self._predicted = self._predicted * self._decay + predicted
 
 
+class TokenBudget:
+    """Each row's drafted nodes for a step, priced node by node (module docstring, "node budget").
+
+    ``lengths(B, values)``: ``values[b]`` are row b's nodes' expected accepted tokens (non-increasing along its chain);
+    the step keeps the ``k`` most valuable nodes of the batch (ties to the shallower), for the ``k`` with the most
+    tokens per second, ``(B + Σ values) / cost(B, B + k)``, ``k = 0`` (plain decoding) included.
+
+    cost
+        ``cost(B, M)``: a step of ``B`` rows and ``M`` tokens. The cost model's ``c(M)`` (a measured curve times
+        forwards of ``M`` tokens); with ``adaptive``, the median of the last ``window`` measured steps of the same
+        ``(B, M)`` where there are some; between two measured counts at ``B``, the line through them; beyond them,
+        the nearest scaled by ``c(M) / c(M')``, and above the largest at least the line through the last two (a
+        CPU's products cost steps in ``M`` that a curve of a few points misses). A step with nodes never costs less
+        than the plain step at ``B``, and on measured times it must promise ``min_gain`` more than plain decoding.
+    plain probe
+        with ``adaptive``, the first steps at a batch size run plain until its cost is measured, and every
+        ``plain_probe_every``-th step there runs plain again (:meth:`speculates`).
+    idle
+        where the last ``idle_after`` steps at a batch size kept no node, only every ``probe_every``-th step there
+        drafts (and is priced) until one keeps some: drafting every row to keep nothing costs a large batch's step
+        a few percent.
+    """
+
+    def __init__(self, cost_ratio: float | StepCosts, adaptive: bool = True, *, window: int = 9,
+                 plain_probe_every: int = 128, min_gain: float = 0.03, idle_after: int = 8, probe_every: int = 8):
+        self.cost_ratio = cost_ratio
+        self.adaptive = adaptive
+        self.window = window
+        self.plain_probe_every = plain_probe_every
+        self.min_gain = min_gain
+        self.idle_after = idle_after
+        self.probe_every = probe_every
+        self._idle: dict[int, int] = {}  # per batch size: steps in a row that kept no node
+        self._times: dict[tuple[int, int], deque] = {}  # (batch, tokens) -> its last `window` step seconds
+        self._cost: dict[int, dict[int, float]] = {}  # batch -> tokens -> their median
+        self._anchors: dict[int, list[int]] = {}  # batch -> its measured token counts, ascending
+        self._steps: dict[int, int] = {}  # steps decided per batch size (probe clock)
+        self._model: dict[int, float] = {}
+
+    def model_cost(self, tokens: int) -> float:
+        if (c := self._model.get(tokens)) is None:
+            c = self._model[tokens] = forward_cost(tokens, self.cost_ratio)
+        return c
+
+    def cost(self, batch: int, tokens: int) -> float:
+        own = self._own_cost(batch, tokens)
+        return max(own, self._own_cost(batch, batch)) if tokens > batch else own
+
+    def _own_cost(self, batch: int, tokens: int) -> float:
+        measured = self._cost.get(batch)
+        if not measured:
+            return self.model_cost(tokens)
+        if (c := measured.get(tokens)) is not None:
+            return c
+        anchors = self._anchors[batch]
+        i = bisect.bisect_left(anchors, tokens)
+        if 0 < i < len(anchors):  # between two measured counts: the line through them
+            a, b = anchors[i - 1], anchors[i]
+            return measured[a] + (measured[b] - measured[a]) * (tokens - a) / (b - a)
+        anchor = anchors[0] if i == 0 else anchors[-1]
+        scaled = measured[anchor] * self.model_cost(tokens) / self.model_cost(anchor)
+        if i == 0 or len(anchors) < 2:
+            return scaled
+        a, b = anchors[-2], anchors[-1]  # above the largest: no less than the measured slope goes on
+        return max(scaled, measured[b] + (measured[b] - measured[a]) * (tokens - b) / (b - a))
+
+    def speculates(self, batch: int) -> bool:
+        """False for a plain probe (class docstring); advances the probe clock."""
+        k = self._steps.get(batch, 0)
+        self._steps[batch] = k + 1
+        idle = self._idle.get(batch, 0)
+        if idle >= self.idle_after and (idle - self.idle_after) % self.probe_every != self.probe_every - 1:
+            self._idle[batch] = idle + 1
+            return False
+        if not self.adaptive:
+            return True
+        return batch in self._cost.get(batch, ()) and not (self.plain_probe_every and k % self.plain_probe_every
+                                                            == self.plain_probe_every - 1)
+
+    def lengths(self, batch: int, values: Sequence[Sequence[float]]) -> list[int]:
+        """How many of its nodes each row drafts (class docstring)."""
+        nodes = sorted(((v, -depth, row) for row, vs in enumerate(values) for depth, v in enumerate(vs)), reverse=True)
+        margin = self.min_gain if self._cost.get(batch) else 0.0
+        best_k, best_rate, gain = 0, batch * (1.0 + margin) / self.cost(batch, batch), 0.0
+        for k, (v, _, _) in enumerate(nodes, start=1):
+            gain += v
+            if (rate := (batch + gain) / self.cost(batch, batch + k)) > best_rate * (1 + 1e-9):
+                best_k, best_rate = k, rate
+        self._idle[batch] = 0 if best_k else self._idle.get(batch, 0) + 1
+        out = [0] * len(values)
+        for _, neg_depth, row in nodes[:best_k]:
+            out[row] = max(out[row], 1 - neg_depth)
+        return out
+
+    def observe(self, batch: int, tokens: int, seconds: float) -> None:
+        """One step of ``batch`` rows and ``tokens`` tokens in all, its wall seconds."""
+        if not self.adaptive:
+            return
+        key = (batch, tokens)
+        times = self._times.setdefault(key, deque(maxlen=self.window))
+        times.append(seconds)
+        measured = self._cost.setdefault(batch, {})
+        if tokens not in measured:
+            bisect.insort(self._anchors.setdefault(batch, []), tokens)
+        measured[tokens] = statistics.median(times)
+
+
 class Pricing:
     """The policy's view of one proposer: its trees priced, and the tree size for each step.
 
@@ -322,8 +434,11 @@ class Pricing:
         self.cost = cost
         self.config = config  # the EngineConfig
         self.policy: AdaptivePolicy | None = None
+        self.budget: TokenBudget | None = None  # the node budget, for a proposer that prices its nodes
         self.reprice()
-        if config.adaptive and config.speculate_max_batch is None:
+        if config.speculate_max_batch is None and getattr(proposer, "prices_nodes", False):
+            self.budget = TokenBudget(cost, adaptive=config.adaptive)
+        elif config.adaptive and config.speculate_max_batch is None:
             self.policy = AdaptivePolicy(self.taus, cost, self.proposal)
 
     def reprice(self) -> None:
@@ -339,19 +454,26 @@ class Pricing:
         limit = self.config.speculate_max_batch
         if limit is not None:
             return self.proposer.max_nodes if batch <= limit else 0
+        if self.budget is not None:  # each row's share is decided with its drafts
+            return self.proposer.max_nodes
         if self.policy is not None:
             return self.policy.best(batch)
         return choose_tree_size(batch, self.taus, self.cost, None, self.proposal)
 
     def next_size(self, batch: int) -> int:
         """Tree nodes for the next step (the adaptive policy may explore a size it is unsure of)."""
+        if self.budget is not None:
+            return self.proposer.max_nodes if self.budget.speculates(batch) else 0
         if self.policy is not None and self.config.speculate_max_batch is None:
             return self.policy.next_size(batch)
         return self.size(batch)
 
-    def observe(self, batch: int, nodes: int, seconds: float, accepted: Sequence[int]) -> None:
-        """After a speculative step: the proposer's tables again if they moved; the adaptive policy's measurements."""
+    def observe(self, batch: int, nodes: int, seconds: float, accepted: Sequence[int], tokens: int | None = None) -> None:
+        """After a speculative step of ``tokens`` tokens in all: the proposer's tables again if they moved; the
+        adaptive policy's or the node budget's measurements."""
         if getattr(self.proposer, "revision", 0) != self.revision:
             self.reprice()
+        if self.budget is not None:
+            self.budget.observe(batch, tokens if tokens is not None else batch * (nodes + 1), seconds)
         if self.policy is not None:  # the size it chose: a lookup tree may hold fewer nodes (its taus are per budget)
             self.policy.observe(batch, nodes, seconds, accepted)

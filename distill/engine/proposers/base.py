@@ -69,7 +69,8 @@ class Proposal:
 
 class DraftState(Protocol):
     def keep(self, rows: list[int], used: int) -> None:
-        """Keep batch rows ``rows`` (ascending), moved to the front; ``used``: the longest kept row's committed length."""
+        """Keep batch rows ``rows`` (distinct), row ``rows[j]`` becoming row ``j``; ``used``: the longest kept row's
+        committed length."""
 
     def join(self, other: "DraftState", used: int) -> None:
         """Append ``other``'s rows (``used``: the longest of them) after this state's."""

@@ -48,6 +48,17 @@ chains
     from the root, the most probable continuation of the sources' drafts. ``Lookup.chains``
     decides it: None (default) lets the engine choose (:meth:`Lookup.use_chains`), True or
     False fixes it.
+chain odds
+    drafting chains, how likely each node is accepted once its parent was (:class:`ChainOdds`): by
+    the match length of the source the chain's first node came from and by the node's depth,
+    from a measured table, moved by what the rows accept. A long match is a copy of earlier text
+    and its chain is accepted far more often than a one-token match's.
+node budget
+    with the engine's pricing (:meth:`Lookup.use_budget`), each row's chain is cut where the batch's
+    expected tokens stop paying for the step's cost: the engine prices every node of every row
+    together (:class:`~distill.engine.policy.TokenBudget`), so a row with a long match drafts
+    long while a row with a weak one drafts little or nothing, and a batch drafts only where a
+    node's odds beat what a token costs at its size.
 filler
     rows drafting fewer nodes than the batch's largest tree are padded to its size with
     children of the root whose tokens no sibling carries (lowest ids first): ordinary
@@ -66,6 +77,8 @@ proposal cost
 
 from __future__ import annotations
 
+import bisect
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -106,6 +119,57 @@ DEFAULT_STORE_OCCURRENCES = 16
 #: replies to raise the tokens per step over the context alone, with an index of a few MiB that rebuilds in a fraction
 #: of a second. Measured: BENCHMARKS.md, "The lookup proposer".
 DEFAULT_HISTORY_TOKENS = 262_144
+#: The match lengths that start a bucket of :class:`ChainOdds`, and its depths (the last one: that depth and deeper).
+MATCH_BUCKETS, ODDS_DEPTHS = (1, 2, 3, 4, 5, 8, 16), 5
+#: P(node accepted | its parent accepted) per match bucket (rows) and depth (columns): the bundled model's greedy
+#: replies to the MT-Bench first turns replayed through the lookup's chains, 128 tokens, context and history (the
+#: held-out prompts give the same table within 0.05-0.1); no cell above 0.97 (a sure node would always be drafted),
+#: and the one cell measured on 8 nodes (one-token matches, depth 4) at 0.70.
+#: Measured: BENCHMARKS.md, "The node budget".
+DEFAULT_CHAIN_ODDS = ((0.23, 0.42, 0.59, 0.68, 0.70),
+                      (0.38, 0.52, 0.62, 0.77, 0.82),
+                      (0.51, 0.66, 0.69, 0.74, 0.84),
+                      (0.66, 0.66, 0.74, 0.78, 0.90),
+                      (0.80, 0.77, 0.79, 0.86, 0.92),
+                      (0.64, 0.89, 0.90, 0.94, 0.95),
+                      (0.97, 0.97, 0.93, 0.97, 0.97))
+
+
+class ChainOdds:
+    """How likely a chain's node is accepted once its parent was, by the chain's match bucket and the node's depth
+    (module docstring, "chain odds"): ``prior`` as ``weight`` pseudo-observations per cell, then every observed node,
+    older ones fading with a half-life of ``halflife`` observations of the cell."""
+
+    def __init__(self, prior=DEFAULT_CHAIN_ODDS, weight: float = 16.0, halflife: float = 2048.0):
+        if len(prior) != len(MATCH_BUCKETS) or any(len(row) != ODDS_DEPTHS for row in prior):
+            raise ValueError(f"chain odds need {len(MATCH_BUCKETS)} x {ODDS_DEPTHS} values")
+        self.accepted = [[p * weight for p in row] for row in prior]
+        self.seen = [[weight] * ODDS_DEPTHS for _ in prior]
+        self._decay = 0.5 ** (1.0 / halflife)
+
+    @staticmethod
+    def bucket(match: int) -> int:
+        return max(bisect.bisect_right(MATCH_BUCKETS, match) - 1, 0)
+
+    def odds(self, match: int, depth: int) -> float:
+        b, d = self.bucket(match), min(depth, ODDS_DEPTHS - 1)
+        return self.accepted[b][d] / self.seen[b][d]
+
+    def values(self, match: int, length: int) -> list[float]:
+        """Expected accepted tokens of each node of a chain of ``length`` nodes: P(it and its ancestors accepted)."""
+        out, v = [], 1.0
+        for depth in range(length):
+            v *= self.odds(match, depth)
+            out.append(v)
+        return out
+
+    def observe(self, match: int, length: int, accepted: int) -> None:
+        """A row's chain of ``length`` nodes of which the first ``accepted`` were: every node whose parent was."""
+        b, k = self.bucket(match), self._decay
+        for depth in range(min(accepted + 1, length)):
+            d = min(depth, ODDS_DEPTHS - 1)
+            self.accepted[b][d] = self.accepted[b][d] * k + (depth < accepted)
+            self.seen[b][d] = self.seen[b][d] * k + 1.0
 
 
 class _Context:
@@ -167,6 +231,7 @@ class LookupState:
         self.rows = rows
         self.history = history
         self.context_tokens = context_tokens  # the prompt's last tokens a reply keeps in the history (what it followed)
+        self.drafted: list[tuple[int, int]] | None = None  # the step's chains: (match length, nodes) per row
 
     def keep(self, rows: list[int], used: int) -> None:
         if self.history is not None:
@@ -176,9 +241,11 @@ class LookupState:
                     lo = max(0, ctx.first - self.context_tokens)
                     self.history.add(ctx.tokens[lo:], ctx.first - lo)
         self.rows = [self.rows[i] for i in rows]
+        self.drafted = None
 
     def join(self, other: "LookupState", used: int) -> None:
         self.rows = self.rows + other.rows
+        self.drafted = None
 
 
 @dataclass
@@ -212,6 +279,19 @@ class Lookup:
         self._plain = build_buffers([])
         self.accuracy: list[list[float]] = []  # no per-depth table: the policy starts from DEFAULT_TAUS
         self.drafts_chains = bool(self.chains)
+        self.odds = ChainOdds()
+        self._budget: Callable[[int, list[list[float]]], list[int]] | None = None
+
+    @property
+    def prices_nodes(self) -> bool:
+        """Drafting chains, every node carries its odds (:class:`ChainOdds`): the engine may price them one by one."""
+        return self.drafts_chains
+
+    def use_budget(self, lengths: Callable[[int, list[list[float]]], list[int]] | None) -> None:
+        """The engine's node budget (module docstring, "node budget"): ``lengths(batch, values)`` takes each row's
+        nodes' expected accepted tokens and returns how many of them each row drafts; None drafts each row's chain
+        whole, up to the step's node count."""
+        self._budget = lengths
 
     def use_chains(self, cheaper: bool) -> None:
         """The engine's word: its target verifies chains for less than trees (``cheaper``). Drafts chains then, unless
@@ -243,7 +323,18 @@ class Lookup:
                 sampling=None) -> Proposal:
         """Each row's tree from its sources (point masses whatever ``sampling`` says)."""
         n = min(nodes, self.max_nodes)
-        trees = [self.draft(ctx, n) for ctx in state.rows] if n >= 1 else [[] for _ in state.rows]
+        state.drafted = None
+        if n < 1:
+            trees = [[] for _ in state.rows]
+        elif self.drafts_chains:
+            chains = [self.chain(ctx, n) for ctx in state.rows]
+            trees = [tree for tree, _ in chains]
+            if self._budget is not None:
+                lengths = self._budget(len(chains), [self.odds.values(m, len(t)) for t, m in chains])
+                trees = [tree[:L] for tree, L in zip(trees, lengths)]
+            state.drafted = [(m, len(tree)) for (_, m), tree in zip(chains, trees)]
+        else:
+            trees = [self.draft(ctx, n) for ctx in state.rows]
         return host_proposal(root, trees, self._plain_on(root.device), chain=self.drafts_chains)
 
     def commit(self, state: LookupState, proposal: Proposal, features: torch.Tensor, acc: Acceptance, ends: list[int],
@@ -252,10 +343,24 @@ class Lookup:
         host = torch.cat([proposal.tokens.gather(1, acc.path[:, 1:]), acc.next_token[:, None]], dim=1).tolist()
         for ctx, row, L in zip(state.rows, host, lengths):
             ctx.extend(row[:L] + [row[-1]])
+        for (match, nodes), L in zip(state.drafted or (), lengths):
+            if nodes:
+                self.odds.observe(match, nodes, L)
 
     def draft(self, ctx: _Context, nodes: int) -> list[tuple[int, int]]:
         """A row's tree of at most ``nodes`` nodes: (parent position, token) per node, parents first."""
         return merge(self.drafts(ctx, nodes), nodes, chain=self.drafts_chains)
+
+    def chain(self, ctx: _Context, nodes: int) -> tuple[list[tuple[int, int]], int]:
+        """A row's chain of at most ``nodes`` nodes, and the match length of the source its first node came from
+        (0 when it drafts nothing)."""
+        drafts = self.drafts(ctx, nodes)
+        tree = merge(drafts, nodes, chain=True)
+        if not tree:
+            return tree, 0
+        first = (tree[0][1],)
+        odds = [(p, d.match) for d in drafts for path, p in d.paths if path == first]
+        return tree, max(odds, key=lambda o: o[0])[1]  # the source merge took it from (ties: the first listed)
 
     def drafts(self, ctx: _Context, nodes: int) -> list[Draft]:
         """Each source's best draft for a row: its context, the datastore and (greedy rows) the history."""
@@ -274,5 +379,5 @@ class Lookup:
         return self._plain
 
 
-__all__ = ["DEFAULT_CHAIN_TAUS", "DEFAULT_HISTORY_TOKENS", "DEFAULT_MAX_NGRAM", "DEFAULT_MIN_NGRAM", "DEFAULT_TAUS", "LOOKUP",
+__all__ = ["ChainOdds", "DEFAULT_CHAIN_ODDS", "DEFAULT_CHAIN_TAUS", "DEFAULT_HISTORY_TOKENS", "DEFAULT_MAX_NGRAM", "DEFAULT_MIN_NGRAM", "DEFAULT_TAUS", "LOOKUP",
            "Lookup", "LookupState"]
