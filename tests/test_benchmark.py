@@ -130,14 +130,18 @@ def test_a_policy_that_decoded_plain_says_so_first_and_the_outputs_name_the_prop
     assert markdown(res).startswith("Model `model`, heads `lookup`, tree 24 nodes")
 
 
-def test_the_break_even_is_the_engines_own_pricing_of_the_full_tree():
+def test_the_break_even_is_the_engines_own_pricing_of_the_full_tree(hf_model, tokenizer):
     """What the report states is what tree_size_for decided on: plain exactly when the full tree's expected tokens per
-    step do not beat its step cost over a plain step's (a lookup engine on the bundled model, fixed step cost ratio)."""
+    step do not beat its step cost over a plain step's (a lookup engine drafting trees on the bundled model, fixed step
+    cost ratio). Drafting chains, each step's nodes are priced by the node budget, within the proposer's budget."""
     from distill.bench.runner import break_even
     from distill.engine import Engine, EngineConfig
+    from distill.engine.proposers.lookup import Lookup
 
+    chains = Engine(hf_model, tokenizer, Lookup(chains=True), EngineConfig(max_batch=1, step_cost_ratio=0.5))
+    assert chains.pricing.budget is not None and chains.tree_size_for(1) == chains.proposer.max_nodes
     for ratio in (0.02, 0.5):
-        engine = Engine.from_pretrained(None, "lookup", EngineConfig(max_batch=1, step_cost_ratio=ratio))
+        engine = Engine(hf_model, tokenizer, Lookup(chains=False), EngineConfig(max_batch=1, step_cost_ratio=ratio))
         even = break_even(engine, 1)
         assert even["nodes"] == engine.proposer.max_nodes and even["expected"] == engine.proposer.taus()[even["nodes"]]
         assert even["tokens_per_step"] == pytest.approx(1 + ratio * even["nodes"])  # c(n + 1) over c(1), no proposal cost
