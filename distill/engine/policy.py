@@ -392,10 +392,11 @@ class TokenBudget:
         """How many of its nodes each row drafts (class docstring)."""
         nodes = sorted(((v, -depth, row) for row, vs in enumerate(values) for depth, v in enumerate(vs)), reverse=True)
         margin = self.min_gain if self._cost.get(batch) else 0.0
-        best_k, best_rate, gain = 0, batch * (1.0 + margin) / self.cost(batch, batch), 0.0
+        plain = self._own_cost(batch, batch)  # cost()'s floor, priced once for the step's candidates
+        best_k, best_rate, gain = 0, batch * (1.0 + margin) / plain, 0.0
         for k, (v, _, _) in enumerate(nodes, start=1):
             gain += v
-            if (rate := (batch + gain) / self.cost(batch, batch + k)) > best_rate * (1 + 1e-9):
+            if (rate := (batch + gain) / max(self._own_cost(batch, batch + k), plain)) > best_rate * (1 + 1e-9):
                 best_k, best_rate = k, rate
         self._idle[batch] = 0 if best_k else self._idle.get(batch, 0) + 1
         out = [0] * len(values)
