@@ -93,6 +93,24 @@ def test_the_node_budget_prices_by_measured_steps_once_there_are_some_and_probes
     assert budget.cost(3, 9) == pytest.approx(budget.model_cost(9))  # nothing measured at 3 rows: the curve
 
 
+def test_the_node_budget_pools_a_slow_plain_step_with_the_cheaper_drafting_steps_measured_beside_it():
+    budget = TokenBudget(StepCosts({1: 1.0, 6: 1.0, 16: 2.0}), adaptive=True)
+    budget.observe(4, 4, 0.040)  # the one plain step so far, slowed by something else on the machine
+    for _ in range(3):
+        budget.observe(4, 6, 0.030)
+        budget.observe(4, 8, 0.036)
+    # more tokens never cost less: the plain median pools with the 6-token steps' (weights 1 and 3); 8 stay above
+    assert budget.cost(4, 4) == pytest.approx(0.0325) and budget.cost(4, 6) == pytest.approx(0.0325)
+    assert budget.cost(4, 8) == 0.036 and budget.cost(4, 7) == pytest.approx(0.03425)
+    # unpooled, the 40 ms plain step priced every token up to 9 as free and all five nodes would go; pooled, the two
+    # best (the first two extra tokens cost nothing on the pooled prices, the next ones 0.875 ms each)
+    assert budget.lengths(4, [[0.3, 0.2], [0.3], [0.2], [0.1]]) == [1, 1, 0, 0]
+    for _ in range(8):  # plain steps measured again: the fit follows the medians, and plain decoding wins
+        budget.observe(4, 4, 0.018)
+    assert budget.cost(4, 4) == 0.018 and budget.cost(4, 6) == 0.030
+    assert budget.lengths(4, [[0.9, 0.8], [0.9], [0.2], [0.1]]) == [0, 0, 0, 0]
+
+
 def test_the_engine_measures_the_curve_on_a_cpu_unless_given_a_line(hf_model, tokenizer):
     target = Engine(hf_model, tokenizer, None, EngineConfig(max_batch=1, dtype="float32", device="cpu")).target
     costs = measure_step_costs(target, max_nodes=8, max_batch=4, repeats=1)

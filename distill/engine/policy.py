@@ -62,16 +62,7 @@ class StepCosts:
         if 1 not in points or any(m < 1 for m in points):
             raise ValueError(f"a step-cost curve needs the 1-row point and row counts >= 1; got {sorted(points)}")
         rows = sorted(points)
-        values = [1.0] + [max(float(points[m]), 1.0) for m in rows[1:]]
-        pools: list[list[float]] = []  # [sum, count] of adjacent points pooled to their mean
-        for v in values:
-            pools.append([v, 1])
-            while len(pools) > 1 and pools[-2][0] / pools[-2][1] > pools[-1][0] / pools[-1][1]:
-                total, count = pools.pop()
-                pools[-1][0] += total
-                pools[-1][1] += count
-        fitted = [total / count for total, count in pools for _ in range(int(count))]
-        self.points = dict(zip(rows, fitted))
+        self.points = dict(zip(rows, isotonic([1.0] + [max(float(points[m]), 1.0) for m in rows[1:]])))
 
     def __call__(self, rows: int) -> float:
         ms = list(self.points)
@@ -94,6 +85,21 @@ class StepCosts:
 
     def __repr__(self) -> str:
         return f"StepCosts({self.points})"
+
+
+def isotonic(values: Sequence[float], weights: Sequence[float] | None = None) -> list[float]:
+    """The non-decreasing sequence nearest ``values`` (weighted least squares): adjacent values that fall are
+    pooled to their weighted mean (pool adjacent violators). Step times: more tokens never cost less, so a
+    dip is timing noise."""
+    pools: list[list[float]] = []  # [weighted sum, weight, values pooled]
+    for v, w in zip(values, weights if weights is not None else [1.0] * len(values)):
+        pools.append([v * w, w, 1])
+        while len(pools) > 1 and pools[-2][0] * pools[-1][1] > pools[-1][0] * pools[-2][1]:
+            total, weight, count = pools.pop()
+            pools[-1][0] += total
+            pools[-1][1] += weight
+            pools[-1][2] += count
+    return [total / weight for total, weight, count in pools for _ in range(count)]
 
 
 def forward_cost(rows: int, cost: float | StepCosts) -> float:
@@ -319,13 +325,17 @@ class TokenBudget:
     cost
         ``cost(B, M)``: a step of ``B`` rows and ``M`` tokens. The cost model's ``c(M)`` (a measured curve times
         forwards of ``M`` tokens); with ``adaptive``, the median of the last ``window`` measured steps of the same
-        ``(B, M)`` where there are some; between two measured counts at ``B``, the line through them; beyond them,
+        ``(B, M)`` where there are some, made non-decreasing in ``M`` (:func:`isotonic`, weighted by the steps
+        each median rests on: a noisy plain median pools with the drafting steps measured beside it instead of
+        pricing every drafted token as free); between two measured counts at ``B``, the line through them; beyond them,
         the nearest scaled by ``c(M) / c(M')``, and above the largest at least the line through the last two (a
         CPU's products cost steps in ``M`` that a curve of a few points misses). A step with nodes never costs less
         than the plain step at ``B``, and on measured times it must promise ``min_gain`` more than plain decoding.
     plain probe
         with ``adaptive``, the first steps at a batch size run plain until its cost is measured, and every
-        ``plain_probe_every``-th step there runs plain again (:meth:`speculates`).
+        ``plain_probe_every``-th step there runs plain again (:meth:`speculates`), often enough that the plain
+        median is measured in the same minute as the drafting steps it is compared with: a shared machine's
+        speed drifts by more than the gains at stake.
     idle
         where the last ``idle_after`` steps at a batch size kept no node, only every ``probe_every``-th step there
         drafts (and is priced) until one keeps some: drafting every row to keep nothing costs a large batch's step
@@ -333,7 +343,7 @@ class TokenBudget:
     """
 
     def __init__(self, cost_ratio: float | StepCosts, adaptive: bool = True, *, window: int = 9,
-                 plain_probe_every: int = 128, min_gain: float = 0.03, idle_after: int = 8, probe_every: int = 8):
+                 plain_probe_every: int = 32, min_gain: float = 0.03, idle_after: int = 8, probe_every: int = 8):
         self.cost_ratio = cost_ratio
         self.adaptive = adaptive
         self.window = window
@@ -343,7 +353,8 @@ class TokenBudget:
         self.probe_every = probe_every
         self._idle: dict[int, int] = {}  # per batch size: steps in a row that kept no node
         self._times: dict[tuple[int, int], deque] = {}  # (batch, tokens) -> its last `window` step seconds
-        self._cost: dict[int, dict[int, float]] = {}  # batch -> tokens -> their median
+        self._medians: dict[int, dict[int, float]] = {}  # batch -> tokens -> the median of their window
+        self._cost: dict[int, dict[int, float]] = {}  # batch -> tokens -> the medians' isotonic fit
         self._anchors: dict[int, list[int]] = {}  # batch -> its measured token counts, ascending
         self._steps: dict[int, int] = {}  # steps decided per batch size (probe clock)
         self._model: dict[int, float] = {}
@@ -411,10 +422,13 @@ class TokenBudget:
         key = (batch, tokens)
         times = self._times.setdefault(key, deque(maxlen=self.window))
         times.append(seconds)
-        measured = self._cost.setdefault(batch, {})
-        if tokens not in measured:
+        medians = self._medians.setdefault(batch, {})
+        if tokens not in medians:
             bisect.insort(self._anchors.setdefault(batch, []), tokens)
-        measured[tokens] = statistics.median(times)
+        medians[tokens] = statistics.median(times)
+        anchors = self._anchors[batch]
+        fitted = isotonic([medians[m] for m in anchors], [len(self._times[batch, m]) for m in anchors])
+        self._cost[batch] = dict(zip(anchors, fitted))
 
 
 class Pricing:
