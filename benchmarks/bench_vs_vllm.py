@@ -39,6 +39,11 @@ and the client's ready-check request is skipped. Without it every level resends 
 servers run without a history (``--lookup-history 0``) and ``suffix`` without its global tree
 (``suffix_decoding_max_cached_requests: 0``).
 
+Each level of a distill server also records the engine's own figures from its ``/metrics`` (``engine``: the scrape
+after the level less the one before): decoding steps, their mean wall time, rows a step, drafted and accepted tokens
+a row-step, prefill seconds. A server whose tokens per second moved between runs at the same acceptance thus says
+whether its steps were slower (the machine) or drafted more (the policy).
+
 Figures (per server and concurrency, all repeats pooled; vLLM's own definitions):
 
 output tok/s
@@ -263,6 +268,35 @@ def warm_up(url: str, model_id: str, n: int, max_tokens: int) -> None:
             r.read()
 
 
+def scrape(url: str) -> dict[str, float]:
+    """``/metrics`` -> each sample's name -> its value summed over labels (empty where none answers)."""
+    try:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.split("{", 1)[0].split(" ", 1)[0], line.rsplit(" ", 1)[-1]
+            out[name] = out.get(name, 0.0) + float(value)
+    return out
+
+
+def engine_figures(before: dict[str, float], after: dict[str, float]) -> dict | None:
+    """A distill server's engine over one level (module docstring); None for a server without its metrics."""
+    d = lambda name: after.get(name, 0.0) - before.get(name, 0.0)  # noqa: E731
+    steps = d("distill_step_latency_seconds_count")
+    if "distill_step_latency_seconds_count" not in after or not steps:
+        return None
+    row_steps = d("distill_batch_size_sum")
+    return {"steps": int(steps), "step_ms": 1000 * d("distill_step_latency_seconds_sum") / steps,
+            "rows_per_step": row_steps / steps,
+            "drafted_per_row_step": d("vllm:spec_decode_num_draft_tokens_total") / row_steps if row_steps else None,
+            "accepted_per_row_step": d("vllm:spec_decode_num_accepted_tokens_total") / row_steps if row_steps else None,
+            "prefill_s": d("distill_prefill_seconds_sum")}
+
+
 def client_argv(url: str, model_id: str, tokenizer: Path, dataset: Path, n: int, max_tokens: int, concurrency: int,
                 warmups: int, ignore_eos: bool) -> list[str]:
     return ["--backend", "openai-chat", "--endpoint", "/v1/chat/completions", "--base-url", url, "--model", model_id,
@@ -291,6 +325,7 @@ def summarize(runs: list[dict]) -> dict:
         "median_tpot_ms": q(tpot, 50), "p99_tpot_ms": q(tpot, 99),
         "output_lens": sorted(set(pick("output_lens"))),
         "acceptance_length": float(np.mean(accept)) if accept else None,
+        "engine": [r["engine"] for r in runs if r.get("engine")] or None,
         "errors": sorted({e for r in runs for e in r["errors"] if e})[:5],
     }
 
@@ -423,7 +458,9 @@ def main() -> None:
                                        0 if args.prompts_per_level or i else args.warmups, args.ignore_eos)
                     if one_pass:  # its ready check sends the first prompt once more: skipped for every server
                         argv += ["--ready-check-timeout-sec", "0"]
+                    before = scrape(url)
                     res = vllm_bench(argv)
+                    res["engine"] = engine_figures(before, scrape(url))
                     runs[name][c].append(res)
                     print(f"[{r + 1}/{args.repeats}] {name} c={c}: {res['output_throughput']:.1f} tok/s, "
                           f"{res['failed']} failed", flush=True)

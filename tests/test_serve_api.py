@@ -371,3 +371,19 @@ def test_vllm_metrics_of_one_speculative_request_agree_with_each_other(tiny_queu
     assert draft_tokens == d("distill_tree_nodes_sum") and accepted <= draft_tokens
     assert drafts > 0 and accepted > 0  # the repeated line is found in the context
     assert d("vllm:spec_decode_num_accepted_tokens_per_pos_total") == accepted
+
+
+def test_vllm_draft_counters_count_each_row_s_own_chain():
+    """Rows of one chain step draft unlike numbers of nodes (the node budget), some none: a draft is a row that
+    drafted, its tokens the nodes it drafted, not the padded chain's length times the rows."""
+    from prometheus_client import CollectorRegistry
+
+    from distill.serve.metrics import VllmMetrics
+
+    registry = CollectorRegistry()
+    m = VllmMetrics(registry, "m", speculative=True, max_model_len=64)
+    m.step([3, 0, 1], [2, 0, 1])
+    m.step([0, 0, 0], [0, 0, 0])  # a plain step of a speculating server: no draft
+    value = lambda name: registry.get_sample_value(name, {"model_name": "m", "engine": "0"})
+    assert value("vllm:spec_decode_num_drafts_total") == 2 and value("vllm:spec_decode_num_draft_tokens_total") == 4
+    assert value("vllm:spec_decode_num_accepted_tokens_total") == 3

@@ -342,6 +342,7 @@ class Batch:
         stats.tree_nodes = max(stats.tree_nodes, buf.nodes)
         stats.tree_nodes_per_step.append(buf.nodes)
         stats.accepted_per_step.append(list(lengths_acc))
+        stats.drafted_per_step.append(list(proposal.chain_nodes) if proposal.chain_nodes is not None else [buf.nodes] * B)
         for b, (s, row) in enumerate(zip(active, host)):
             L = row[-1]
             new = row[:L] + [row[-2]]

@@ -112,6 +112,7 @@ class StepStats:
     tree_nodes: int = 0  # largest tree used (0: plain decoding throughout)
     tree_nodes_per_step: list[int] = field(default_factory=list)
     accepted_per_step: list[list[int]] = field(default_factory=list)  # per step, each row's accepted speculated nodes
+    drafted_per_step: list[list[int]] = field(default_factory=list)  # per step, each row's drafted nodes (a chain's own)
     joined_per_step: list[int] = field(default_factory=list)  # per step, the prompt tokens it prefilled and their first tokens
     prefill_tokens: list[int] = field(default_factory=list)  # per prefill forward, its prompts' tokens and first tokens
     kv_bytes: int = 0  # largest KV cache (slot cache storage) held at once

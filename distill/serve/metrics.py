@@ -196,12 +196,13 @@ class VllmMetrics:
             self._values = values
             self.accepted_per_pos: list[Counter] = []
 
-    def step(self, nodes: int, accepted: list[int]) -> None:
-        """One decoding step: ``nodes`` speculated per row, ``accepted`` the accepted nodes of each row."""
-        if not self.speculative or not nodes:
+    def step(self, drafted: list[int], accepted: list[int]) -> None:
+        """One decoding step: ``drafted`` the nodes each row speculated (a row of a chain step drafts its own
+        number, maybe none), ``accepted`` the accepted nodes of each row."""
+        if not self.speculative or not any(drafted):
             return
-        self.drafts.inc(len(accepted))
-        self.draft_tokens.inc(len(accepted) * nodes)
+        self.drafts.inc(sum(n > 0 for n in drafted))
+        self.draft_tokens.inc(sum(drafted))
         self.accepted_tokens.inc(sum(accepted))
         deepest = max(accepted, default=0)
         while len(self.accepted_per_pos) < deepest:

@@ -460,8 +460,8 @@ class Scheduler:
                 m.tree_nodes.observe(n)
             for n in stats.prefill_tokens:  # a prefill forward: the prompts' tokens and a first token each
                 m.vllm.iteration_tokens.observe(n)
-            for n, accepted, joined in zip(stats.tree_nodes_per_step, stats.accepted_per_step, stats.joined_per_step):
-                m.vllm.step(n, accepted)
+            for drafted, accepted, joined in zip(stats.drafted_per_step, stats.accepted_per_step, stats.joined_per_step):
+                m.vllm.step(drafted, accepted)
                 m.vllm.iteration_tokens.observe(sum(a + 1 for a in accepted) + joined)
             if stats.prefill_seconds:
                 m.prefill_latency.observe(stats.prefill_seconds)
