@@ -14,8 +14,9 @@ DEFAULT_SWEEP_NODES = (1, 2, 4, 8, 16, 32, 64)
 #: bench's options that are its engine's settings (``BenchConfig.decoding``), under EngineConfig's names.
 ENGINE_OPTIONS = ("tree", "draft_nodes", "lookup_data", "lookup_history", "lookup", "lookup_nodes", "compile", "cuda_graphs",
                   "typical_epsilon", "typical_delta", "dtype", "device")
-#: bench's defaults where EngineConfig's differ: one prompt at a time (the timings are batch-1 decoding's).
-ENGINE_DEFAULTS = {"max_batch": 1}
+#: bench's defaults where EngineConfig's differ: one prompt at a time (the timings are batch-1 decoding's), and the
+#: adaptive policy as ``distill serve`` runs it, so that what bench measures is what serving does.
+ENGINE_DEFAULTS = {"max_batch": 1, "adaptive": True}
 
 
 @dataclass
