@@ -99,7 +99,7 @@ def test_pipeline_runs_every_stage_then_skips_them_and_reruns_only_what_a_change
     tau, even = bench["tree"]["full_tree_tokens_per_step"], bench["tree"]["break_even_at_batch_1"]["tokens_per_step"]
     used = bench["tree"]["nodes_used_at_batch_1"]
     assert 1.0 <= tau <= 5 and lookup["tree"]["full_tree_tokens_per_step"] is None  # the lookup row: as it was
-    said = "the policy decoded plain at batch 1" if used == 0 else f"the policy used {used} nodes at batch 1"
+    said = "the policy decoded plain at batch 1" if used == 0 else f"the policy used {used} node{'s' if used > 1 else ''} at batch 1"
     assert (f"\n  its full tree (4 nodes): {tau:.2f} tokens/step on these held-out prompts (greedy, untimed); this machine "
             f"breaks even at {even:.2f} tokens/step; {said}\n") in stdout
     ratio = step_ratio("medusa", 4)

@@ -30,7 +30,7 @@ def plain_line(result: BenchResult) -> str | None:
         return None
     who = f"the {proposer_name(tree)} proposer's full tree"
     even = tree.get("break_even_at_batch_1")
-    said = "The policy decoded plain at batch 1" if used == 0 else f"The policy used {used} nodes at batch 1"
+    said = "The policy decoded plain at batch 1" if used == 0 else f"The policy used {used} node{'s' if used > 1 else ''} at batch 1"
     if not even:
         made = f"; the full tree made {tree_tau:.2f} tokens/step on these prompts" if tree_tau is not None else ""
         return f"{said}: it priced {who} above what it makes per step{made}." if used == 0 else f"{said}{made}."
