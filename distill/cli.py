@@ -803,7 +803,9 @@ def drafter_lines(d: dict) -> list[str]:
     if even is not None:
         line += f"; this machine breaks even at {even:.2f} tokens/step"
     if used is not None:
-        line += "; the policy decoded plain at batch 1" if used == 0 else f"; the policy used {used} node{'s' if used > 1 else ''} at batch 1"
+        from distill.bench.report import policy_used
+
+        line += f"; {policy_used(used)}"
     lines = [line]
     if d.get("gpu_prediction"):
         lines.append(d["gpu_prediction"]["text"])

@@ -19,6 +19,11 @@ def proposer_name(tree: dict) -> str:
     return " + ".join(PROPOSER_NAMES.get(part, part) for part in name.split("+")) if name else "speculative"
 
 
+def policy_used(used: int) -> str:
+    """What the speculation policy did at batch 1, as the report and the pipeline's summary say it."""
+    return "the policy decoded plain at batch 1" if used == 0 else f"the policy used {used} node{'s' if used > 1 else ''} at batch 1"
+
+
 def plain_line(result: BenchResult) -> str | None:
     """The first line when the speculation policy decoded plain at batch 1, or when the full tree's acceptance was
     measured (``--tree-acceptance``): what the full tree makes per step against what it has to make to pay for its
@@ -30,7 +35,7 @@ def plain_line(result: BenchResult) -> str | None:
         return None
     who = f"the {proposer_name(tree)} proposer's full tree"
     even = tree.get("break_even_at_batch_1")
-    said = "The policy decoded plain at batch 1" if used == 0 else f"The policy used {used} node{'s' if used > 1 else ''} at batch 1"
+    said = policy_used(used).capitalize()
     if not even:
         made = f"; the full tree made {tree_tau:.2f} tokens/step on these prompts" if tree_tau is not None else ""
         return f"{said}: it priced {who} above what it makes per step{made}." if used == 0 else f"{said}{made}."
