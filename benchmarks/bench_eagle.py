@@ -19,11 +19,17 @@ wall-clock at batch 1
     tokens/s of plain decoding, each drafter with the engine's policy choosing the tree size,
     and each drafter with its full tree, over the same prompts, alternating the order per prompt;
     every greedy output must equal plain decoding's. ``--vllm`` adds bare vLLM plain decoding
-    (in-process engine core, eager, as benchmarks/bench_engine_step.py times it) in the same rotation;
+    (in-process engine core, eager, as benchmarks/bench_engine_step.py times it; ``--vllm-compiled``: its forward
+    compiled, as its server runs it) in the same rotation;
     ``--typical T`` adds a sampled pass (temperature T, typical acceptance) of every engine but vLLM,
     rows ``NAME@typical`` measured against plain decoding sampled the same way;
-    ``--vllm-speculative JSON`` gives that vLLM a speculative config (its ``ngram`` prompt lookup,
-    the counterpart of ``--lookup``).
+    ``--vllm-speculative JSON`` gives that vLLM a speculative config, its row then ``vllm:METHOD`` (its
+    ``ngram`` prompt lookup, the counterpart of ``--lookup``; ``suffix`` where ``arctic-inference`` imports).
+    One vLLM per process: a second ``vllm.LLM`` in the same process fails on a CPU (its kernel overrides
+    register once), so each vLLM configuration is a run of its own beside the same distill rows.
+    ``--adaptive`` runs the ``-policy`` rows as ``distill serve`` does (the adaptive policy);
+    ``--prompt-set heldout`` takes the held-out chat prompts (``heldout-chat-prompts.json``, nine categories
+    no drafter here was trained or tuned on) one category after the other instead of MT-Bench's.
 the union (``--union``, with ``--eagle`` and ``--lookup``)
     rows ``eagle+NAME-policy / -full`` for every lookup row NAME: the EAGLE drafter's dynamic tree
     and that lookup proposer's tree merged per row every step (:mod:`distill.engine.proposers.union`), the
@@ -33,6 +39,8 @@ the union (``--union``, with ``--eagle`` and ``--lookup``)
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import itertools
 import datetime as dt
 import json
 import os
@@ -48,6 +56,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 from bench_engine_step import cpu_description, mt_bench_prompts, vllm, vllm_llm  # noqa: E402
+from replay_lookup import HELDOUT  # noqa: E402
 from distill.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from distill.engine.engine import LOOKUP, load_heads  # noqa: E402
 from distill.engine.proposers.datastore import Datastore  # noqa: E402
@@ -86,6 +95,16 @@ def depth_acceptance(accepted: list[int], depth: int) -> list[float]:
     return [sum(a - 1 >= d for a in accepted) / max(len(accepted), 1) for d in range(1, depth + 1)]
 
 
+def heldout_prompts(tok, n: int) -> list[list[int]]:
+    """The first ``n`` held-out chat prompts, one category after the other (round-robin), chat-templated."""
+    from itertools import chain, zip_longest
+
+    categories = json.loads(HELDOUT.read_text())["categories"].values()
+    texts = [t for t in chain.from_iterable(zip_longest(*categories)) if t is not None][:n]
+    return [list(tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True,
+                                         return_dict=True)["input_ids"]) for t in texts]
+
+
 def forget_all(engines: dict) -> None:
     """Clear every lookup proposer's history of earlier replies (alone or in a union)."""
     for e in engines.values():
@@ -122,9 +141,14 @@ def main() -> None:
                     help="also sample at temperature T (typical acceptance, a fixed seed per prompt): tokens/step and "
                          "tok/s of every engine but vLLM, in the same rotation after the greedy pass (0: greedy only)")
     ap.add_argument("--vllm", action="store_true")
+    ap.add_argument("--vllm-compiled", action="store_true",
+                    help="vLLM's forward compiled, as its server runs it (default: eager, bare vLLM)")
     ap.add_argument("--vllm-speculative", type=json.loads, default=None, metavar="JSON",
                     help='vLLM\'s speculative_config for its row, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
                          '"prompt_lookup_max": 6, "prompt_lookup_min": 1}\' (vLLM\'s own prompt lookup)')
+    ap.add_argument("--adaptive", action="store_true", help="the -policy rows under the adaptive policy, as distill serve runs")
+    ap.add_argument("--prompt-set", choices=("mt-bench", "heldout"), default="mt-bench",
+                    help="MT-Bench first turns, or the held-out chat prompts (module docstring)")
     ap.add_argument("--only", default=None, metavar="REGEX",
                     help="keep the rows whose name matches (plain always runs), e.g. 'history' for the +history rows alone")
     ap.add_argument("--out", default="benchmarks/results/eagle.json")
@@ -173,6 +197,8 @@ def main() -> None:
     configs = {k: v for k, v in configs.items() if v[0] is not None or k == "plain"}  # drafters not given: no rows
     if args.only:
         configs = {k: v for k, v in configs.items() if k == "plain" or re.search(args.only, k)}
+    if args.adaptive:
+        configs = {k: (f, dataclasses.replace(c, adaptive=True) if k.endswith("-policy") else c) for k, (f, c) in configs.items()}
     engines, stores = {}, {}
     for name, (folder, cfg) in configs.items():
         history = args.lookup_history if "+history" in name else 0
@@ -192,20 +218,23 @@ def main() -> None:
     result["policy_nodes_at_batch_1"] = {k: e.tree_size_for(1) for k, e in engines.items() if k.endswith("policy")}
     result["step_costs"] = {k: e.step_costs.to_dict() for k, e in engines.items() if e.step_costs is not None}  # measured at start
     print("policy nodes at batch 1", result["policy_nodes_at_batch_1"], "step costs", result["step_costs"], flush=True)
-    if args.round_robin:  # as `distill bench --limit` takes them: one category after the other
+    if args.prompt_set == "heldout":
+        prompts = heldout_prompts(tok, args.prompts)
+    elif args.round_robin:  # as `distill bench --limit` takes them: one category after the other
         from distill.bench import load_prompts
         from distill.bench.runner import chat_ids
 
         prompts = [chat_ids(tok, p.messages) for p in load_prompts("mt-bench", args.prompts)]
     else:
         prompts = mt_bench_prompts(tok, args.prompts)
-    llm = vllm_llm(str(resolved.path), args.vllm_speculative) if args.vllm else None
+    spec = args.vllm_speculative
+    llms = {f"vllm:{spec['method']}" if spec else "vllm": vllm_llm(str(resolved.path), spec, eager=not args.vllm_compiled)} if args.vllm else {}
     stop = sorted(engines["plain"].stop_ids)
     sp = SamplingParams(max_tokens=args.max_tokens)
-    names = list(engines) + (["vllm"] if llm else [])
+    names = list(engines) + list(llms)
     for name in names:  # warm-up, untimed
-        if name == "vllm":
-            vllm(llm, prompts[:1], 8, 1, stop)
+        if name in llms:
+            vllm(llms[name], prompts[:1], 8, 1, stop)
         else:
             engines[name].generate(prompts[:1], SamplingParams(max_tokens=8))
     forget_all(engines)  # no prompt drafts from a warm-up reply
@@ -215,8 +244,8 @@ def main() -> None:
         order = names if i % 2 == 0 else names[::-1]
         outs = {}
         for name in order:
-            if name == "vllm":
-                n, secs, o = vllm(llm, [p], args.max_tokens, 1, stop)
+            if name in llms:
+                n, secs, o = vllm(llms[name], [p], args.max_tokens, 1, stop)
                 outs[name] = o[0]
                 runs[name].append({"tokens": n, "seconds": secs})
                 continue
@@ -226,11 +255,11 @@ def main() -> None:
             outs[name] = res.token_ids
             runs[name].append(run_record(res, st, secs))
         reference.append(outs["plain"])
-        for name in names:
-            if name != "vllm":
-                assert outs[name] == outs["plain"], f"{name}: greedy output differs from plain decoding on prompt {i}"
-        result.setdefault("vllm_same_prefix", []).append(
-            sum(a == b for a, b in zip(outs["vllm"], outs["plain"])) if llm else None)
+        for name in engines:
+            assert outs[name] == outs["plain"], f"{name}: greedy output differs from plain decoding on prompt {i}"
+        for name in llms:  # vLLM's greedy tokens agree with ours as far as float32 sums in another order allow
+            result.setdefault("vllm_same_prefix", {}).setdefault(name, []).append(
+                sum(1 for _ in itertools.takewhile(lambda ab: ab[0] == ab[1], zip(outs[name], outs["plain"]))))
         print(f"prompt {i + 1}/{len(prompts)}: " + ", ".join(
             f"{n} {runs[n][-1]['tokens'] / runs[n][-1]['seconds']:.1f} tok/s" for n in names), flush=True)
     if args.typical > 0:  # sampled outputs differ per engine; what counts is tokens/step and tok/s
@@ -245,14 +274,15 @@ def main() -> None:
         names += [f"{n}@typical" for n in engines]
     summary = {}
     plain_tps = tok_s(runs["plain"])
-    vllm_tps = tok_s(runs["vllm"]) if llm else None
+    vllm_tps = tok_s(runs[next(iter(llms))]) if llms else None
+    result["vllm_speculative"] = spec
     for name in names:
         rs = runs[name]
         tps = tok_s(rs)
         sampled = name.endswith("@typical")  # against plain decoding sampled the same way; vLLM ran greedy only
         row = {"tok_s": tps, "vs_plain": tps / tok_s(runs["plain@typical" if sampled else "plain"]),
                "vs_vllm": tps / vllm_tps if vllm_tps and not sampled else None}
-        if name != "vllm":
+        if name not in llms:
             acc = [a for r in rs for a in r["accepted"]]
             row.update(tokens_per_step=sum(acc) / len(acc), steps=len(acc),
                        step_ms_median=1000 * statistics.median(r["step_seconds_median"] for r in rs),

@@ -79,8 +79,11 @@ def wave(url: str, prompts: list[str], concurrency: int, rounds: int, max_tokens
 
 
 def metric(url: str, name: str) -> float:
-    text = httpx.get(f"{url}/metrics").text
-    return sum(float(l.split(" ")[1]) for l in text.splitlines() if l.startswith(name + " ") or l.startswith(name + "{"))
+    """The samples named ``name`` on ``url``'s /metrics, summed over their label sets."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = text_string_to_metric_families(httpx.get(f"{url}/metrics").text)
+    return sum(s.value for family in families for s in family.samples if s.name == name)
 
 
 def main() -> None:

@@ -329,13 +329,15 @@ def test_full_queue_answers_503_and_the_admitted_requests_succeed(tiny_queue_ser
 
 
 def scrape(srv: Server) -> dict[str, float]:
-    """/metrics as {name: value}, each name summed over its label sets."""
+    """/metrics as {sample name: value}, each summed over its label sets; a histogram's bucket ``le="0.0"`` under
+    its own name, ``NAME_bucket_le0``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     out: dict[str, float] = {}
-    for line in httpx.get(f"{srv.url}/metrics").text.splitlines():
-        if line and not line.startswith("#"):
-            key, value = line.rsplit(" ", 1)
-            name = key.split("{")[0] + ("_le0" if 'le="0.0"' in key else "")
-            out[name] = out.get(name, 0.0) + float(value)
+    for family in text_string_to_metric_families(httpx.get(f"{srv.url}/metrics").text):
+        for sample in family.samples:
+            name = sample.name + ("_le0" if sample.labels.get("le") == "0.0" else "")
+            out[name] = out.get(name, 0.0) + sample.value
     return out
 
 
