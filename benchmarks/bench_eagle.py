@@ -40,8 +40,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
 import datetime as dt
+import itertools
 import json
 import os
 import re
@@ -97,10 +97,8 @@ def depth_acceptance(accepted: list[int], depth: int) -> list[float]:
 
 def heldout_prompts(tok, n: int) -> list[list[int]]:
     """The first ``n`` held-out chat prompts, one category after the other (round-robin), chat-templated."""
-    from itertools import chain, zip_longest
-
     categories = json.loads(HELDOUT.read_text())["categories"].values()
-    texts = [t for t in chain.from_iterable(zip_longest(*categories)) if t is not None][:n]
+    texts = [t for t in itertools.chain.from_iterable(itertools.zip_longest(*categories)) if t is not None][:n]
     return [list(tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True,
                                          return_dict=True)["input_ids"]) for t in texts]
 
@@ -228,13 +226,14 @@ def main() -> None:
     else:
         prompts = mt_bench_prompts(tok, args.prompts)
     spec = args.vllm_speculative
-    llms = {f"vllm:{spec['method']}" if spec else "vllm": vllm_llm(str(resolved.path), spec, eager=not args.vllm_compiled)} if args.vllm else {}
+    llm = vllm_llm(str(resolved.path), spec, eager=not args.vllm_compiled) if args.vllm else None
+    vname = f"vllm:{spec['method']}" if spec else "vllm"  # its row
     stop = sorted(engines["plain"].stop_ids)
     sp = SamplingParams(max_tokens=args.max_tokens)
-    names = list(engines) + list(llms)
+    names = list(engines) + ([vname] if llm else [])
     for name in names:  # warm-up, untimed
-        if name in llms:
-            vllm(llms[name], prompts[:1], 8, 1, stop)
+        if name == vname:
+            vllm(llm, prompts[:1], 8, 1, stop)
         else:
             engines[name].generate(prompts[:1], SamplingParams(max_tokens=8))
     forget_all(engines)  # no prompt drafts from a warm-up reply
@@ -244,8 +243,8 @@ def main() -> None:
         order = names if i % 2 == 0 else names[::-1]
         outs = {}
         for name in order:
-            if name in llms:
-                n, secs, o = vllm(llms[name], [p], args.max_tokens, 1, stop)
+            if name == vname:
+                n, secs, o = vllm(llm, [p], args.max_tokens, 1, stop)
                 outs[name] = o[0]
                 runs[name].append({"tokens": n, "seconds": secs})
                 continue
@@ -257,9 +256,9 @@ def main() -> None:
         reference.append(outs["plain"])
         for name in engines:
             assert outs[name] == outs["plain"], f"{name}: greedy output differs from plain decoding on prompt {i}"
-        for name in llms:  # vLLM's greedy tokens agree with ours as far as float32 sums in another order allow
-            result.setdefault("vllm_same_prefix", {}).setdefault(name, []).append(
-                sum(1 for _ in itertools.takewhile(lambda ab: ab[0] == ab[1], zip(outs[name], outs["plain"]))))
+        if llm:  # how far vLLM's greedy tokens agree with ours (its replies also hold the stop token)
+            result.setdefault("vllm_same_prefix", []).append(
+                sum(1 for _ in itertools.takewhile(lambda ab: ab[0] == ab[1], zip(outs[vname], outs["plain"]))))
         print(f"prompt {i + 1}/{len(prompts)}: " + ", ".join(
             f"{n} {runs[n][-1]['tokens'] / runs[n][-1]['seconds']:.1f} tok/s" for n in names), flush=True)
     if args.typical > 0:  # sampled outputs differ per engine; what counts is tokens/step and tok/s
@@ -274,7 +273,7 @@ def main() -> None:
         names += [f"{n}@typical" for n in engines]
     summary = {}
     plain_tps = tok_s(runs["plain"])
-    vllm_tps = tok_s(runs[next(iter(llms))]) if llms else None
+    vllm_tps = tok_s(runs[vname]) if llm else None
     result["vllm_speculative"] = spec
     for name in names:
         rs = runs[name]
@@ -282,7 +281,7 @@ def main() -> None:
         sampled = name.endswith("@typical")  # against plain decoding sampled the same way; vLLM ran greedy only
         row = {"tok_s": tps, "vs_plain": tps / tok_s(runs["plain@typical" if sampled else "plain"]),
                "vs_vllm": tps / vllm_tps if vllm_tps and not sampled else None}
-        if name not in llms:
+        if name != vname:
             acc = [a for r in rs for a in r["accepted"]]
             row.update(tokens_per_step=sum(acc) / len(acc), steps=len(acc),
                        step_ms_median=1000 * statistics.median(r["step_seconds_median"] for r in rs),
