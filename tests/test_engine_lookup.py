@@ -277,4 +277,4 @@ def test_the_adaptive_policy_observes_lookup_trees_smaller_than_the_size_it_chos
         assert res.token_ids == plain
         odd += [n for n in stats.tree_nodes_per_step if n not in sizes]
     assert odd  # such steps happened (and were observed without error)
-    assert engine.policy._seen and all(n in sizes for _, n in engine.policy._seen)
+    assert engine.policy.step_times.seen() and all(n in sizes for _, n in engine.policy.step_times.seen())

@@ -161,6 +161,38 @@ def taus_for(paths: Sequence[tuple[int, ...]], accuracy: Sequence[Sequence[float
     return {n: expected_acceptance_length(subtree(paths, accuracy, n), accuracy) for n in candidate_sizes(len(paths)) if n}
 
 
+class StepTimes:
+    """Each key's last ``window`` step times and their median; a key's first ``skip`` steps are not kept.
+
+    What the policies price from (:class:`AdaptivePolicy` by batch and tree size, :class:`TokenBudget` by batch size and
+    tokens): a median, as a busy server's steps have outliers (a join's allocations, the HTTP thread's turns) that an
+    average would keep for as long as a key is measured rarely."""
+
+    def __init__(self, window: int, skip: int = 0):
+        self.window = window
+        self.skip = skip
+        self._times: dict = {}  # key -> its last `window` kept step seconds
+        self._seen: dict = {}  # key -> steps observed (kept or not)
+
+    def add(self, key, seconds: float) -> float | None:
+        """One step's seconds -> the key's median now, or None for a step not kept."""
+        seen = self._seen.get(key, 0)
+        self._seen[key] = seen + 1
+        if seen < self.skip:
+            return None
+        times = self._times.setdefault(key, deque(maxlen=self.window))
+        times.append(seconds)
+        return statistics.median(times)
+
+    def count(self, key) -> int:
+        """How many step times the key's median rests on."""
+        return len(self._times.get(key, ()))
+
+    def seen(self) -> list:
+        """The keys observed so far."""
+        return list(self._seen)
+
+
 class AdaptivePolicy:
     """The tree size per batch size, corrected by what the engine measures while it serves.
 
@@ -175,11 +207,8 @@ class AdaptivePolicy:
         half-life of ``halflife`` sequence-steps; the τ used is ``1 + ρ·(τ(n) − 1)``.
         Acceptance does not depend on the batch size, so one ρ serves all of them.
     measured step cost
-        per (batch size, tree size): the median of its last ``window`` steps' wall seconds,
-        the first step of each pair skipped (buffers are built then). A median, as a busy
-        server's steps have outliers (a join's allocations, the HTTP thread's turns), and a
-        pair measured rarely (plain decoding at a batch size where a tree wins, measured on
-        its probes only) would keep one for hundreds of steps in an average. A pair not
+        per (batch size, tree size): the median of its last ``window`` steps' wall seconds
+        (:class:`StepTimes`), the first step of each pair skipped (buffers are built then). A pair not
         measured yet is predicted from a measured pair of the same batch size through the
         cost model's ratio; the cost model alone while none is.
     choice
@@ -219,7 +248,6 @@ class AdaptivePolicy:
         self.cost_ratio = cost_ratio
         self.proposal_cost = dict(proposal_cost or {})
         self.sizes = sorted({0, *self.taus})
-        self.window = window
         self.probe_every = probe_every
         self.plain_probe_every = plain_probe_every
         self.min_gain = min_gain
@@ -228,8 +256,7 @@ class AdaptivePolicy:
         self._accepted = prior  # Σ accepted candidates (decayed), pseudo-tokens included
         self._predicted = prior  # Σ (τ(n) − 1) of the same steps
         self._cost: dict[tuple[int, int], float] = {}  # (batch, nodes) -> median step seconds of the window
-        self._times: dict[tuple[int, int], deque] = {}  # (batch, nodes) -> its last `window` step seconds
-        self._seen: dict[tuple[int, int], int] = {}  # steps observed per pair (the first is skipped)
+        self.step_times = StepTimes(window, skip=1)  # by (batch, nodes)
         self._steps: dict[int, int] = {}  # steps decided per batch size (probe clock)
 
     def retable(self, taus: dict[int, float], proposal_cost: dict[int, float] | None = None) -> None:
@@ -301,13 +328,8 @@ class AdaptivePolicy:
 
     def observe(self, batch: int, nodes: int, seconds: float, accepted: Sequence[int]) -> None:
         """One step: its size, wall seconds, and each sequence's accepted candidates (bonus token excluded)."""
-        key = (batch, nodes)
-        seen = self._seen.get(key, 0)
-        self._seen[key] = seen + 1
-        if seen >= 1:
-            times = self._times.setdefault(key, deque(maxlen=self.window))
-            times.append(seconds)
-            self._cost[key] = statistics.median(times)
+        if (median := self.step_times.add((batch, nodes), seconds)) is not None:
+            self._cost[batch, nodes] = median
         if nodes > 0:
             predicted = self.taus[nodes] - 1.0
             for a in accepted:
@@ -346,13 +368,12 @@ class TokenBudget:
                  plain_probe_every: int = 32, min_gain: float = 0.03, idle_after: int = 8, probe_every: int = 8):
         self.cost_ratio = cost_ratio
         self.adaptive = adaptive
-        self.window = window
         self.plain_probe_every = plain_probe_every
         self.min_gain = min_gain
         self.idle_after = idle_after
         self.probe_every = probe_every
         self._idle: dict[int, int] = {}  # per batch size: steps in a row that kept no node
-        self._times: dict[tuple[int, int], deque] = {}  # (batch, tokens) -> its last `window` step seconds
+        self.step_times = StepTimes(window)  # by (batch, tokens)
         self._medians: dict[int, dict[int, float]] = {}  # batch -> tokens -> the median of their window
         self._cost: dict[int, dict[int, float]] = {}  # batch -> tokens -> the medians' isotonic fit
         self._anchors: dict[int, list[int]] = {}  # batch -> its measured token counts, ascending
@@ -419,15 +440,12 @@ class TokenBudget:
         """One step of ``batch`` rows and ``tokens`` tokens in all, its wall seconds."""
         if not self.adaptive:
             return
-        key = (batch, tokens)
-        times = self._times.setdefault(key, deque(maxlen=self.window))
-        times.append(seconds)
         medians = self._medians.setdefault(batch, {})
         if tokens not in medians:
             bisect.insort(self._anchors.setdefault(batch, []), tokens)
-        medians[tokens] = statistics.median(times)
+        medians[tokens] = self.step_times.add((batch, tokens), seconds)
         anchors = self._anchors[batch]
-        fitted = isotonic([medians[m] for m in anchors], [len(self._times[batch, m]) for m in anchors])
+        fitted = isotonic([medians[m] for m in anchors], [self.step_times.count((batch, m)) for m in anchors])
         self._cost[batch] = dict(zip(anchors, fitted))
 
 
