@@ -16,7 +16,19 @@ from distill.engine import Engine, EngineConfig
 import distill.engine.costs as costs_module
 from distill.engine.costs import cost_key, measure_step_costs, step_costs
 from distill.engine.proposers.lookup import DEFAULT_TAUS, Lookup
-from distill.engine.policy import AdaptivePolicy, StepCosts, TokenBudget, choose_tree_size, step_cost
+from distill.engine.policy import AdaptivePolicy, StepCosts, StepTimes, TokenBudget, choose_tree_size, step_cost
+
+
+def test_step_times_keep_each_key_s_last_window_after_its_skipped_first_steps_and_give_their_median():
+    times = StepTimes(window=3, skip=1)
+    assert times.add((1, 0), 9.0) is None  # the first step of a key: not kept
+    assert times.count((1, 0)) == 0 and times.seen() == [(1, 0)]
+    assert [times.add((1, 0), s) for s in (1.0, 5.0, 3.0)] == [1.0, 3.0, 3.0]
+    assert times.add((1, 0), 7.0) == 5.0  # 1.0 left the window: the median of 5, 3, 7
+    assert times.count((1, 0)) == 3
+    assert times.add((2, 4), 2.0) is None and times.add((2, 4), 4.0) == 4.0  # each key skips its own first step
+    assert times.seen() == [(1, 0), (2, 4)]
+    assert StepTimes(window=2).add("k", 6.0) == 6.0  # skip 0: every step kept
 
 
 def test_the_curve_is_made_non_decreasing_and_is_linear_between_its_points_and_beyond_them():
